@@ -1,0 +1,96 @@
+"""Timing, ceilings and reporting shared by the `bench_*.py` scripts.
+
+On CUDA, times are medians of CUDA-event timings (`triton.testing.do_bench`). On CPU (the tiny mode that
+keeps the scripts from rotting, kernels through the Triton interpreter) a plain wall clock over one run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import platform
+import time
+
+import torch
+
+
+def bench_ms(fn, device: torch.device, warmup_ms: int = 25, rep_ms: int = 200) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def graph_ms(fn, device: torch.device) -> float | None:
+    """Device time of `fn` alone: its kernels captured in a CUDA graph and replayed, so the host's launch
+    overhead drops out. None where the graph can't be captured (or on CPU)."""
+    if device.type != "cuda":
+        return None
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as error:
+        print(f"graph capture failed: {str(error).splitlines()[0]}")
+        return None
+    return bench_ms(graph.replay, device)
+
+
+def copy_bandwidth_gbps(device: torch.device, gib: float = 4.0) -> float:
+    """Device-to-device copy of `gib` GiB of bf16, counting bytes read plus bytes written."""
+    n = int(gib * 2**30) // 2
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), device)
+    return 2 * n * 2 / ms / 1e6
+
+
+def matmul_tflops(device: torch.device, size: int = 8192) -> float:
+    """bf16 `size`³ matrix product on random data."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    ms = bench_ms(lambda: a @ b, device)
+    return 2 * size**3 / ms / 1e9
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment(device: torch.device, packages=("torch", "triton", "transformers", "liger-kernel")) -> dict:
+    env = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "python": platform.python_version(),
+    }
+    if device.type == "cuda":
+        env["cuda"] = torch.version.cuda
+    env.update({name: _version(name) for name in packages})
+    return env
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)

@@ -1,0 +1,73 @@
+"""Test setup shared by every kernel test.
+
+The environment variables below are read when `unsloth_lite` (and its `@triton.jit` kernels) is imported, so
+they are set here, before anything imports it:
+
+* `UNSLOTH_LITE_POISON_OUTPUTS=1` fills every output buffer with NaN before a kernel writes it, so an element a
+  kernel forgets to write fails `assert_close`'s finiteness check.
+* `TRITON_INTERPRET=1` when there is no CUDA device: the kernels then run on CPU tensors in Triton's interpreter.
+
+Seeds: every test gets a fresh random seed (printed, shown by pytest when the test fails). Set
+`UNSLOTH_LITE_TEST_SEED=<seed>` to replay one.
+"""
+
+import os
+
+os.environ.setdefault("UNSLOTH_LITE_POISON_OUTPUTS", "1")
+
+import torch  # noqa: E402  (importing torch does not import triton, so the variable below is still in time)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# No example database on disk, no per-example deadline (the interpreter is slow and its first call compiles).
+# The autouse `seed` fixture below is function-scoped; @given tests seed torch themselves from a drawn value.
+settings.register_profile(
+    "unsloth_lite",
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+settings.load_profile("unsloth_lite")
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_report_header(config):
+    return (
+        f"unsloth_lite kernels: device={'cuda' if CUDA else 'cpu'}, "
+        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}, "
+        f"UNSLOTH_LITE_POISON_OUTPUTS={os.environ.get('UNSLOTH_LITE_POISON_OUTPUTS')}"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if CUDA and not INTERPRET:
+        return
+    reason = "needs a CUDA device" if not CUDA else "needs compiled Triton (TRITON_INTERPRET=1 is set)"
+    skip_gpu = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def seed(request) -> int:
+    """Seeds torch (CPU and CUDA) from a fresh random seed per test, and prints it for replay."""
+    replay = os.environ.get("UNSLOTH_LITE_TEST_SEED")
+    value = int(replay) if replay else random.SystemRandom().randrange(2**31)
+    torch.manual_seed(value)
+    print(f"seed {value} for {request.node.nodeid} (replay: UNSLOTH_LITE_TEST_SEED={value})")
+    request.node.user_properties.append(("seed", value))
+    return value

@@ -1,0 +1,414 @@
+"""Cross-entropy of a linear layer's output (the LM head), without ever holding the `[N, V]` logits.
+
+Forward, for each row n with hidden state h_n, label y_n and c the optional softcap (math in fp32):
+
+    l_n = h_n · Wᵀ (+ b)                    logits, `[V]`
+    z_n = c · tanh(l_n / c)                  only with a softcap; otherwise z_n = l_n
+    loss_n = logsumexp(z_n) - z_n[y_n]       0 where y_n == ignore_index
+
+    reduction "sum": Σ_n loss_n     "mean": Σ_n loss_n / max(n_valid, 1)     "none": the vector loss_n
+
+n_valid counts the labels other than ignore_index. A batch whose labels are all ignored therefore has loss 0
+under "mean" (not NaN, as `F.cross_entropy` gives) and zero gradients.
+
+Backward. With p_n = softmax(z_n) and s_n the upstream gradient of row n (grad_output / max(n_valid, 1) for
+"mean", grad_output for "sum", grad_output[n] for "none", 0 for ignored rows):
+
+    ∂loss_n/∂z_n = p_n - onehot(y_n)
+    z = c · tanh(l / c)  ⇒  ∂z/∂l = 1 - tanh²(l / c)
+    g_n = s_n · (p_n - onehot(y_n)) · ∂z/∂l          the gradient of the logits, `[V]`
+    dh_n = g_n · W        dW = Σ_n g_nᵀ h_n        db = Σ_n g_n
+
+Rows are processed in chunks of C rows, C chosen so that the chunk's logits (C x V in the input dtype) fit
+in `CHUNK_BYTES`; one buffer of that size is allocated per call and reused by every chunk. Per chunk, the
+logits come from cuBLAS (`matmul`/`addmm` into the buffer), then one Triton kernel, one program per row,
+loops over V in blocks: an online max / sum-exp pass gives logsumexp and the row loss, then a second pass
+overwrites the logits in place with g_n. dh (straight into the returned gradient), dW and db are then
+accumulated from the buffer by cuBLAS. The gradient's dtype is the input dtype (fp32 for fp32 inputs); every
+reduction of the kernel is in fp32 (fp64 for fp64 inputs, so that `gradcheck` can run, whose loss is fp64).
+The loss is returned in fp32.
+
+Cost. With "mean"/"sum" (training) the scalar upstream gradient only scales the result, so g_n is computed
+in the forward and the backward just multiplies the saved dh, dW, db by grad_output in place: 2NHV FLOPs for
+the logits plus 2NHV for dh, 4NHV in all with a frozen weight (+2NHV for dW when the weight is trained).
+Recomputing the logits in the backward, as "none" must (its upstream gradient is a vector, unknown in the
+forward), costs 6NHV (8NHV trained). The Triton kernel reads each logit twice and writes it once, a few
+percent of the matmul time at LLM sizes.
+
+Memory beyond the inputs and the returned gradients: the logits buffer (at most `CHUNK_BYTES`, 248 MiB, with a
+frozen weight; `CHUNK_BYTES_TRAINED_WEIGHT` when dW is computed, whose passes it amortises), the
+fp32 row losses (4N bytes, 8N with "none" which keeps logsumexp per row) and a V-sized fp32 column sum per
+chunk when the bias is trained. "mean"/"sum" save only the gradients for the backward, not hidden or
+weight; "none" saves hidden, weight, labels, bias (references, no copies) and logsumexp.
+
+No host synchronisation: n_valid is a device tensor read by the kernel through a pointer, the loss is
+formed by device ops, the upstream gradient is applied unconditionally, and every shape and loop bound
+depends only on input shapes. Forward and backward can therefore be captured in a CUDA graph.
+
+Backward twice through one graph (`retain_graph=True`): "mean"/"sum" scale the saved gradients in place by
+the first upstream gradient g₁; a later backward returns them rescaled by g / g₁ (exact, but NaN if g₁ was
+exactly 0). "none" recomputes and has no such caveat.
+
+Labels outside [0, V) other than ignore_index give undefined results (they are not checked on the device).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from unsloth_lite.kernels.utils import (
+    accumulator_dtype,
+    check_float,
+    check_kernel_device,
+    check_same_device,
+    empty,
+)
+
+# Bytes of the one chunk-logits buffer a call allocates (C x V in the input dtype). With a frozen weight the
+# bound keeps the extra memory under 256 MiB (512 rows at Qwen3.5's 248k vocabulary). A trained weight's dW
+# update reads and writes all of dW once per chunk, so it gets larger chunks: 4x fewer dW passes.
+CHUNK_BYTES = 248 * 2**20
+CHUNK_BYTES_TRAINED_WEIGHT = 1024 * 2**20
+
+# Vocabulary block and warps of the row kernel: compiled (measured best on an H200), and in the interpreter
+# (small, so that tests loop over several blocks).
+GPU_BLOCK_V = 4096
+CPU_BLOCK_V = 128
+NUM_WARPS = 4
+
+REDUCTIONS = ("mean", "sum", "none")
+
+# How the kernel scales the gradient of a row (the SCALE constexpr).
+_SCALE_ONE = 0  # "sum": grad_output is applied in the backward
+_SCALE_DIVIDE = 1  # "mean": 1 / max(n_valid, 1), the divisor read from a device scalar
+_SCALE_PER_ROW = 2  # "none" backward: grad_output[row]
+
+
+@triton.jit
+def _tanh(y):
+    """tanh from `tl.exp` (libdevice is not available in the interpreter). Below |y| = 2⁻⁵, where
+    (1 - e^{-2|y|}) / (1 + e^{-2|y|}) loses relative precision to cancellation, a series exact to fp64
+    rounding there (so the switch is seamless even for gradcheck's finite differences)."""
+    a = tl.abs(y)
+    e = tl.exp(-2.0 * a)
+    far = (1.0 - e) / (1.0 + e)
+    y2 = y * y
+    near = a * (1.0 + y2 * (-0.3333333333333333 + y2 * (0.13333333333333333 + y2 * -0.05396825396825397)))
+    t = tl.where(a < 0.03125, near, far)
+    return tl.where(y < 0, -t, t)
+
+
+@triton.jit
+def _cross_entropy_rows_kernel(
+    logits_ptr, logits_row_stride,
+    labels_ptr,
+    loss_ptr, lse_ptr,
+    scale_ptr, scale_stride,
+    n_cols, ignore_index, softcap,
+    BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LSE: tl.constexpr, WRITE_LOSS: tl.constexpr,
+    WRITE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
+):
+    """One program per row of a chunk of logits.
+
+    Without HAS_LSE: one pass over the row for logsumexp (online max and sum-exp), then the row loss
+    (WRITE_LOSS) and logsumexp (WRITE_LSE) are stored. With HAS_LSE, logsumexp is read instead. With
+    WRITE_GRAD, one more pass overwrites the logits in place with the gradient of the pre-softcap logits.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * logits_row_stride
+    label = tl.load(labels_ptr + row)
+    valid = label != ignore_index
+    cols = tl.arange(0, BLOCK_V)
+
+    if HAS_LSE:
+        lse = tl.load(lse_ptr + row).to(ACC)
+    else:
+        mask = cols < n_cols
+        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(ACC)
+        if SOFTCAP:
+            x = tl.where(mask, softcap * _tanh(x / softcap), float("-inf"))
+        m = tl.max(x, axis=0)
+        s = tl.sum(tl.exp(x - m), axis=0)
+        for start in range(BLOCK_V, n_cols, BLOCK_V):
+            c = start + cols
+            mask = c < n_cols
+            x = tl.load(base + c, mask=mask, other=float("-inf")).to(ACC)
+            if SOFTCAP:
+                x = tl.where(mask, softcap * _tanh(x / softcap), float("-inf"))
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+        if WRITE_LSE:
+            tl.store(lse_ptr + row, lse.to(lse_ptr.dtype.element_ty))
+        if WRITE_LOSS:
+            target = tl.minimum(tl.maximum(label, 0), n_cols - 1)  # in bounds even for ignored rows
+            z_target = tl.load(base + target).to(ACC)
+            if SOFTCAP:
+                z_target = softcap * _tanh(z_target / softcap)
+            row_loss = tl.where(valid, lse - z_target, 0.0)
+            tl.store(loss_ptr + row, row_loss.to(loss_ptr.dtype.element_ty))
+
+    if WRITE_GRAD:
+        if SCALE == 1:
+            scale = 1.0 / tl.load(scale_ptr).to(ACC)
+        elif SCALE == 2:
+            scale = tl.load(scale_ptr + row * scale_stride).to(ACC)
+        else:
+            scale = 1.0
+        scale = tl.where(valid, scale, 0.0)
+        for start in range(0, n_cols, BLOCK_V):
+            c = start + cols
+            mask = c < n_cols
+            logit = tl.load(base + c, mask=mask, other=0.0).to(ACC)
+            if SOFTCAP:
+                t = _tanh(logit / softcap)
+                z = softcap * t
+            else:
+                z = logit
+            g = tl.exp(z - lse)
+            g = tl.where(c == label, g - 1.0, g)
+            if SOFTCAP:
+                g = g * (1.0 - t * t)
+            tl.store(base + c, (g * scale).to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _launch_config(n_cols: int, device: torch.device) -> tuple[int, int]:
+    """BLOCK_V (a power of two) and warps of the row kernel."""
+    cap = GPU_BLOCK_V if device.type == "cuda" else CPU_BLOCK_V
+    return min(cap, max(16, triton.next_power_of_2(n_cols))), NUM_WARPS
+
+
+def chunk_rows(n_rows: int, n_cols: int, element_size: int, trained_weight: bool = False) -> int:
+    """Rows per chunk: the largest power of two whose logits fit the chunk budget (cuBLAS tiles evenly;
+    832 rows ran 10% slower than 512 on an H200), at least 1 and at most n_rows."""
+    budget = CHUNK_BYTES_TRAINED_WEIGHT if trained_weight else CHUNK_BYTES
+    rows = max(1, budget // max(1, n_cols * element_size))
+    return max(1, min(1 << (rows.bit_length() - 1), n_rows))
+
+
+def _chunked_cross_entropy(
+    hidden, weight, labels, bias, ignore_index: int, softcap: float | None, *,
+    loss=None, lse=None, has_lse=False, scale=None, scale_mode=_SCALE_ONE,
+    need_dh=False, need_dw=False, need_db=False,
+):
+    """Runs every chunk: logits into the one buffer, the row kernel, then the dh / dW / db products.
+
+    `loss` (and `lse`, unless `has_lse`) are `[N]` outputs the kernel writes; with `has_lse`, `lse` is read.
+    `scale` is the device tensor the kernel reads for `scale_mode` (ignored for `_SCALE_ONE`).
+    Returns (dh, dW, db), None where not asked for; gradient passes run only if one of them is.
+    """
+    n_rows, n_hidden = hidden.shape
+    n_cols = weight.shape[0]
+    device = hidden.device
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    write_grad = need_dh or need_dw or need_db
+    rows = chunk_rows(n_rows, n_cols, hidden.element_size(), trained_weight=need_dw)
+    block, num_warps = _launch_config(n_cols, device)
+
+    buffer = empty((rows, n_cols), hidden.dtype, device)
+    dh = empty((n_rows, n_hidden), hidden.dtype, device) if need_dh else None
+    dw = torch.zeros(weight.shape, dtype=weight.dtype, device=device) if need_dw else None
+    db = torch.zeros((n_cols,), dtype=acc, device=device) if need_db else None
+    dummy = labels  # pointer arguments that a constexpr flag compiles away
+    weight_t = weight.t()
+
+    for start in range(0, n_rows, rows):
+        end = min(start + rows, n_rows)
+        h = hidden[start:end]
+        logits = buffer[: end - start]
+        if bias is None:
+            torch.matmul(h, weight_t, out=logits)
+        else:
+            torch.addmm(bias, h, weight_t, out=logits)
+        scale_chunk = scale[start:end] if scale_mode == _SCALE_PER_ROW else scale
+        _cross_entropy_rows_kernel[(end - start,)](
+            logits, logits.stride(0),
+            labels[start:end],
+            loss[start:end] if loss is not None else dummy,
+            lse[start:end] if lse is not None else dummy,
+            scale_chunk if scale_chunk is not None else dummy,
+            scale_chunk.stride(0) if scale_mode == _SCALE_PER_ROW else 0,
+            n_cols, ignore_index, 1.0 if softcap is None else softcap,
+            BLOCK_V=block, SOFTCAP=softcap is not None, HAS_LSE=has_lse, WRITE_LOSS=loss is not None,
+            WRITE_LSE=lse is not None and not has_lse, WRITE_GRAD=write_grad, SCALE=scale_mode,
+            ACC=accumulator_dtype(hidden.dtype), num_warps=num_warps,
+        )
+        if need_dh:
+            torch.matmul(logits, weight, out=dh[start:end])
+        if need_dw:
+            dw.addmm_(logits.t(), h)
+        if need_db:
+            db.add_(logits.sum(0, dtype=acc))
+    if db is not None:
+        db = db.to(bias.dtype)
+    return dh, dw, db
+
+
+def _row_losses(hidden, weight, labels, bias, ignore_index, softcap, lse=None):
+    loss = empty((hidden.shape[0],), _loss_dtype(hidden.dtype), hidden.device)
+    _chunked_cross_entropy(hidden, weight, labels, bias, ignore_index, softcap, loss=loss, lse=lse)
+    return loss
+
+
+def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _reduce(row_loss, labels, ignore_index: int, reduction: str):
+    """The loss from the row losses, and the "mean" divisor max(n_valid, 1) as a device tensor."""
+    if reduction == "none":
+        return row_loss, None
+    if reduction == "sum":
+        return row_loss.sum(), None
+    divisor = (labels != ignore_index).sum().clamp(min=1).to(row_loss.dtype)
+    return row_loss.sum() / divisor, divisor
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, bias, ignore_index, reduction, softcap):
+        need_dh, need_dw, _, need_db = ctx.needs_input_grad[:4]
+        ctx.reduction, ctx.ignore_index, ctx.softcap = reduction, ignore_index, softcap
+        loss_dtype = _loss_dtype(hidden.dtype)
+        row_loss = empty((hidden.shape[0],), loss_dtype, hidden.device)
+        if reduction == "none":
+            lse = empty((hidden.shape[0],), loss_dtype, hidden.device)
+            _chunked_cross_entropy(hidden, weight, labels, bias, ignore_index, softcap, loss=row_loss, lse=lse)
+            ctx.save_for_backward(hidden, weight, labels, bias, lse)
+            return row_loss
+        if reduction == "mean":
+            divisor = (labels != ignore_index).sum().clamp(min=1).to(loss_dtype)
+            scale_mode = _SCALE_DIVIDE
+        else:
+            divisor, scale_mode = None, _SCALE_ONE
+        dh, dw, db = _chunked_cross_entropy(
+            hidden, weight, labels, bias, ignore_index, softcap, loss=row_loss, scale=divisor,
+            scale_mode=scale_mode, need_dh=need_dh, need_dw=need_dw, need_db=need_db,
+        )
+        ctx.save_for_backward(dh, dw, db)
+        ctx.first_grad_output = None
+        loss = row_loss.sum()
+        return loss / divisor if divisor is not None else loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.reduction == "none":
+            hidden, weight, labels, bias, lse = ctx.saved_tensors
+            need_dh, need_dw, _, need_db = ctx.needs_input_grad[:4]
+            dh, dw, db = _chunked_cross_entropy(
+                hidden, weight, labels, bias, ctx.ignore_index, ctx.softcap, lse=lse, has_lse=True,
+                scale=grad_output, scale_mode=_SCALE_PER_ROW, need_dh=need_dh, need_dw=need_dw, need_db=need_db,
+            )
+            return dh, dw, None, db, None, None, None
+        grads = ctx.saved_tensors
+        if ctx.first_grad_output is None:
+            # Scale in place: no second copy of dh / dW. `.data` keeps the saved tensors' version counters, so
+            # a later backward through a retained graph can still unpack (and rescale) them.
+            ctx.first_grad_output = grad_output.clone()  # a device copy: the caller may reuse its tensor
+            for g in grads:
+                if g is not None:
+                    g.data.mul_(grad_output)
+            dh, dw, db = grads
+        else:
+            factor = grad_output / ctx.first_grad_output
+            dh, dw, db = (None if g is None else g * factor for g in grads)
+        return dh, dw, None, db, None, None, None
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of `hidden @ weight.T (+ bias)` (softcapped as `softcap * tanh(logits / softcap)` when
+    given) against `labels`, without materialising the `[N, V]` logits.
+
+    hidden `[N, H]`, weight `[V, H]` of one float dtype (fp32, bf16, fp16; fp64 for gradcheck), bias `[V]`
+    of that dtype, labels `[N]` integer. reduction "mean" (over labels other than ignore_index), "sum", or
+    "none" (per-row losses, 0 at ignored rows). The loss is fp32 (fp64 for fp64 inputs). When every label is
+    ignored, "mean" returns 0 with zero gradients (not NaN). Gradients reach hidden, weight and bias where
+    they require grad; a frozen weight costs no dW work. No host synchronisation (CUDA-graph capturable).
+    """
+    check_float("hidden", hidden)
+    check_float("weight", weight)
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be 2-D [N, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    n_rows, n_hidden = hidden.shape
+    n_cols = weight.shape[0]
+    if weight.shape[1] != n_hidden:
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)} but hidden has H={n_hidden}; weight must be [V, {n_hidden}]"
+        )
+    if n_cols == 0:
+        raise ValueError("weight has no rows: the vocabulary V must be at least 1")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden has dtype {hidden.dtype} but weight has dtype {weight.dtype}; they must match")
+    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex \
+            or labels.dtype == torch.bool:
+        what = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels must be an integer tensor, got {what}")
+    if labels.shape != (n_rows,):
+        raise ValueError(f"labels has shape {tuple(labels.shape)}; expected ({n_rows},), one label per row of hidden")
+    if bias is not None:
+        check_float("bias", bias)
+        if bias.shape != (n_cols,):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({n_cols},), one entry per row of weight")
+        if bias.dtype != hidden.dtype:
+            raise ValueError(f"bias has dtype {bias.dtype} but hidden has dtype {hidden.dtype}; they must match")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if softcap is not None:
+        softcap = float(softcap)
+        if not softcap > 0:
+            raise ValueError(f"softcap must be positive (or None), got {softcap}")
+    tensors = [("hidden", hidden), ("weight", weight), ("labels", labels)]
+    check_same_device(tensors + ([("bias", bias)] if bias is not None else []))
+    check_kernel_device("hidden", hidden)
+    labels = labels.to(torch.int64).contiguous()
+    ignore_index = int(ignore_index)
+
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if not needs_grad:
+        row_loss = _row_losses(hidden, weight, labels, bias, ignore_index, softcap)
+        return _reduce(row_loss, labels, ignore_index, reduction)[0]
+    return FusedLinearCrossEntropyFunction.apply(hidden, weight, labels, bias, ignore_index, reduction, softcap)
+
+
+def fused_linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch with the `[N, V]` logits materialised in fp32 (or the inputs' float64)."""
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = hidden.to(acc) @ weight.to(acc).t()
+    if bias is not None:
+        logits = logits + bias.to(acc)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    labels = labels.long()
+    if reduction != "mean":
+        return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
+    # F.cross_entropy's mean is NaN when every label is ignored; this op returns 0 there.
+    total = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    return total / (labels != ignore_index).sum().clamp(min=1).to(acc)

@@ -1,0 +1,149 @@
+"""SwiGLU, the gated activation of Qwen's MLP: one Triton pass forward, one backward.
+
+Forward, elementwise with σ the logistic sigmoid (math in fp32):
+
+    h = silu(g) · u = g · σ(g) · u
+
+Backward, using σ'(g) = σ(g)(1 - σ(g)):
+
+    du = dh · g · σ(g)
+    dg = dh · u · σ(g) · (1 + g · (1 - σ(g)))
+
+Saved for the backward: g and u, the inputs. σ(g) is recomputed, so the backward moves the fewest bytes
+possible: read dh, g, u; write dg, du.
+
+Gate and up may be views into one fused projection output (`gate_up.chunk(2, -1)`): each tensor is read as
+rows with its own row stride, so such views are never copied.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from unsloth_lite.kernels.utils import (
+    accumulator_dtype,
+    as_rows,
+    check_float,
+    check_kernel_device,
+    check_same_device,
+    empty,
+)
+
+BLOCK_COLS = 1024
+
+
+@triton.jit
+def _swiglu_forward_kernel(
+    g_ptr, g_row_stride, g_col_stride,
+    u_ptr, u_row_stride, u_col_stride,
+    h_ptr,
+    n_cols, n_col_blocks,
+    BLOCK: tl.constexpr, ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = (pid // n_col_blocks).to(tl.int64)
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    mask_cols = cols < n_cols
+    g = tl.load(g_ptr + row * g_row_stride + cols * g_col_stride, mask=mask_cols, other=0.0).to(ACC)
+    u = tl.load(u_ptr + row * u_row_stride + cols * u_col_stride, mask=mask_cols, other=0.0).to(ACC)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + row * n_cols + cols, h.to(h_ptr.dtype.element_ty), mask=mask_cols)
+
+
+@triton.jit
+def _swiglu_backward_kernel(
+    dh_ptr, dh_row_stride, dh_col_stride,
+    g_ptr, g_row_stride, g_col_stride,
+    u_ptr, u_row_stride, u_col_stride,
+    dg_ptr, du_ptr,
+    n_cols, n_col_blocks,
+    BLOCK: tl.constexpr, ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = (pid // n_col_blocks).to(tl.int64)
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    mask_cols = cols < n_cols
+    dh = tl.load(dh_ptr + row * dh_row_stride + cols * dh_col_stride, mask=mask_cols, other=0.0).to(ACC)
+    g = tl.load(g_ptr + row * g_row_stride + cols * g_col_stride, mask=mask_cols, other=0.0).to(ACC)
+    u = tl.load(u_ptr + row * u_row_stride + cols * u_col_stride, mask=mask_cols, other=0.0).to(ACC)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    du = dh * silu
+    dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+    out = row * n_cols + cols
+    tl.store(dg_ptr + out, dg.to(dg_ptr.dtype.element_ty), mask=mask_cols)
+    tl.store(du_ptr + out, du.to(du_ptr.dtype.element_ty), mask=mask_cols)
+
+
+def _grid(n_rows: int, n_cols: int):
+    block = min(BLOCK_COLS, triton.next_power_of_2(n_cols))
+    n_col_blocks = triton.cdiv(n_cols, block)
+    return block, n_col_blocks, (n_rows * n_col_blocks,)
+
+
+def _swiglu_forward(g2d: torch.Tensor, u2d: torch.Tensor) -> torch.Tensor:
+    n_rows, n_cols = g2d.shape
+    block, n_col_blocks, grid = _grid(n_rows, n_cols)
+    h = empty((n_rows, n_cols), g2d.dtype, g2d.device)
+    _swiglu_forward_kernel[grid](
+        g2d, g2d.stride(0), g2d.stride(1),
+        u2d, u2d.stride(0), u2d.stride(1),
+        h,
+        n_cols, n_col_blocks,
+        BLOCK=block, ACC=accumulator_dtype(g2d.dtype), num_warps=4,
+    )
+    return h
+
+
+def _swiglu_backward(dh2d, g2d, u2d):
+    n_rows, n_cols = g2d.shape
+    block, n_col_blocks, grid = _grid(n_rows, n_cols)
+    dg = empty((n_rows, n_cols), g2d.dtype, g2d.device)
+    du = empty((n_rows, n_cols), u2d.dtype, u2d.device)
+    _swiglu_backward_kernel[grid](
+        dh2d, dh2d.stride(0), dh2d.stride(1),
+        g2d, g2d.stride(0), g2d.stride(1),
+        u2d, u2d.stride(0), u2d.stride(1),
+        dg, du,
+        n_cols, n_col_blocks,
+        BLOCK=block, ACC=accumulator_dtype(g2d.dtype), num_warps=4,
+    )
+    return dg, du
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        g2d, u2d = as_rows(gate), as_rows(up)
+        ctx.save_for_backward(g2d, u2d)
+        return _swiglu_forward(g2d, u2d).view(gate.shape)
+
+    @staticmethod
+    def backward(ctx, dh):
+        g2d, u2d = ctx.saved_tensors
+        dg, du = _swiglu_backward(as_rows(dh), g2d, u2d)
+        return dg.view(dh.shape), du.view(dh.shape)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up`, elementwise; gate and up of one shape and dtype."""
+    check_float("gate", gate)
+    check_float("up", up)
+    if gate.shape != up.shape:
+        raise ValueError(f"gate has shape {tuple(gate.shape)} but up has shape {tuple(up.shape)}; they must match")
+    if gate.dtype != up.dtype:
+        raise ValueError(f"gate has dtype {gate.dtype} but up has dtype {up.dtype}; they must match")
+    if gate.dim() == 0:
+        raise ValueError("gate and up must have at least one dimension, got scalars")
+    check_same_device([("gate", gate), ("up", up)])
+    check_kernel_device("gate", gate)
+    if gate.numel() == 0:
+        return gate.new_empty(gate.shape)
+    return SwiGLUFunction.apply(gate, up)
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    acc = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    return (torch.nn.functional.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)
