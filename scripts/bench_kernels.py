@@ -117,12 +117,16 @@ def rope_case(batch, n_q, n_k, seq, head_dim, rotary_dim, device, dtype, liger):
     def views():  # taken inside each call, as attention does, so a CUDA graph captures the transpose too
         return q_bshd.transpose(1, 2), k_bshd.transpose(1, 2)
 
+    def projected_views():  # not leaves, as a projection's output: what inplace=True takes
+        return q_bshd.view_as(q_bshd).transpose(1, 2), k_bshd.view_as(k_bshd).transpose(1, 2)
+
     variants = {
         "unsloth_lite": lambda: apply_rope(*views(), cos, sin),
+        "unsloth_lite_inplace": lambda: apply_rope(*projected_views(), cos, sin, inplace=True),
         "eager": lambda: hf_apply_rope(*views(), cos, sin),
         "compile": lambda: compiled(hf_apply_rope)(*views(), cos, sin),
     }
-    if liger:
+    if liger:  # rotates q and k in place, like inplace=True
         variants["liger"] = lambda: liger[1].apply(*views(), cos, sin)
     label = f"q [{batch},{n_q},{seq},{head_dim}] k [{batch},{n_k},{seq},{head_dim}] R={rotary_dim}"
     size = (q_bshd.numel() + k_bshd.numel()) * q_bshd.element_size()
@@ -208,7 +212,7 @@ def main(argv=None) -> int:
         return 2
     wanted = set(args.variants.split(",")) if args.variants else None
     if args.tiny and wanted is None:
-        wanted = {"unsloth_lite", "eager"}
+        wanted = {"unsloth_lite", "unsloth_lite_inplace", "eager"}
     dtype = torch.bfloat16
     liger = liger_ops() if device.type == "cuda" else None
 

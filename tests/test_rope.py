@@ -2,6 +2,8 @@ import pytest
 import torch
 from helpers import (
     COS_FORMS,
+    TOLERANCE,
+    assert_close,
     check_op,
     dtype_id,
     expanded_randn_grad,
@@ -276,3 +278,88 @@ def test_apply_rope_rotates_q_when_k_has_no_heads(device):
     q, _, cos, sin = _args(device, batch=1)
     k = torch.randn(1, 0, 5, 8, device=device)
     check_op(apply_rope, apply_rope_reference, [q.requires_grad_(), k, cos, sin], torch.float32, device)
+
+
+# inplace=True: q and k (and, in the backward, their gradients) are rotated in their own storage.
+
+
+def _projected_qk(batch, seq, n_q, n_k, head_dim, device, dtype):
+    """q and k as attention gets them: transposed views of a projection output, which is not a leaf."""
+    proj_q = torch.randn(batch, seq, n_q * head_dim, device=device, dtype=dtype, requires_grad=True)
+    proj_k = torch.randn(batch, seq, n_k * head_dim, device=device, dtype=dtype, requires_grad=True)
+    q = (proj_q * 1).view(batch, seq, n_q, head_dim).transpose(1, 2)
+    k = (proj_k * 1).view(batch, seq, n_k, head_dim).transpose(1, 2)
+    return proj_q, proj_k, q, k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(12, 12), (24, 6)])
+def test_apply_rope_inplace_matches_reference(dtype, head_dim, rotary_dim, device):
+    batch, seq, n_q, n_k = 2, 5, 6, 2
+    proj_q, proj_k, q, k = _projected_qk(batch, seq, n_q, n_k, head_dim, device, dtype)
+    cos, sin = make_cos_sin(batch, seq, rotary_dim, device=device, dtype=dtype)
+    q_before, k_before = q.detach().clone(), k.detach().clone()
+    ref_q = proj_q.detach().double().requires_grad_()
+    ref_k = proj_k.detach().double().requires_grad_()
+    expected = apply_rope_reference(
+        ref_q.view(batch, seq, n_q, head_dim).transpose(1, 2),
+        ref_k.view(batch, seq, n_k, head_dim).transpose(1, 2),
+        cos.double(), sin.double(),
+    )
+
+    q_out, k_out = apply_rope(q, k, cos, sin, inplace=True)
+
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()
+    assert q_out.stride() == q.stride()
+    # the pass-through dims are left exactly as they were
+    torch.testing.assert_close(q_out[..., rotary_dim:], q_before[..., rotary_dim:], rtol=0, atol=0)
+    torch.testing.assert_close(k_out[..., rotary_dim:], k_before[..., rotary_dim:], rtol=0, atol=0)
+    grads = [torch.randn_like(q_out), torch.randn_like(k_out)]
+    torch.autograd.backward(expected, [g.double() for g in grads])
+    torch.autograd.backward([q_out, k_out], [g.clone() for g in grads])
+    tol = TOLERANCE[dtype]
+    assert_close(q_out, expected[0], tol, "q_out")
+    assert_close(k_out, expected[1], tol, "k_out")
+    assert_close(proj_q.grad, ref_q.grad, tol, "dq")
+    assert_close(proj_k.grad, ref_k.grad, tol, "dk")
+
+
+def test_apply_rope_inplace_expanded_gradient(device):
+    """A gradient with no room to be written in place (expanded by .sum()) takes the out-of-place backward."""
+    proj_q, proj_k, q, k = _projected_qk(1, 3, 4, 2, 8, device, torch.float32)
+    cos, sin = make_cos_sin(1, 3, 8, device=device)
+    ref_q = proj_q.detach().double().requires_grad_()
+    ref_k = proj_k.detach().double().requires_grad_()
+    expected = apply_rope_reference(
+        ref_q.view(1, 3, 4, 8).transpose(1, 2), ref_k.view(1, 3, 2, 8).transpose(1, 2), cos.double(), sin.double()
+    )
+    (expected[0].sum() + expected[1].sum()).backward()
+    q_out, k_out = apply_rope(q, k, cos, sin, inplace=True)
+    (q_out.sum() + k_out.sum()).backward()
+    assert_close(proj_q.grad, ref_q.grad, 1e-5, "dq")
+    assert_close(proj_k.grad, ref_k.grad, 1e-5, "dk")
+
+
+def test_apply_rope_inplace_refuses_a_leaf(device):
+    q, k = make_qk(1, 4, 2, 3, 8, device=device)
+    cos, sin = make_cos_sin(1, 3, 8, device=device)
+    with pytest.raises(ValueError, match="q, a leaf tensor"):
+        apply_rope(q.detach().requires_grad_(), k.detach(), cos, sin, inplace=True)
+
+
+def test_apply_rope_inplace_refuses_overlapping_memory(device):
+    q = torch.randn(1, 1, 3, 8, device=device).expand(1, 4, 3, 8)
+    k = torch.randn(1, 2, 3, 8, device=device)
+    cos, sin = make_cos_sin(1, 3, 8, device=device)
+    with pytest.raises(ValueError, match="inplace=True needs q dense"):
+        apply_rope(q, k, cos, sin, inplace=True)
+
+
+def test_apply_rope_inplace_guards_saved_inputs(device):
+    """An op that saved the pre-rotation q for its backward raises instead of using rotated values."""
+    _, _, q, k = _projected_qk(1, 3, 4, 2, 8, device, torch.float32)
+    cos, sin = make_cos_sin(1, 3, 8, device=device)
+    squared = q * q  # saves q
+    q_out, k_out = apply_rope(q, k, cos, sin, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (squared.sum() + q_out.sum() + k_out.sum()).backward()

@@ -21,18 +21,19 @@ Backward. With p_n = softmax(z_n) and s_n the upstream gradient of row n (grad_o
 
 Rows are processed in chunks of C rows, C chosen so that the chunk's logits (C x V in the input dtype) fit
 in `CHUNK_BYTES`; one buffer of that size is allocated per call and reused by every chunk. Per chunk, the
-logits come from cuBLAS (`matmul`/`addmm` into the buffer), then one Triton kernel, one program per row,
-loops over V in blocks: an online max / sum-exp pass gives logsumexp and the row loss, then a second pass
-overwrites the logits in place with g_n. dh (straight into the returned gradient), dW and db are then
-accumulated from the buffer by cuBLAS. The gradient's dtype is the input dtype (fp32 for fp32 inputs); every
-reduction of the kernel is in fp32 (fp64 for fp64 inputs, so that `gradcheck` can run, whose loss is fp64).
-The loss is returned in fp32.
+logits come from cuBLAS (`matmul`/`addmm` into the buffer), then two Triton kernels whose programs each take
+one segment of one row (a few hundred rows alone would leave the GPU mostly idle): the first makes an
+online max / sum-exp over its segment and picks the target logit where the label falls; the second combines
+a row's partials into logsumexp, stores the row loss, and overwrites its segment of logits in place with
+g_n. dh (straight into the returned gradient), dW and db are then accumulated from the buffer by cuBLAS.
+The gradient's dtype is the input dtype (fp32 for fp32 inputs); every reduction of the kernels is in fp32
+(fp64 for fp64 inputs, so that `gradcheck` can run, whose loss is fp64). The loss is returned in fp32.
 
 Cost. With "mean"/"sum" (training) the scalar upstream gradient only scales the result, so g_n is computed
 in the forward and the backward just multiplies the saved dh, dW, db by grad_output in place: 2NHV FLOPs for
 the logits plus 2NHV for dh, 4NHV in all with a frozen weight (+2NHV for dW when the weight is trained).
 Recomputing the logits in the backward, as "none" must (its upstream gradient is a vector, unknown in the
-forward), costs 6NHV (8NHV trained). The Triton kernel reads each logit twice and writes it once, a few
+forward), costs 6NHV (8NHV trained). The Triton kernels read each logit twice and write it once, a few
 percent of the matmul time at LLM sizes.
 
 Memory beyond the inputs and the returned gradients: the logits buffer (at most `CHUNK_BYTES`, 248 MiB, with a
@@ -69,14 +70,17 @@ from unsloth_lite.kernels.utils import (
 
 # Bytes of the one chunk-logits buffer a call allocates (C x V in the input dtype). With a frozen weight the
 # bound keeps the extra memory under 256 MiB (512 rows at Qwen3.5's 248k vocabulary). A trained weight's dW
-# update reads and writes all of dW once per chunk, so it gets larger chunks: 4x fewer dW passes.
+# update reads and writes all of dW once per chunk, so it gets larger chunks: 8x fewer dW passes.
 CHUNK_BYTES = 248 * 2**20
-CHUNK_BYTES_TRAINED_WEIGHT = 1024 * 2**20
+CHUNK_BYTES_TRAINED_WEIGHT = 2048 * 2**20
 
-# Vocabulary block and warps of the row kernel: compiled (measured best on an H200), and in the interpreter
-# (small, so that tests loop over several blocks).
+# Each row of logits is split into segments of BLOCKS_PER_SEGMENT blocks of BLOCK_V, one program each, so
+# that a chunk of a few hundred rows still puts thousands of programs in flight. Compiled sizes were measured
+# on an H200; the interpreter's are small so that tests cross several blocks and segments.
 GPU_BLOCK_V = 4096
 CPU_BLOCK_V = 128
+BLOCKS_PER_SEGMENT = 4
+CPU_BLOCKS_PER_SEGMENT = 2
 NUM_WARPS = 4
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -102,56 +106,82 @@ def _tanh(y):
 
 
 @triton.jit
-def _cross_entropy_rows_kernel(
-    logits_ptr, logits_row_stride,
-    labels_ptr,
-    loss_ptr, lse_ptr,
-    scale_ptr, scale_stride,
-    n_cols, ignore_index, softcap,
-    BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LSE: tl.constexpr, WRITE_LOSS: tl.constexpr,
-    WRITE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE: tl.constexpr, ACC: tl.constexpr,
-):
-    """One program per row of a chunk of logits.
+def _softcapped(x, softcap, SOFTCAP: tl.constexpr):
+    if SOFTCAP:
+        return softcap * _tanh(x / softcap)
+    return x
 
-    Without HAS_LSE: one pass over the row for logsumexp (online max and sum-exp), then the row loss
-    (WRITE_LOSS) and logsumexp (WRITE_LSE) are stored. With HAS_LSE, logsumexp is read instead. With
-    WRITE_GRAD, one more pass overwrites the logits in place with the gradient of the pre-softcap logits.
-    """
+
+@triton.jit
+def _logsumexp_partials_kernel(
+    logits_ptr, logits_row_stride, labels_ptr,
+    max_ptr, sum_ptr, target_ptr,
+    n_cols, segment_len,
+    softcap, BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+):
+    """Program (row, segment): online max and sum-exp of the row's logits in [segment·len, (segment+1)·len),
+    and, in the segment holding the label, the target's (softcapped) logit."""
     row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    n_segments = tl.num_programs(1)
     base = logits_ptr + row * logits_row_stride
+    first = segment * segment_len
+    last = tl.minimum(first + segment_len, n_cols)
+    cols = first + tl.arange(0, BLOCK_V)
+    mask = cols < last
+    x = _softcapped(tl.load(base + cols, mask=mask, other=0.0).to(ACC), softcap, SOFTCAP)
+    x = tl.where(mask, x, float("-inf"))
+    m = tl.max(x, axis=0)
+    s = tl.sum(tl.exp(x - m), axis=0)
+    for start in range(first + BLOCK_V, last, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < last
+        x = _softcapped(tl.load(base + cols, mask=mask, other=0.0).to(ACC), softcap, SOFTCAP)
+        x = tl.where(mask, x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    tl.store(max_ptr + row * n_segments + segment, m)
+    tl.store(sum_ptr + row * n_segments + segment, s)
+    label = tl.load(labels_ptr + row)
+    if (label >= first) & (label < last):
+        z_target = _softcapped(tl.load(base + label).to(ACC), softcap, SOFTCAP)
+        tl.store(target_ptr + row, z_target)
+
+
+@triton.jit
+def _cross_entropy_finish_kernel(
+    logits_ptr, logits_row_stride, labels_ptr,
+    max_ptr, sum_ptr, target_ptr, n_partials,
+    loss_ptr, lse_ptr, scale_ptr, scale_stride,
+    n_cols, segment_len, ignore_index, softcap,
+    BLOCK_V: tl.constexpr, BLOCK_PARTIALS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_LSE: tl.constexpr,
+    WRITE_LOSS: tl.constexpr, WRITE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, SCALE: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Program (row, segment): logsumexp from the row's partials (or the saved one, HAS_LSE); segment 0
+    stores the row loss and logsumexp; with WRITE_GRAD every program overwrites its segment of logits in
+    place with the gradient of the pre-softcap logits."""
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
     label = tl.load(labels_ptr + row)
     valid = label != ignore_index
-    cols = tl.arange(0, BLOCK_V)
-
     if HAS_LSE:
         lse = tl.load(lse_ptr + row).to(ACC)
     else:
-        mask = cols < n_cols
-        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(ACC)
-        if SOFTCAP:
-            x = tl.where(mask, softcap * _tanh(x / softcap), float("-inf"))
-        m = tl.max(x, axis=0)
-        s = tl.sum(tl.exp(x - m), axis=0)
-        for start in range(BLOCK_V, n_cols, BLOCK_V):
-            c = start + cols
-            mask = c < n_cols
-            x = tl.load(base + c, mask=mask, other=float("-inf")).to(ACC)
-            if SOFTCAP:
-                x = tl.where(mask, softcap * _tanh(x / softcap), float("-inf"))
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-            m = m_new
-        lse = m + tl.log(s)
-        if WRITE_LSE:
-            tl.store(lse_ptr + row, lse.to(lse_ptr.dtype.element_ty))
-        if WRITE_LOSS:
-            target = tl.minimum(tl.maximum(label, 0), n_cols - 1)  # in bounds even for ignored rows
-            z_target = tl.load(base + target).to(ACC)
-            if SOFTCAP:
-                z_target = softcap * _tanh(z_target / softcap)
-            row_loss = tl.where(valid, lse - z_target, 0.0)
-            tl.store(loss_ptr + row, row_loss.to(loss_ptr.dtype.element_ty))
-
+        parts = tl.arange(0, BLOCK_PARTIALS)
+        mask_parts = parts < n_partials
+        m_parts = tl.load(max_ptr + row * n_partials + parts, mask=mask_parts, other=float("-inf"))
+        s_parts = tl.load(sum_ptr + row * n_partials + parts, mask=mask_parts, other=0.0)
+        m = tl.max(m_parts, axis=0)
+        lse = m + tl.log(tl.sum(s_parts * tl.exp(m_parts - m), axis=0))
+        if segment == 0:
+            if WRITE_LSE:
+                tl.store(lse_ptr + row, lse.to(lse_ptr.dtype.element_ty))
+            if WRITE_LOSS:
+                # Ignored rows have no target logit (nothing wrote it): the select drops whatever is there.
+                row_loss = tl.where(valid, lse - tl.load(target_ptr + row), 0.0)
+                tl.store(loss_ptr + row, row_loss.to(loss_ptr.dtype.element_ty))
     if WRITE_GRAD:
         if SCALE == 1:
             scale = 1.0 / tl.load(scale_ptr).to(ACC)
@@ -160,30 +190,33 @@ def _cross_entropy_rows_kernel(
         else:
             scale = 1.0
         scale = tl.where(valid, scale, 0.0)
-        for start in range(0, n_cols, BLOCK_V):
-            c = start + cols
-            mask = c < n_cols
-            logit = tl.load(base + c, mask=mask, other=0.0).to(ACC)
+        base = logits_ptr + row * logits_row_stride
+        first = segment * segment_len
+        last = tl.minimum(first + segment_len, n_cols)
+        for start in range(first, last, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < last
+            logit = tl.load(base + cols, mask=mask, other=0.0).to(ACC)
             if SOFTCAP:
                 t = _tanh(logit / softcap)
-                z = softcap * t
+                g = tl.exp(softcap * t - lse)
+                g = tl.where(cols == label, g - 1.0, g) * (1.0 - t * t)
             else:
-                z = logit
-            g = tl.exp(z - lse)
-            g = tl.where(c == label, g - 1.0, g)
-            if SOFTCAP:
-                g = g * (1.0 - t * t)
-            tl.store(base + c, (g * scale).to(logits_ptr.dtype.element_ty), mask=mask)
+                g = tl.exp(logit - lse)
+                g = tl.where(cols == label, g - 1.0, g)
+            tl.store(base + cols, (g * scale).to(logits_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Launchers
 
 
-def _launch_config(n_cols: int, device: torch.device) -> tuple[int, int]:
-    """BLOCK_V (a power of two) and warps of the row kernel."""
-    cap = GPU_BLOCK_V if device.type == "cuda" else CPU_BLOCK_V
-    return min(cap, max(16, triton.next_power_of_2(n_cols))), NUM_WARPS
+def _launch_config(n_cols: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_V, segment length, segments per row, warps) of the row kernels."""
+    on_gpu = device.type == "cuda"
+    block = min(GPU_BLOCK_V if on_gpu else CPU_BLOCK_V, max(16, triton.next_power_of_2(n_cols)))
+    segment_len = block * (BLOCKS_PER_SEGMENT if on_gpu else CPU_BLOCKS_PER_SEGMENT)
+    return block, segment_len, triton.cdiv(n_cols, segment_len), NUM_WARPS
 
 
 def chunk_rows(n_rows: int, n_cols: int, element_size: int, trained_weight: bool = False) -> int:
@@ -199,7 +232,7 @@ def _chunked_cross_entropy(
     loss=None, lse=None, has_lse=False, scale=None, scale_mode=_SCALE_ONE,
     need_dh=False, need_dw=False, need_db=False,
 ):
-    """Runs every chunk: logits into the one buffer, the row kernel, then the dh / dW / db products.
+    """Runs every chunk: logits into the one buffer, the row kernels, then the dh / dW / db products.
 
     `loss` (and `lse`, unless `has_lse`) are `[N]` outputs the kernel writes; with `has_lse`, `lse` is read.
     `scale` is the device tensor the kernel reads for `scale_mode` (ignored for `_SCALE_ONE`).
@@ -211,9 +244,13 @@ def _chunked_cross_entropy(
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     write_grad = need_dh or need_dw or need_db
     rows = chunk_rows(n_rows, n_cols, hidden.element_size(), trained_weight=need_dw)
-    block, num_warps = _launch_config(n_cols, device)
+    block, segment_len, n_segments, num_warps = _launch_config(n_cols, device)
 
     buffer = empty((rows, n_cols), hidden.dtype, device)
+    if not has_lse:  # per (row, segment) max and sum-exp, and each row's target logit
+        row_max = empty((rows, n_segments), acc, device)
+        row_sum = empty((rows, n_segments), acc, device)
+        target = empty((rows,), acc, device)
     dh = empty((n_rows, n_hidden), hidden.dtype, device) if need_dh else None
     dw = torch.zeros(weight.shape, dtype=weight.dtype, device=device) if need_dw else None
     db = torch.zeros((n_cols,), dtype=acc, device=device) if need_db else None
@@ -228,18 +265,26 @@ def _chunked_cross_entropy(
             torch.matmul(h, weight_t, out=logits)
         else:
             torch.addmm(bias, h, weight_t, out=logits)
+        chunk = end - start
+        flags = dict(SOFTCAP=softcap is not None, ACC=accumulator_dtype(hidden.dtype), num_warps=num_warps)
+        softcap_value = 1.0 if softcap is None else softcap
+        if not has_lse:
+            _logsumexp_partials_kernel[(chunk, n_segments)](
+                logits, logits.stride(0), labels[start:end], row_max, row_sum, target,
+                n_cols, segment_len, softcap_value, BLOCK_V=block, **flags,
+            )
         scale_chunk = scale[start:end] if scale_mode == _SCALE_PER_ROW else scale
-        _cross_entropy_rows_kernel[(end - start,)](
-            logits, logits.stride(0),
-            labels[start:end],
+        _cross_entropy_finish_kernel[(chunk, n_segments if write_grad else 1)](
+            logits, logits.stride(0), labels[start:end],
+            dummy if has_lse else row_max, dummy if has_lse else row_sum, dummy if has_lse else target, n_segments,
             loss[start:end] if loss is not None else dummy,
             lse[start:end] if lse is not None else dummy,
             scale_chunk if scale_chunk is not None else dummy,
             scale_chunk.stride(0) if scale_mode == _SCALE_PER_ROW else 0,
-            n_cols, ignore_index, 1.0 if softcap is None else softcap,
-            BLOCK_V=block, SOFTCAP=softcap is not None, HAS_LSE=has_lse, WRITE_LOSS=loss is not None,
-            WRITE_LSE=lse is not None and not has_lse, WRITE_GRAD=write_grad, SCALE=scale_mode,
-            ACC=accumulator_dtype(hidden.dtype), num_warps=num_warps,
+            n_cols, segment_len, ignore_index, softcap_value,
+            BLOCK_V=block, BLOCK_PARTIALS=triton.next_power_of_2(n_segments), HAS_LSE=has_lse,
+            WRITE_LOSS=loss is not None, WRITE_LSE=lse is not None and not has_lse, WRITE_GRAD=write_grad,
+            SCALE=scale_mode, **flags,
         )
         if need_dh:
             torch.matmul(logits, weight, out=dh[start:end])

@@ -192,11 +192,13 @@ def check_rope_args(q, k, cos, sin) -> None:
         )
 
 
-def _launch_rope(q, k, q_out, k_out, cos, sin, backward: bool) -> None:
+def _launch_rope(q, k, q_out, k_out, cos, sin, backward: bool, copy_pass: bool = True) -> None:
+    """Rotates q, k into q_out, k_out; `copy_pass=False` (in place) leaves the pass-through dims alone."""
     batch, n_q_heads, seq, head_dim = q.shape
     n_k_heads = k.shape[1]
     rotary_dim = cos.shape[-1]
     config = rope_launch_config(head_dim, rotary_dim)
+    config["HAS_PASS"] = config["HAS_PASS"] and copy_pass
     n_q_rows, n_k_rows = batch * seq * n_q_heads, batch * seq * n_k_heads
     n_q_programs = triton.cdiv(n_q_rows, config["BLOCK_R"])
     _rope_kernel[(n_q_programs + triton.cdiv(n_k_rows, config["BLOCK_R"]),)](
@@ -231,12 +233,58 @@ class RoPEFunction(torch.autograd.Function):
         return dq, dk, None, None
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotate q `[B, Hq, S, D]` and k `[B, Hkv, S, D]` by cos/sin `[B, S, R]` or `[S, R]`; returns (q_out, k_out)."""
+def _writable_in_place(t: torch.Tensor) -> bool:
+    """No two indices of `t` share memory (dense in the `[B, H, S, D]` or `[B, S, H, D]` order)."""
+    return t.is_contiguous() or t.transpose(1, 2).is_contiguous()
+
+
+class RoPEInPlaceFunction(torch.autograd.Function):
+    """Rotates q and k in their own storage, and the incoming gradients in theirs: nothing is allocated and
+    the pass-through dims of partial rotary are neither read nor written, in either direction."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        _launch_rope(q, k, q, k, cos, sin, backward=False, copy_pass=False)
+        # Autograd can't see a kernel's writes: bump the version counters so that any op that saved the
+        # pre-rotation q or k for its backward raises instead of silently using rotated values.
+        torch.autograd.graph.increment_version(q)
+        torch.autograd.graph.increment_version(k)
+        ctx.save_for_backward(cos, sin)
+        return q.view_as(q), k.view_as(k)
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out):
+        cos, sin = ctx.saved_tensors
+        if _writable_in_place(dq_out) and _writable_in_place(dk_out):
+            _launch_rope(dq_out, dk_out, dq_out, dk_out, cos, sin, backward=True, copy_pass=False)
+            return dq_out, dk_out, None, None
+        dq, dk = empty_like(dq_out), empty_like(dk_out)  # e.g. expanded gradients: no room to write in place
+        _launch_rope(dq_out, dk_out, dq, dk, cos, sin, backward=True)
+        return dq, dk, None, None
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool = False):
+    """Rotate q `[B, Hq, S, D]` and k `[B, Hkv, S, D]` by cos/sin `[B, S, R]` or `[S, R]`; returns (q_out, k_out).
+
+    `inplace=True` overwrites q and k with the result and returns views of them, and its backward rotates the
+    incoming gradients in place too: with partial rotary only the first R of D dims are ever touched. Use it
+    where q and k, and the gradients flowing back into them, have no other reader, as when q and k go from
+    their projection straight into attention (the patched models do this). q and k must then be produced by
+    an op (not leaf tensors that require grad), and must not be read again afterwards.
+    """
     check_rope_args(q, k, cos, sin)
     if q.numel() == 0 and k.numel() == 0:
         return q.new_empty(q.shape), k.new_empty(k.shape)
-    return RoPEFunction.apply(q, k, cos, sin)
+    if not inplace:
+        return RoPEFunction.apply(q, k, cos, sin)
+    for name, t in (("q", q), ("k", k)):
+        if t.is_leaf and t.requires_grad:
+            raise ValueError(f"inplace=True would overwrite {name}, a leaf tensor that requires grad")
+        if not _writable_in_place(t):
+            raise ValueError(
+                f"inplace=True needs {name} dense in [B, H, S, D] or [B, S, H, D] order, got strides {t.stride()}"
+            )
+    return RoPEInPlaceFunction.apply(q, k, cos, sin)
 
 
 def rotate_half_reference(x: torch.Tensor) -> torch.Tensor:
