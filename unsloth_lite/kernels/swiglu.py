@@ -97,11 +97,16 @@ def _swiglu_forward(g2d: torch.Tensor, u2d: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _swiglu_backward(dh2d, g2d, u2d):
+def _swiglu_backward(dh2d, g2d, u2d, out=None):
+    """(dg, du); `out` = two contiguous `[rows, cols]` tensors to write them into, which may be g and u
+    themselves: each element is read before it is overwritten, by the same program."""
     n_rows, n_cols = g2d.shape
     block, n_col_blocks, grid = _grid(n_rows, n_cols)
-    dg = empty((n_rows, n_cols), g2d.dtype, g2d.device)
-    du = empty((n_rows, n_cols), u2d.dtype, u2d.device)
+    if out is None:
+        dg = empty((n_rows, n_cols), g2d.dtype, g2d.device)
+        du = empty((n_rows, n_cols), u2d.dtype, u2d.device)
+    else:
+        dg, du = out
     _swiglu_backward_kernel[grid](
         dh2d, dh2d.stride(0), dh2d.stride(1),
         g2d, g2d.stride(0), g2d.stride(1),

@@ -1,0 +1,92 @@
+"""Fused LoRA projections and MLP over dense and NF4 bases, against float64 references; and patched
+PEFT models (dense and 4-bit) against the unpatched ones."""
+
+import bitsandbytes as bnb
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import TOLERANCE, assert_close, dtype_id
+
+from unsloth_lite.kernels.lora import LoRAProjection, lora_mlp, lora_projections
+
+
+def make_projection(n_in, n_out, rank, device, dtype, nf4=False, bias=False):
+    weight = torch.randn(n_out, n_in, device="cpu", dtype=dtype) / n_in**0.5
+    if nf4:
+        packed, state = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
+        base = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4", bnb_quantized=True)
+        dense = bnb.functional.dequantize_4bit(packed, state)
+    else:
+        base = dense = weight
+    lora_a = (torch.randn(rank, n_in, dtype=dtype) / n_in**0.5).requires_grad_()
+    lora_b = (torch.randn(n_out, rank, dtype=dtype) / rank**0.5).requires_grad_()
+    b = torch.randn(n_out, dtype=dtype) if bias else None
+    projection = LoRAProjection(base, b, lora_a, lora_b, scale=1.7)
+    return projection, dense
+
+
+def reference_projection(x, dense, p):
+    y = x @ dense.double().t() + 1.7 * (x @ p.lora_a.double().t()) @ p.lora_b.double().t()
+    return y if p.bias is None else y + p.bias.double()
+
+
+def leaf64(t):
+    return t.detach().double().requires_grad_()
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_lora_projections(nf4, dtype):
+    x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
+    made = [make_projection(64, n_out, 4, "cpu", dtype, nf4=nf4, bias=True) for n_out in (64, 32, 32)]
+    projections = tuple(p for p, _ in made)
+    outputs = lora_projections(x, projections)
+    grads = [torch.randn_like(y) for y in outputs]
+    torch.autograd.backward(outputs, grads)
+
+    x64 = leaf64(x)
+    refs = []
+    for p, dense in made:
+        p64 = LoRAProjection(None, p.bias, leaf64(p.lora_a), leaf64(p.lora_b), p.scale)
+        refs.append((p64, reference_projection(x64, dense, p64)))
+    torch.autograd.backward([r for _, r in refs], [g.double() for g in grads])
+    tol = TOLERANCE[dtype]
+    for y, (p64, ref), (p, _) in zip(outputs, refs, made, strict=True):
+        assert_close(y, ref, tol, "y")
+        assert_close(p.lora_a.grad, p64.lora_a.grad, tol, "dA")
+        assert_close(p.lora_b.grad, p64.lora_b.grad, tol, "dB")
+    assert_close(x.grad, x64.grad, tol, "dx")
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_lora_mlp(nf4, dtype):
+    hidden, inter = 64, 192
+    x = torch.randn(2, 7, hidden, dtype=dtype, requires_grad=True)
+    shapes = ((hidden, inter), (hidden, inter), (inter, hidden))
+    made = [make_projection(*shape, 8, "cpu", dtype, nf4=nf4) for shape in shapes]
+    out = lora_mlp(x, *(p for p, _ in made))
+    grad = torch.randn_like(out)
+    out.backward(grad)
+
+    x64 = leaf64(x)
+    p64 = [LoRAProjection(None, None, leaf64(p.lora_a), leaf64(p.lora_b), p.scale) for p, _ in made]
+    gate = reference_projection(x64, made[0][1], p64[0])
+    up = reference_projection(x64, made[1][1], p64[1])
+    ref = reference_projection(F.silu(gate) * up, made[2][1], p64[2])
+    ref.backward(grad.double())
+    tol = TOLERANCE[dtype]
+    assert_close(out, ref, tol, "out")
+    assert_close(x.grad, x64.grad, tol, "dx")
+    for (p, _), q, name in zip(made, p64, ("gate", "up", "down"), strict=True):
+        assert_close(p.lora_a.grad, q.lora_a.grad, tol, f"{name} dA")
+        assert_close(p.lora_b.grad, q.lora_b.grad, tol, f"{name} dB")
+
+
+def test_lora_mlp_backward_twice_raises():
+    x = torch.randn(4, 64, requires_grad=True)
+    made = [make_projection(*shape, 4, "cpu", torch.float32) for shape in ((64, 96), (64, 96), (96, 64))]
+    out = lora_mlp(x, *(p for p, _ in made))
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="cannot run twice"):
+        out.sum().backward()

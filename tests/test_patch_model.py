@@ -1,0 +1,133 @@
+"""patch_model on tiny Qwen2 and Qwen3 models built from configs (random weights, no download): the patched
+model computes the same loss, logits and gradients as the unpatched one."""
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_close
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from unsloth_lite.models import patch_model
+
+COMMON = dict(
+    vocab_size=151, hidden_size=48, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    attn_implementation="sdpa",
+)
+
+
+def tiny_model(arch: str, device, dtype=torch.float32, **overrides):
+    settings = {**COMMON, **overrides}
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 16, **settings}))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**settings))
+    # Norm weights of 1 (their initial value) would hide a weight that is dropped or applied twice.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+    return model.to(device=device, dtype=dtype)
+
+
+def batch(device, vocab=151, size=(2, 11)):
+    input_ids = torch.randint(0, vocab, size, device=device)
+    labels = input_ids.clone()
+    labels[0, :4] = -100  # a prompt that is not trained on
+    labels[1, -2:] = -100
+    return input_ids, labels
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_patched_model_matches_unpatched(arch, device):
+    reference = tiny_model(arch, device)
+    patched = patch_model(copy.deepcopy(reference))
+    input_ids, labels = batch(device)
+
+    expected = reference(input_ids=input_ids, labels=labels)
+    expected.loss.backward()
+    out = patched(input_ids=input_ids, labels=labels)
+    out.loss.backward()
+
+    assert out.logits is None  # labels given, logits not asked for: never formed
+    assert_close(out.loss, expected.loss, 1e-5, "loss")
+    grads = dict(reference.named_parameters())
+    for name, param in patched.named_parameters():
+        assert param.grad is not None, name
+        assert_close(param.grad, grads[name].grad, 1e-4, f"grad {name}")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_patched_model_logits_without_labels(arch, device):
+    reference = tiny_model(arch, device)
+    patched = patch_model(copy.deepcopy(reference))
+    input_ids, labels = batch(device)
+    with torch.no_grad():
+        assert_close(patched(input_ids=input_ids).logits, reference(input_ids=input_ids).logits, 1e-5, "logits")
+        both = patched(input_ids=input_ids, labels=labels, return_logits=True)
+        expected = reference(input_ids=input_ids, labels=labels)
+    assert_close(both.logits, expected.logits, 1e-5, "logits with labels")
+    assert_close(both.loss, expected.loss, 1e-5, "loss with logits")
+
+
+def test_patched_loss_with_num_items_in_batch(device):
+    """Gradient accumulation: the sum of token losses over the given count, as Hugging Face computes it."""
+    reference = tiny_model("qwen3", device)
+    patched = patch_model(copy.deepcopy(reference))
+    input_ids, labels = batch(device)
+    count = torch.tensor(37, device=device)
+    with torch.no_grad():
+        expected = reference(input_ids=input_ids, labels=labels, num_items_in_batch=count).loss
+        got = patched(input_ids=input_ids, labels=labels, num_items_in_batch=count).loss
+    assert_close(got, expected, 1e-5, "loss")
+
+
+def test_patched_bf16_model(device):
+    reference = tiny_model("qwen3", device, torch.bfloat16)
+    patched = patch_model(copy.deepcopy(reference))
+    input_ids, labels = batch(device)
+    expected = reference(input_ids=input_ids, labels=labels)
+    expected.loss.backward()
+    out = patched(input_ids=input_ids, labels=labels)
+    out.loss.backward()
+    assert_close(out.loss.float(), expected.loss.float(), 1e-2, "loss")
+    grads = dict(reference.named_parameters())
+    for name, param in patched.named_parameters():
+        assert_close(param.grad, grads[name].grad, 5e-2, f"grad {name}")
+
+
+def test_patched_generation_matches(device):
+    reference = tiny_model("qwen3", device).eval()
+    patched = patch_model(copy.deepcopy(reference))
+    prompt = torch.randint(0, 151, (1, 5), device=device)
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(patched.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
+
+
+def test_patch_is_idempotent_and_per_instance(device):
+    model = tiny_model("qwen3", device)
+    untouched = copy.deepcopy(model)
+    patch_model(model)
+    forwards = {name: m.forward for name, m in model.named_modules() if "forward" in m.__dict__}
+    # per layer: two decoder norms, q_norm, k_norm, attention, MLP; then the final norm and the causal-LM head
+    assert len(forwards) == 2 * 6 + 2
+    patch_model(model)
+    assert {name: m.forward for name, m in model.named_modules() if "forward" in m.__dict__} == forwards
+    assert not any("forward" in m.__dict__ for m in untouched.modules())  # a second model stays unpatched
+
+
+def test_patch_rejects_unsupported_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match="model_type 'llama'.*supported: qwen2, qwen3"):
+        patch_model(model)
+
+
+def test_patch_names_the_missing_attribute(device):
+    model = tiny_model("qwen3", device)
+    del model.model.layers[0].self_attn.q_norm
+    with pytest.raises(RuntimeError, match="transformers .*Qwen3Attention has no q_norm.weight"):
+        patch_model(model)

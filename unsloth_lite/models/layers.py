@@ -1,0 +1,237 @@
+"""Fused forwards for the Hugging Face modules that Qwen2, Qwen3 and Qwen3.5 share, bound by `patch_model`.
+
+Each is written against the module's own attributes (checked by the architecture tables when patching) and
+keeps the module's call signature, so the rest of the Hugging Face model (decoder layers, caches, masks,
+the attention implementation it was loaded with, PEFT's LoRA layers) is untouched.
+
+Kernels run on CUDA tensors, or on CPU tensors under `TRITON_INTERPRET=1`; a model on the CPU otherwise uses
+the plain-PyTorch references, which compute the same functions.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from unsloth_lite.kernels.fused_linear_cross_entropy import (
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_reference,
+)
+from unsloth_lite.kernels.lora import LoRAProjection, lora_mlp, lora_projections
+from unsloth_lite.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from unsloth_lite.kernels.rms_norm import rms_norm, rms_norm_reference
+from unsloth_lite.kernels.rope import apply_rope, apply_rope_reference
+from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
+from unsloth_lite.kernels.utils import INTERPRET
+
+IGNORE_INDEX = -100
+
+# The cache field of model outputs is `past_key_values` up to transformers 5.2x and `cache` after.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    return t.is_cuda or INTERPRET
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def _lora_projection(layer) -> LoRAProjection | None:
+    """The fused path's view of a PEFT LoRA layer over a frozen dense or NF4 base; None where the layer must
+    keep PEFT's own forward."""
+    if not hasattr(layer, "lora_A") or not hasattr(layer, "base_layer"):
+        return None
+    adapters = list(layer.active_adapters)
+    if len(adapters) != 1 or layer.merged or layer.disable_adapters or adapters[0] not in layer.lora_A:
+        return None
+    name = adapters[0]
+    if layer.use_dora.get(name, False):
+        _warn_once("unsloth_lite: DoRA adapters run on PEFT's (unfused) path")
+        return None
+    dropout = layer.lora_dropout[name]
+    if not isinstance(dropout, torch.nn.Identity) and dropout.p > 0:
+        _warn_once("unsloth_lite: LoRA dropout > 0 runs on PEFT's (unfused) path; use lora_dropout=0 for speed")
+        return None
+    base = layer.base_layer
+    weight = base.weight
+    quant_state = getattr(weight, "quant_state", None)
+    if weight.requires_grad or (quant_state is not None and quant_state.quant_type != "nf4"):
+        return None
+    bias = base.bias
+    if bias is not None and bias.requires_grad:
+        return None
+    return LoRAProjection(weight, bias, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name])
+
+
+def _lora_projections(module, names, x) -> tuple[LoRAProjection, ...] | None:
+    """All of `names` as fused LoRA projections, or None (then each projection runs its own forward)."""
+    if not use_kernels(x):
+        return None
+    projections = tuple(_lora_projection(getattr(module, name)) for name in names)
+    return None if any(p is None for p in projections) else projections
+
+
+def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    norm = rms_norm if use_kernels(hidden_states) else rms_norm_reference
+    return norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    projections = _lora_projections(self, ("gate_proj", "up_proj", "down_proj"), x)
+    if projections is not None:
+        return lora_mlp(x, *projections)
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj((swiglu if use_kernels(gate) else swiglu_reference)(gate, up))
+
+
+def mlp_uses_silu(module) -> str | None:
+    act = getattr(module.config, "hidden_act", None)
+    return None if act in ("silu", "swish") else f"activation {act!r} is not SiLU"
+
+
+def _projected_heads(self, hidden_states: torch.Tensor):
+    """q, k, v as `[B, H, S, D]` transposed views of the projections' `[B, S, H, D]` outputs."""
+    hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    projections = _lora_projections(self, ("q_proj", "k_proj", "v_proj"), hidden_states)
+    if projections is not None:
+        outputs = lora_projections(hidden_states, projections)
+    else:
+        outputs = (self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states))
+    return tuple(y.view(hidden_shape).transpose(1, 2) for y in outputs)
+
+
+_UPDATE_TAKES_KWARGS: dict[type, bool] = {}
+
+
+def _update_cache(cache, key, value, layer_idx, kwargs):
+    """`cache.update`, passing the call's kwargs where the cache class takes them (newer transformers)."""
+    cls = type(cache)
+    if cls not in _UPDATE_TAKES_KWARGS:
+        params = inspect.signature(cache.update).parameters
+        _UPDATE_TAKES_KWARGS[cls] = "kwargs" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if _UPDATE_TAKES_KWARGS[cls]:
+        return cache.update(key, value, layer_idx, kwargs=kwargs)
+    return cache.update(key, value, layer_idx)
+
+
+def _attend(self, query, key, value, attention_mask, cache, kwargs, input_shape):
+    """The rest of Hugging Face's attention forward, unchanged: cache, the configured attention
+    implementation (SDPA by default; it passes GQA to SDPA without repeating KV heads when there is no mask),
+    output projection."""
+    if cache is not None:
+        key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
+    eager = sys.modules[type(self).__module__].eager_attention_forward
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+    attn_output, attn_weights = interface(
+        self, query, key, value, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None), **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    projection = _lora_projections(self, ("o_proj",), attn_output)
+    if projection is not None:
+        return lora_projections(attn_output, projection)[0], attn_weights
+    return self.o_proj(attn_output), attn_weights
+
+
+def _pop_cache(args, kwargs):
+    # The cache argument is `past_key_values` up to transformers 5.2x and `cache` after.
+    if args:
+        return args[0]
+    cache = kwargs.pop("cache", None)
+    legacy = kwargs.pop("past_key_values", None)
+    return cache if cache is not None else legacy
+
+
+def rope_attention_forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs):
+    """Qwen2 attention: projections, fused RoPE, attention."""
+    cache = _pop_cache(args, kwargs)
+    query, key, value = _projected_heads(self, hidden_states)
+    cos, sin = position_embeddings
+    rope = apply_rope if use_kernels(query) else apply_rope_reference
+    query, key = rope(query, key, cos, sin)
+    return _attend(self, query, key, value, attention_mask, cache, kwargs, hidden_states.shape[:-1])
+
+
+def qk_norm_rope_attention_forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs):
+    """Qwen3 attention: projections, per-head q/k RMSNorm and RoPE in one kernel, attention."""
+    cache = _pop_cache(args, kwargs)
+    query, key, value = _projected_heads(self, hidden_states)
+    cos, sin = position_embeddings
+    fused = qk_norm_rope if use_kernels(query) else qk_norm_rope_reference
+    query, key = fused(query, key, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.variance_epsilon)
+    return _attend(self, query, key, value, attention_mask, cache, kwargs, hidden_states.shape[:-1])
+
+
+def _shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal-LM target: the next token, ignore_index after the last one."""
+    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def causal_lm_loss(hidden_states, lm_head, labels, num_items_in_batch=None, shift_labels=None):
+    """Hugging Face's `ForCausalLMLoss` from the final hidden states, the logits never materialised: the sum
+    of token losses over non-ignored targets, divided by `num_items_in_batch` when given (gradient
+    accumulation), else by the number of non-ignored targets."""
+    targets = shift_labels if shift_labels is not None else _shifted_labels(labels)
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    targets = targets.reshape(-1).to(hidden.device)
+    loss_fn = fused_linear_cross_entropy if use_kernels(hidden) else fused_linear_cross_entropy_reference
+    if num_items_in_batch is None:
+        return loss_fn(hidden, lm_head.weight, targets, IGNORE_INDEX, "mean", lm_head.bias)
+    total = loss_fn(hidden, lm_head.weight, targets, IGNORE_INDEX, "sum", lm_head.bias)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def lm_head_is_plain_linear(module) -> str | None:
+    head = module.lm_head
+    if type(head) is not torch.nn.Linear:
+        return f"lm_head is a {type(head).__name__}, not a plain Linear"
+    return None
+
+
+def causal_lm_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    labels=None,
+    logits_to_keep=0,
+    return_logits=None,
+    **kwargs,
+):
+    """Causal-LM head. With labels the loss comes from the hidden states through the fused linear
+    cross-entropy and no logits are formed, unless `return_logits=True`; without labels, logits as usual."""
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    hidden_states = outputs.last_hidden_state
+    loss = logits = None
+    if labels is not None or shift_labels is not None:
+        loss = causal_lm_loss(hidden_states, self.lm_head, labels, num_items_in_batch, shift_labels)
+    if (labels is None and shift_labels is None) or return_logits:
+        if isinstance(logits_to_keep, int):
+            kept = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
+        else:
+            kept = hidden_states[:, logits_to_keep, :]
+        logits = self.lm_head(kept)
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=logits,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD, None)},
+    )

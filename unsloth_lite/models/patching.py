@@ -1,0 +1,82 @@
+"""Declarative patching: each architecture lists, in a small table, which Hugging Face module classes take
+which fused forward; one routine walks a model and rebinds `forward` on the matching instances.
+
+Forwards are bound on instances, never on classes, so an unpatched model in the same process stays
+unpatched. What a fused forward reads of its module (attribute names) is checked when patching, so that a
+transformers release that renames something fails loudly at `patch_model`, naming the version, instead of
+giving wrong results later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable
+
+import torch
+import transformers
+
+PATCHED_FLAG = "_unsloth_lite_patched"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Instances of the Hugging Face class named `module_class` run `forward` (called with the module as
+    `self`); `requires` are the attributes that forward reads."""
+
+    module_class: str
+    forward: Callable
+    requires: tuple[str, ...] = ()
+    check: Callable[[torch.nn.Module], str | None] | None = None  # returns why the module can't take it
+
+
+ARCHITECTURES: dict[str, tuple[Rule, ...]] = {}
+
+
+def register(model_type: str, rules: tuple[Rule, ...]) -> None:
+    ARCHITECTURES[model_type] = rules
+
+
+def model_config(model: torch.nn.Module):
+    """The Hugging Face config under any PEFT wrapping."""
+    config = getattr(model, "config", None)
+    if config is None and hasattr(model, "get_base_model"):
+        config = model.get_base_model().config
+    if config is None:
+        raise ValueError(f"patch_model needs a Hugging Face model with a config, got {type(model).__name__}")
+    return config
+
+
+def _attribute_missing(module: torch.nn.Module, dotted: str) -> bool:
+    target = module
+    for part in dotted.split("."):
+        if not hasattr(target, part):
+            return True
+        target = getattr(target, part)
+    return False
+
+
+def patch_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Route every supported module of a Hugging Face Qwen2/Qwen3 causal LM (plain, 4-bit, PEFT-wrapped)
+    through the fused kernels, in place; returns `model`. Patching twice changes nothing."""
+    model_type = model_config(model).model_type
+    if model_type not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise ValueError(f"patch_model does not support model_type {model_type!r}; supported: {supported}")
+    rules = {rule.module_class: rule for rule in ARCHITECTURES[model_type]}
+    for module in model.modules():
+        rule = rules.get(type(module).__name__)
+        if rule is None or getattr(module, PATCHED_FLAG, False):
+            continue
+        missing = [name for name in rule.requires if _attribute_missing(module, name)]
+        if missing:
+            raise RuntimeError(
+                f"transformers {transformers.__version__}: {type(module).__name__} has no {', '.join(missing)}, "
+                "which unsloth_lite's fused forward reads; this transformers release is not supported"
+            )
+        reason = rule.check(module) if rule.check else None
+        if reason:
+            continue  # this instance keeps Hugging Face's forward
+        module.forward = types.MethodType(rule.forward, module)
+        setattr(module, PATCHED_FLAG, True)
+    return model
