@@ -1,0 +1,628 @@
+"""QLoRA training step (workload W1 of BENCHMARKS.md): tokens/s, peak memory, kernel launches, MFU and HFU of
+Hugging Face + PEFT + bitsandbytes, the same with Liger-Kernel, Unsloth, and unsloth-lite, on one checkpoint.
+
+    python scripts/bench_train.py --out bench_train.json --unsloth-site /tmp/uns_site     # on a GPU: W1
+    python scripts/bench_train.py --max-seq --out bench_train_maxseq.json                 # longest seq in 24 GiB
+    TRITON_INTERPRET=1 python scripts/bench_train.py --tiny                               # CPU smoke run
+
+Model: the Qwen3-8B shape (`qwen3`: hidden 4096, 36 layers, 32 q / 8 KV heads of 128, intermediate 12288,
+vocab 151,936, untied, rope theta 1e6) with random weights (speed and memory don't depend on their values).
+The parent builds it once on the meta device, fills it with N(0, 0.02) matrices and unit norms, and writes it
+with a stand-in word-level tokenizer (Unsloth's loader needs one) as safetensors under `--workdir`, reused when
+present. Every variant loads that checkpoint through its own loading path, decoder linears in bitsandbytes NF4
+(double quant, block 64, bf16 compute), embeddings and lm_head bf16; LoRA r=16, alpha=16, dropout 0 on
+q,k,v,o,gate,up,down; gradient checkpointing; torch AdamW (lr 1e-4) over the LoRA weights.
+
+Each variant runs in its own process (Unsloth and Liger patch transformers globally): the parent starts
+`scripts/bench_train.py --worker VARIANT --batch B ...`, which prints one JSON line with its results.
+- `hf`: `AutoModelForCausalLM` (sdpa) + `peft.get_peft_model`. `peft.prepare_model_for_kbit_training` is not
+  used: it upcasts every non-quantised weight (embeddings, lm_head, norms) to fp32, which is not what the
+  other variants train with; `enable_input_require_grads` and non-reentrant checkpointing instead.
+- `hf_liger`: the same after `apply_liger_kernel_to_qwen3(rope, rms_norm, swiglu, fused_linear_cross_entropy)`.
+- `unsloth`: `FastLanguageModel.from_pretrained` / `get_peft_model(use_gradient_checkpointing="unsloth")`,
+  imported first, from `--unsloth-site` (prepended to the worker's PYTHONPATH).
+- `unsloth_lite`: `unsloth_lite.load_model` + `add_lora`, checkpointing as for `hf`.
+
+One step: forward with labels = input ids (the loss), backward, `optimizer.step()`, `zero_grad(set_to_none=True)`
+on a random token batch `[batch, seq]`; batch i comes from seed 1234 + i, so every variant sees the same batches
+and the first-step losses must agree (within bf16 rounding; LoRA B starts at zero). `--warmup` steps, then
+`--steps` timed ones, each `torch.cuda.synchronize()`d and timed with `perf_counter`: wall time per step, host
+overhead included (what bounds batch 1). Then, unless `--no-profile`, one more step under `torch.profiler`
+counts the CUDA kernels launched and their summed time (`gpu_busy` = that time over the mean step time).
+
+Columns: `tokens_per_s` = batch x seq / mean step time; `load_gib`, GPU memory allocated once the model and its
+adapters are loaded; `peak_gib`, `torch.cuda.max_memory_allocated()` from then through the last timed step
+(the peak statistics reset after loading; Unsloth keeps its checkpointed activations in pinned CPU memory,
+which this leaves out); `first_loss` and `loss_rel_diff` (to hf's first loss).
+`MFU` = 4 x N x tokens/s / peak, with N all parameters of the model (embeddings and lm_head included, 8.19B
+for W1; 4N: forward and input-gradient backward of a frozen base), peak = the bf16 8192^3 matmul rate measured
+by the parent in the same run. `HFU` = executed FLOPs per token x tokens/s / peak, with, per token,
+    6 x P_dec                 decoder linears: forward, recomputed forward (checkpointing), input-gradient backward
+  + 4 x H x V                 lm_head: forward and input-gradient backward (not checkpointed)
+  + 9 x S x n_heads x d x L   causal attention: QK^T and PV over S/2 keys on average is 2 x S x n_heads x d
+                              FLOPs per layer forward; forward + recomputed forward + backward (5 matmuls, the
+                              flash backward recomputes QK^T: 2.5 x forward) = 4.5 x forward
+where P_dec is the decoder linears' parameter count (6.95B), H the hidden size, V the vocabulary, S the sequence
+length, d the head dim, L the layers: 46.9 GFLOP/token for W1 at S = 2048, all computed from the config.
+LoRA's own FLOPs (0.35 GFLOP/token at r=16) are left out, as in BENCHMARKS.md.
+
+`--max-seq`: for hf and unsloth_lite, the longest sequence (batch 1, a multiple of 256, at most the model's
+positions) that trains one step with `torch.cuda.set_per_process_memory_fraction` holding the process to
+`--memory-cap-gib`: doubling from `--seq` (halving if that fails), then bisection, each probe in a fresh
+worker, at most `--max-probes` probes; running out of memory is a failed probe.
+
+`--tiny`: a CPU smoke run through the same parent/worker path (a 2-layer qwen3, hidden 64, vocab 257, fp32,
+still NF4 through bitsandbytes' CPU backend, kernels in Triton's interpreter; no profile, no memory figures).
+Workers never touch the network (HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from bench_common import environment, markdown_table, matmul_tflops, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT_PREFIX = "BENCH_TRAIN_RESULT "
+MARKER = "bench_train_checkpoint.json"
+ALL_VARIANTS = ("hf", "hf_liger", "unsloth", "unsloth_lite")
+TINY_VARIANTS = ("hf", "unsloth_lite")
+MAX_SEQ_VARIANTS = ("hf", "unsloth_lite")
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_R, LORA_ALPHA, LR = 16, 16, 1e-4
+SEED = 1234
+SEQ_MULTIPLE = 256
+
+# Qwen3-8B's shape; the three special tokens (end of text, im_start, im_end) are the last ids of the vocabulary.
+W1 = dict(
+    vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, hidden_act="silu", bos_token_id=None, pad_token_id=151933, eos_token_id=151935,
+)
+TINY = dict(
+    W1, vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=254, eos_token_id=256,
+)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FLOP accounting (from the config)
+
+
+def decoder_linear_params(c: dict) -> int:
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    return per_layer * c["num_hidden_layers"]
+
+
+def total_params(c: dict) -> int:
+    h, v = c["hidden_size"], c["vocab_size"]
+    embeddings = v * h * (1 if c["tie_word_embeddings"] else 2)
+    norms = c["num_hidden_layers"] * (2 * h + 2 * c["head_dim"]) + h  # 2 decoder norms, q_norm, k_norm; final
+    return decoder_linear_params(c) + embeddings + norms
+
+
+def flops_per_token(c: dict, seq: int) -> dict:
+    """Executed FLOPs per token of one training step with gradient checkpointing and a frozen base (docstring)."""
+    decoder = 6 * decoder_linear_params(c)
+    lm_head = 4 * c["hidden_size"] * c["vocab_size"]
+    attention = 9 * seq * c["num_attention_heads"] * c["head_dim"] * c["num_hidden_layers"]
+    return dict(decoder=decoder, lm_head=lm_head, attention=attention, total=decoder + lm_head + attention)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The checkpoint, written once
+
+
+def _tokenizer(c: dict):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {c["pad_token_id"]: "<|endoftext|>", c["vocab_size"] - 2: "<|im_start|>"}
+    specials[c["eos_token_id"]] = "<|im_end|>"
+    vocab = {specials.get(i, f"t{i}"): i for i in range(c["vocab_size"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+
+
+def ensure_checkpoint(c: dict, workdir: str, dtype: torch.dtype, device: torch.device, name: str) -> Path:
+    """Directory of a random-weight checkpoint of config `c` in `dtype`, written on first use."""
+    key = hashlib.sha256(json.dumps(dict(c, dtype=str(dtype)), sort_keys=True).encode()).hexdigest()[:12]
+    path = Path(workdir) / f"{name}-{key}"
+    if (path / MARKER).exists():
+        print(f"checkpoint: reusing {path}")
+        return path
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    start = time.perf_counter()
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(**c))
+    model = model.to(dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.02, generator=generator)
+            else:
+                param.fill_(1.0)  # RMSNorm weights
+    model = model.to("cpu")
+    model.save_pretrained(tmp)
+    _tokenizer(c).save_pretrained(tmp)
+    (tmp / MARKER).write_text(json.dumps(dict(config=c, dtype=str(dtype)), indent=2))
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    print(f"checkpoint: wrote {path} in {time.perf_counter() - start:.0f} s")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Worker: one variant, one batch size, in its own process
+
+
+def _device_map(device: torch.device):
+    return "cpu" if device.type == "cpu" else {"": torch.cuda.current_device()}
+
+
+def _bnb_config(dtype):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
+    )
+
+
+def _enable_checkpointing(model) -> None:
+    """Non-reentrant gradient checkpointing of the decoder layers; the embeddings' output made to require grad
+    (frozen embeddings otherwise give the first checkpointed layer inputs without grad)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    model.config.use_cache = False
+
+
+def load_hf(path, device, dtype, seq, liger=False):
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+
+        apply_liger_kernel_to_qwen3(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, quantization_config=_bnb_config(dtype), device_map=_device_map(device),
+        attn_implementation="sdpa",
+    )
+    _enable_checkpointing(model)
+    torch.manual_seed(SEED)  # LoRA A's initial values, as for unsloth_lite
+    config = LoraConfig(
+        r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=TARGET_MODULES, bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config), {}
+
+
+def load_unsloth_lite(path, device, dtype, seq):
+    import unsloth_lite
+
+    kwargs = {"device_map": "cpu"} if device.type == "cpu" else {}
+    model, _ = unsloth_lite.load_model(path, load_in_4bit=True, dtype=dtype, max_seq_length=seq, **kwargs)
+    _enable_checkpointing(model)
+    torch.manual_seed(SEED)
+    model = unsloth_lite.add_lora(model, r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=TARGET_MODULES)
+    return model, {}
+
+
+def load_unsloth(path, device, dtype, seq):
+    import unsloth  # before transformers: it patches it on import
+    from unsloth import FastLanguageModel
+
+    model, _ = FastLanguageModel.from_pretrained(
+        model_name=str(path), max_seq_length=seq, dtype=dtype, load_in_4bit=True,
+    )
+    model = FastLanguageModel.get_peft_model(
+        model, r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0, target_modules=TARGET_MODULES, bias="none",
+        use_gradient_checkpointing="unsloth", random_state=SEED,
+    )
+    if hasattr(FastLanguageModel, "for_training"):
+        FastLanguageModel.for_training(model)
+    versions = {"unsloth": getattr(unsloth, "__version__", "?")}
+    try:
+        import unsloth_zoo
+
+        versions["unsloth_zoo"] = getattr(unsloth_zoo, "__version__", "?")
+    except ImportError:
+        pass
+    return model, {"versions": versions}
+
+
+LOADERS = {
+    "hf": load_hf,
+    "hf_liger": lambda path, device, dtype, seq: load_hf(path, device, dtype, seq, liger=True),
+    "unsloth": load_unsloth,
+    "unsloth_lite": load_unsloth_lite,
+}
+
+
+def _checkpointed_layers(model) -> int | None:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return None
+    return sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing for m in model.modules())
+
+
+def _count_kernels(prof) -> tuple[int, float] | tuple[None, None]:
+    """Kernels launched in the profiled region and their summed time (ms)."""
+    try:
+        events = list(prof.profiler.kineto_results.events())
+    except Exception as error:
+        print(f"could not read the profile: {error}", file=sys.stderr)
+        return None, None
+    kernels = [e for e in events if hasattr(e, "activity_type") and e.activity_type() == "kernel"]
+    if not kernels:  # older kineto bindings: device events that are not copies or memsets
+        kernels = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA
+                   and not e.name().startswith(("Memcpy", "Memset"))]
+    return len(kernels), sum(e.duration_ns() for e in kernels) / 1e6
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(args) -> dict:
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+        if args.memory_cap_gib:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), device)
+    config = json.loads((Path(args.checkpoint) / "config.json").read_text())
+    out = {}
+
+    start = time.perf_counter()
+    model, info = LOADERS[args.worker](args.checkpoint, device, dtype, args.seq)
+    out.update(info)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR)
+    out["load_s"] = round(time.perf_counter() - start, 1)
+    out["trainable_params"] = sum(p.numel() for p in params)
+    out["checkpointed_layers"] = _checkpointed_layers(model)
+
+    profile = cuda and not args.no_profile
+    n_batches = args.warmup + args.steps + int(profile)
+    batches = []
+    for i in range(n_batches):
+        generator = torch.Generator().manual_seed(SEED + i)
+        batches.append(torch.randint(0, config["vocab_size"], (args.batch, args.seq), generator=generator).to(device))
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    _sync(device)
+    if cuda:
+        out["load_gib"] = torch.cuda.memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+    losses = []
+    warmup_start = time.perf_counter()
+    for i in range(args.warmup):
+        losses.append(step(batches[i]))
+    _sync(device)
+    out["warmup_s"] = round(time.perf_counter() - warmup_start, 1)
+    peak_warmup = torch.cuda.max_memory_allocated(device) if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for i in range(args.warmup, args.warmup + args.steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        losses.append(step(batches[i]))
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    if cuda:
+        peak_measured = torch.cuda.max_memory_allocated(device)
+        out["peak_gib"] = max(peak_warmup, peak_measured) / 2**30
+        out["peak_measured_gib"] = peak_measured / 2**30
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        with profiler(activities=[ProfilerActivity.CUDA]) as prof:
+            step(batches[-1])
+            _sync(device)
+        out["kernels_per_step"], out["kernel_ms"] = _count_kernels(prof)
+    losses = [float(loss) for loss in losses]
+    out.update(
+        step_s=sum(times) / len(times), step_s_min=min(times), step_s_max=max(times), first_loss=losses[0],
+        losses=losses,
+    )
+    return out
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def worker_main(args) -> int:
+    result = dict(variant=args.worker, batch=args.batch, seq=args.seq)
+    try:
+        result.update(train(args))
+    except (Exception, SystemExit) as error:  # reported as this variant's error, never a crash of the whole run
+        traceback.print_exc()
+        message = str(error).strip().splitlines()
+        result["error"] = f"{type(error).__name__}: {message[0] if message else ''}"[:300]
+        if _is_oom(error):
+            result.update(oom=True, error="OOM")
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parent
+
+
+def worker_env(variant: str, args) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    paths = [str(ROOT / "scripts"), str(ROOT)]
+    if variant == "unsloth":
+        env.update(UNSLOTH_DISABLE_STATISTICS="1", UNSLOTH_COMPILE_LOCATION="/tmp/unsloth_compiled_cache")
+        if args.unsloth_site:
+            paths.insert(0, str(Path(args.unsloth_site).resolve()))
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    if args.tiny:
+        env["TRITON_INTERPRET"] = "1"  # read when triton is imported: must be in the worker's environment
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def run_worker(args, checkpoint: Path, variant: str, batch: int, seq: int, steps: int, warmup: int,
+               profile: bool, memory_cap_gib: float | None = None) -> dict:
+    cmd = [
+        sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--checkpoint", str(checkpoint),
+        "--batch", str(batch), "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup),
+    ]
+    if args.tiny:
+        cmd.append("--tiny")
+    if not profile:
+        cmd.append("--no-profile")
+    if memory_cap_gib:
+        cmd += ["--memory-cap-gib", str(memory_cap_gib)]
+    label = f"[{variant} b{batch} s{seq}]"
+    print(f"{label} starting", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=worker_env(variant, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        errors="replace",
+    )
+    timer = threading.Timer(args.worker_timeout, proc.kill)
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if args.verbose:
+                print(f"{label} {line}", end="", flush=True)
+        proc.wait()
+    finally:
+        timer.cancel()
+    results = [line[len(RESULT_PREFIX):] for line in lines if line.startswith(RESULT_PREFIX)]
+    if results:
+        result = json.loads(results[-1])
+    else:
+        tail = [line for line in lines if line.strip()][-15:]
+        reason = "timed out" if proc.returncode in (-9, 137) else f"exited with {proc.returncode}"
+        result = dict(variant=variant, batch=batch, seq=seq, error=f"worker {reason}: {tail[-1] if tail else ''}")
+        print(f"{label} {reason}; last output:\n" + "\n".join(tail), flush=True)
+    if "error" in result and results and not args.verbose:
+        print(f"{label} error; last output:\n" + "\n".join(lines[-15:]), flush=True)
+    status = result.get("error") or f"{batch * seq / result['step_s']:.0f} tokens/s"
+    print(f"{label} done in {time.perf_counter() - start:.0f} s: {status}", flush=True)
+    return result
+
+
+def _round(value, digits):
+    return round(value, digits) if isinstance(value, (int, float)) else value
+
+
+def summarise(results: list[dict], c: dict, peak_tflops: float) -> list[dict]:
+    """Adds tokens/s, MFU, HFU, GPU busy fraction and the first-loss difference to hf's (same batch size)."""
+    n_total = total_params(c)
+    reference = {r["batch"]: r["first_loss"] for r in results if r["variant"] == "hf" and "first_loss" in r}
+    rows = []
+    for r in results:
+        row = dict(r)
+        if "step_s" in r:
+            tokens_per_s = r["batch"] * r["seq"] / r["step_s"]
+            flops = flops_per_token(c, r["seq"])["total"]
+            row.update(
+                tokens_per_s=round(tokens_per_s, 1),
+                step_ms=round(1e3 * r["step_s"], 1),
+                MFU=round(4 * n_total * tokens_per_s / (peak_tflops * 1e12), 3),
+                HFU=round(flops * tokens_per_s / (peak_tflops * 1e12), 3),
+            )
+            if r.get("kernel_ms") is not None:
+                row["gpu_busy"] = round(r["kernel_ms"] / (1e3 * r["step_s"]), 2)
+            if r["batch"] in reference:
+                ref = reference[r["batch"]]
+                row["loss_rel_diff"] = float(f"{abs(r['first_loss'] - ref) / abs(ref):.2e}")
+        for key in ("load_gib", "peak_gib", "peak_measured_gib"):
+            if key in row:
+                row[key] = round(row[key], 2)
+        rows.append(row)
+    return rows
+
+
+def search_max_seq(args, checkpoint: Path, variant: str, positions: int) -> dict:
+    """Longest batch-1 sequence (multiple of 256) that trains one step within the memory cap (docstring)."""
+    ceiling = positions // SEQ_MULTIPLE * SEQ_MULTIPLE
+    probes = []
+    good, bad = None, None
+
+    def probe(seq: int) -> bool | None:
+        r = run_worker(args, checkpoint, variant, 1, seq, steps=1, warmup=0, profile=False,
+                       memory_cap_gib=args.memory_cap_gib)
+        probes.append(dict(seq=seq, ok="error" not in r, error=r.get("error"), peak_gib=_round(r.get("peak_gib"), 2)))
+        if "error" in r and not r.get("oom"):
+            return None  # a failure other than running out of memory ends the search
+        return "error" not in r
+
+    seq = min(ceiling, max(SEQ_MULTIPLE, args.seq // SEQ_MULTIPLE * SEQ_MULTIPLE))
+    while len(probes) < args.max_probes:  # doubling (halving while nothing fits yet)
+        ok = probe(seq)
+        if ok is None:
+            return dict(variant=variant, max_seq=good, error=probes[-1]["error"], probes=probes)
+        if ok:
+            good = seq
+            if bad is not None or seq >= ceiling:
+                break
+            seq = min(ceiling, 2 * seq)
+        else:
+            bad = seq
+            if good is not None or seq <= SEQ_MULTIPLE:
+                break
+            seq = max(SEQ_MULTIPLE, seq // 2 // SEQ_MULTIPLE * SEQ_MULTIPLE)
+    while good is not None and bad is not None and bad - good > SEQ_MULTIPLE and len(probes) < args.max_probes:
+        mid = (good + bad) // 2 // SEQ_MULTIPLE * SEQ_MULTIPLE
+        ok = probe(mid)
+        if ok is None:
+            return dict(variant=variant, max_seq=good, error=probes[-1]["error"], probes=probes)
+        good, bad = (mid, bad) if ok else (good, mid)
+    return dict(variant=variant, max_seq=good, first_failure=bad, memory_cap_gib=args.memory_cap_gib, probes=probes)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(ALL_VARIANTS)}")
+    parser.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,4; tiny: 1)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny: 32)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 8; tiny: 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps before timing (default 2; tiny: 1)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled step (kernel counts)")
+    parser.add_argument("--workdir", default="/tmp/unsloth_lite_w1", help="where the checkpoint is written once")
+    parser.add_argument("--unsloth-site", default=None, help="directory holding unsloth (put first on PYTHONPATH)")
+    parser.add_argument("--max-seq", action="store_true", help="longest batch-1 sequence within --memory-cap-gib")
+    parser.add_argument("--memory-cap-gib", type=float, default=None, help="GPU memory cap (--max-seq: default 24)")
+    parser.add_argument("--max-probes", type=int, default=8, help="--max-seq: probes per variant")
+    parser.add_argument("--worker-timeout", type=float, default=1800, help="seconds before a worker is killed")
+    parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke run)")
+    parser.add_argument("--verbose", action="store_true", help="echo the workers' output")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--worker", choices=ALL_VARIANTS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    tiny = args.tiny
+    defaults = dict(batch_sizes="1" if tiny else "1,4", seq=32 if tiny else 2048, steps=2 if tiny else 8,
+                    warmup=1 if tiny else 2)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.max_seq and args.memory_cap_gib is None:
+        args.memory_cap_gib = 24.0
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        print("no CUDA device: pass --tiny (with TRITON_INTERPRET=1) for the CPU smoke run", file=sys.stderr)
+        return 2
+    if args.variants:
+        variants = [v for v in args.variants.split(",") if v]
+    else:
+        variants = list(MAX_SEQ_VARIANTS if args.max_seq else TINY_VARIANTS if args.tiny else ALL_VARIANTS)
+    unknown = sorted(set(variants) - set(ALL_VARIANTS))
+    if unknown:
+        print(f"unknown variants {unknown}; choose from {','.join(ALL_VARIANTS)}", file=sys.stderr)
+        return 2
+    if args.max_seq and args.tiny:
+        print("--max-seq needs a GPU", file=sys.stderr)
+        return 2
+    c = TINY if args.tiny else W1
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+
+    checkpoint = ensure_checkpoint(c, args.workdir, dtype, device, "tiny_qwen3" if args.tiny else "qwen3_8b_shape")
+    env = environment(device, ("torch", "triton", "transformers", "peft", "bitsandbytes", "liger-kernel",
+                               "accelerate"))
+    matmul_size = 256 if args.tiny else 8192
+    peak_tflops = matmul_tflops(device, size=matmul_size)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    flops = flops_per_token(c, args.seq)
+    workload = dict(
+        config=c, dtype=str(dtype), seq=args.seq, steps=args.steps, warmup=args.warmup, lora_r=LORA_R,
+        lora_alpha=LORA_ALPHA, target_modules=TARGET_MODULES, lr=LR, total_params=total_params(c),
+        decoder_linear_params=decoder_linear_params(c), flops_per_token=flops, checkpoint=str(checkpoint),
+    )
+    print(f"environment: {env}")
+    print(f"bf16 matmul rate ({matmul_size}^3, measured in this run): {peak_tflops:.1f} TFLOP/s")
+    print(f"params: {total_params(c):,} in all, {decoder_linear_params(c):,} in decoder linears; "
+          f"executed FLOPs/token at seq {args.seq}: {flops['total'] / 1e9:.2f} G "
+          f"(decoder {flops['decoder'] / 1e9:.2f}, lm_head {flops['lm_head'] / 1e9:.2f}, "
+          f"attention {flops['attention'] / 1e9:.2f})")
+    payload = dict(environment=env, matmul_size=matmul_size, matmul_TFLOPs=peak_tflops, workload=workload)
+
+    if args.max_seq:
+        searches = [search_max_seq(args, checkpoint, v, c["max_position_embeddings"]) for v in variants]
+        print(markdown_table(searches, ["variant", "max_seq", "first_failure", "memory_cap_gib", "error"]))
+        for s in searches:
+            print(f"{s['variant']} probes: " + ", ".join(f"{p['seq']}:{'ok' if p['ok'] else p['error']}"
+                                                         for p in s["probes"]))
+        write_json(args.out, dict(payload, max_seq=searches))
+        return 0
+
+    results = []
+    for batch in [int(b) for b in args.batch_sizes.split(",") if b]:
+        for variant in variants:
+            results.append(run_worker(args, checkpoint, variant, batch, args.seq, args.steps, args.warmup,
+                                      profile=not args.no_profile, memory_cap_gib=args.memory_cap_gib))
+    rows = summarise(results, c, peak_tflops)
+    columns = ["variant", "batch", "seq", "tokens_per_s", "step_ms", "peak_gib", "load_gib", "first_loss",
+               "loss_rel_diff", "kernels_per_step", "gpu_busy", "MFU", "HFU", "error"]
+    shown = [dict(r, first_loss=round(r["first_loss"], 5)) if "first_loss" in r else r for r in rows]
+    print(markdown_table(shown, columns))
+    for row in rows:
+        if "first_loss" in row:
+            print(f"first-step loss {row['variant']} b{row['batch']}: {row['first_loss']!r} "
+                  f"(relative difference to hf: {row.get('loss_rel_diff')}); all: {row['losses']}")
+    write_json(args.out, dict(payload, results=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

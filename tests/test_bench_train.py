@@ -1,0 +1,84 @@
+"""The training-step benchmark: its tiny CPU mode runs end to end through the parent/worker processes (so the
+script cannot rot) and hf and unsloth-lite agree on the first-step loss; its FLOP accounting reproduces
+BENCHMARKS.md's W1 figures; the --max-seq search finds the boundary."""
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench_train():
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module("bench_train")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
+def test_bench_train_tiny_mode_runs(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
+    out = tmp_path / "out.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_train.py", "--tiny", "--workdir", str(tmp_path), "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for variant in ("hf", "unsloth_lite"):
+        row = re.search(rf"^\| {variant} \| 1 \| 32 \| ([0-9.]+) \|", result.stdout, re.MULTILINE)
+        assert row is not None, f"no row with numeric tokens/s for {variant}:\n{result.stdout}"
+        assert float(row.group(1)) > 0
+        assert f"first-step loss {variant} b1:" in result.stdout
+
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"hf", "unsloth_lite"}
+    for row in rows.values():
+        assert "error" not in row, row
+        assert row["checkpointed_layers"] == 2  # gradient checkpointing is on for both, patched layers included
+    hf, ours = rows["hf"]["first_loss"], rows["unsloth_lite"]["first_loss"]
+    assert abs(ours - hf) / abs(hf) < 1e-3, (hf, ours)
+    assert rows["unsloth_lite"]["loss_rel_diff"] < 1e-3
+
+
+def test_flop_accounting_matches_benchmarks():
+    bt = bench_train()
+    assert bt.total_params(bt.W1) == pytest.approx(8.19e9, rel=1e-3)
+    assert bt.decoder_linear_params(bt.W1) == pytest.approx(6.95e9, rel=1e-3)
+    flops = bt.flops_per_token(bt.W1, 2048)
+    assert flops["lm_head"] == 4 * 4096 * 151936
+    assert flops["attention"] == pytest.approx(2.7e9, rel=0.01)
+    assert flops["total"] == pytest.approx(46.9e9, rel=1e-3)
+
+
+def _search(bt, monkeypatch, fits, max_probes=8, seq=2048, fail_with="OOM"):
+    def fake_worker(args, checkpoint, variant, batch, seq, steps, warmup, profile, memory_cap_gib=None):
+        assert (batch, steps, warmup, profile, memory_cap_gib) == (1, 1, 0, False, 24.0)
+        if fits(seq):
+            return dict(variant=variant, batch=1, seq=seq, step_s=1.0, peak_gib=1.0)
+        return dict(variant=variant, batch=1, seq=seq, error=fail_with, oom=fail_with == "OOM")
+
+    monkeypatch.setattr(bt, "run_worker", fake_worker)
+    args = SimpleNamespace(seq=seq, max_probes=max_probes, memory_cap_gib=24.0)
+    return bt.search_max_seq(args, Path("unused"), "hf", positions=40960)
+
+
+def test_max_seq_search(monkeypatch):
+    bt = bench_train()
+    found = _search(bt, monkeypatch, lambda s: s <= 9000)
+    assert [p["seq"] for p in found["probes"]] == [2048, 4096, 8192, 16384, 12288, 10240, 9216, 8704]
+    assert (found["max_seq"], found["first_failure"]) == (8704, 9216)
+    assert _search(bt, monkeypatch, lambda s: s <= 9000, max_probes=20)["max_seq"] == 8960
+    assert _search(bt, monkeypatch, lambda s: s <= 1000)["max_seq"] == 768  # halving first
+    everything = _search(bt, monkeypatch, lambda s: True)
+    assert everything["max_seq"] == 40960 and len(everything["probes"]) == 6
+    assert _search(bt, monkeypatch, lambda s: False)["max_seq"] is None
+    crashed = _search(bt, monkeypatch, lambda s: s <= 4096, fail_with="RuntimeError: boom")
+    assert crashed["max_seq"] == 4096 and crashed["error"] == "RuntimeError: boom"

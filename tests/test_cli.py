@@ -1,0 +1,118 @@
+"""The training CLI end to end on the embedded tiny recipe (CPU, a few steps): outputs, merge, resume after a
+kill, and one-line errors with exit code 2 for bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_close
+
+ROOT = Path(__file__).resolve().parents[1]
+# The CLI on a CPU without the interpreter runs the plain-PyTorch references: fast, and the same math.
+ENV = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "UNSLOTH_LITE_POISON_OUTPUTS")}
+ENV.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
+QUICK = ["training.eval_steps=4", "training.save_steps=4", "training.logging_steps=1", "data.eval_fraction=0.02"]
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU end-to-end runs; GPU runs use the recipes")
+
+
+def command(*args):
+    return [sys.executable, "scripts/train.py", "--recipe", "tiny_qwen", *args]
+
+
+def run(*args, timeout=600):
+    return subprocess.run(command(*args), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(output_dir):
+    history = json.loads((Path(output_dir) / "trainer_state.json").read_text())["log_history"]
+    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+
+
+def test_tiny_recipe_trains_saves_and_merges(tmp_path):
+    out = tmp_path / "run"
+    result = run(f"training.output_dir={out}", "training.max_steps=8", *QUICK, "--merge")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "trainer_state.json",
+                 "loss.png", "recipe.yaml", "merged/config.json", "merged/model.safetensors"):
+        assert (out / name).exists(), name
+    assert len(losses(out)) == 8
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(out / "base_model", dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, out)
+    input_ids = torch.randint(0, merged.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        assert_close(merged(input_ids=input_ids).logits, adapted(input_ids=input_ids).logits, 1e-4, "merged logits")
+
+
+def test_resume_after_kill_continues_like_an_uninterrupted_run(tmp_path):
+    settings = ["training.max_steps=12", "training.save_total_limit=5", "training.lr_scheduler_type=cosine", *QUICK]
+    whole = tmp_path / "whole"
+    assert run(f"training.output_dir={whole}", *settings).returncode == 0
+
+    cut = tmp_path / "cut"
+    process = subprocess.Popen(command(f"training.output_dir={cut}", *settings), cwd=ROOT, env=ENV,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (cut / "checkpoint-4" / "trainer_state.json").exists() and time.time() < deadline:
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    for checkpoint in cut.glob("checkpoint-*"):  # only complete checkpoints carry the checkpoint name
+        assert (checkpoint / "trainer_state.json").exists(), checkpoint
+    for later in ("checkpoint-8", "checkpoint-12"):  # if the kill came late, resume from checkpoint-4 anyway
+        if (cut / later).exists():
+            import shutil
+
+            shutil.rmtree(cut / later)
+
+    resumed = run(f"training.output_dir={cut}", *settings, "training.resume_from_checkpoint=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, got = losses(whole), losses(cut)
+    assert sorted(got) == sorted(expected) == list(range(1, 13))
+    for step in range(5, 13):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+def write_llama_checkpoint(path):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["lora.rank=8"], "lora.rank"),
+        (["lora.r=abc"], "lora.r"),
+        (["training.learning_rate=fast"], "training.learning_rate"),
+        (["data.path=/no/such/file.jsonl"], "data.path"),
+        (["model.name_or_path=/no/such/model"], "model.name_or_path"),
+        (["model.name_or_path={llama}"], "llama"),
+        (["seed"], "section.key=value"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+    llama = write_llama_checkpoint(tmp_path / "llama")
+    args = [a.replace("{llama}", str(llama)) for a in args]
+    result = run(f"training.output_dir={tmp_path / 'out'}", *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unsloth-lite-train: error:") and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_recipe_file_is_exit_2(tmp_path):
+    result = subprocess.run([sys.executable, "scripts/train.py", "--recipe", str(tmp_path / "nope.yaml")],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "nope.yaml" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,275 @@
+"""Recipes: the shipped YAML files load, overrides apply with types, and bad input fails with a RecipeError
+that names the key or path. No network, no model loading."""
+
+import json
+import pathlib
+
+import pytest
+import yaml
+
+from unsloth_lite.recipes import (
+    LoRASection,
+    Recipe,
+    RecipeError,
+    load_recipe,
+    recipe_to_dict,
+    resolve_recipe_path,
+    torch_dtype,
+)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PACKAGED = REPO / "unsloth_lite" / "recipe_files"
+SHIPPED = ["tiny_qwen", "qlora_qwen3_8b", "qlora_qwen27b"]
+
+BASE = {
+    "model": {"name_or_path": "Qwen/Qwen3-8B", "load_in_4bit": True, "dtype": "bfloat16"},
+    "lora": {"r": 16, "alpha": 16},
+    "data": {"path": "builtin:arithmetic", "format": "chat"},
+    "training": {"output_dir": "runs/x", "learning_rate": 2e-4, "num_train_epochs": 1},
+    "seed": 0,
+}
+
+
+def write(tmp_path, raw, name="recipe.yaml"):
+    path = tmp_path / name
+    path.write_text(raw if isinstance(raw, str) else yaml.safe_dump(raw))
+    return path
+
+
+def with_(section, key, value):
+    """A copy of BASE with one key set (section None: top level); the value `...` deletes the key."""
+    raw = json.loads(json.dumps(BASE))
+    target = raw if section is None else raw[section]
+    if value is ...:
+        del target[key]
+    else:
+        target[key] = value
+    return raw
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_recipes_load(name):
+    recipe = load_recipe(PACKAGED / f"{name}.yaml")
+    assert isinstance(recipe, Recipe)
+    assert recipe.training["output_dir"] == f"runs/{name}"
+    assert load_recipe(name) == recipe
+
+
+def test_tiny_recipe_contents():
+    recipe = load_recipe("tiny_qwen")
+    assert recipe.model.name_or_path == "builtin:tiny-qwen3" and recipe.model.load_in_4bit is False
+    assert recipe.model.dtype == "float32" and recipe.model.max_seq_length == 128
+    assert recipe.lora == LoRASection(r=64, alpha=64, dropout=0.0, target_modules="all-linear")
+    assert recipe.data.path == "builtin:arithmetic" and recipe.data.format == "chat"
+    assert recipe.data.eval_fraction == pytest.approx(0.1)
+    assert recipe.training["learning_rate"] == pytest.approx(3e-3)
+
+
+def test_large_recipes_use_explicit_projections():
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for name, batch, accum in [("qlora_qwen3_8b", 4, 4), ("qlora_qwen27b", 1, 16)]:
+        recipe = load_recipe(name)
+        assert recipe.model.load_in_4bit and recipe.model.dtype == "bfloat16"
+        assert recipe.lora.target_modules == projections
+        assert recipe.training["per_device_train_batch_size"] == batch
+        assert recipe.training["gradient_accumulation_steps"] == accum
+        assert recipe.training["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen", "tiny_qwen.yaml", "recipes/tiny_qwen.yaml"])
+def test_resolve_recipe_path(name, monkeypatch):
+    monkeypatch.chdir(REPO)
+    path = resolve_recipe_path(name)
+    assert path.is_file() and path.resolve() == (PACKAGED / "tiny_qwen.yaml").resolve()
+
+
+def test_resolve_recipe_path_prefers_an_existing_file(tmp_path, monkeypatch):
+    path = write(tmp_path, BASE, "tiny_qwen.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_recipe_path("tiny_qwen.yaml") == pathlib.Path("tiny_qwen.yaml")
+    assert resolve_recipe_path(str(path)) == path
+
+
+def test_resolve_unknown_lists_available():
+    with pytest.raises(RecipeError, match=r"no_such_recipe.*tiny_qwen"):
+        resolve_recipe_path("no_such_recipe")
+
+
+def test_overrides_apply_with_types():
+    recipe = load_recipe(
+        "tiny_qwen",
+        ["lora.r=8", "training.learning_rate=2e-5", "data.chat_template=null", "seed=3", "model.load_in_4bit=true",
+         "lora.target_modules=[q_proj, v_proj]", "training.gradient_checkpointing_kwargs.use_reentrant=false"],
+    )
+    assert recipe.lora.r == 8 and type(recipe.lora.r) is int
+    assert recipe.training["learning_rate"] == 2e-5 and type(recipe.training["learning_rate"]) is float
+    assert recipe.data.chat_template is None
+    assert recipe.seed == 3
+    assert recipe.model.load_in_4bit is True
+    assert recipe.lora.target_modules == ["q_proj", "v_proj"]
+    assert recipe.training["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+
+
+def test_defaults_and_optional_sections(tmp_path):
+    raw = {k: v for k, v in BASE.items() if k not in ("lora", "seed")}
+    recipe = load_recipe(write(tmp_path, raw))
+    assert recipe.lora == LoRASection() and recipe.seed == 42
+    assert recipe.data.split == "train" and recipe.data.train_on_responses_only is True
+
+
+def test_resume_from_checkpoint_bool_or_path(tmp_path):
+    assert load_recipe(write(tmp_path, with_("training", "resume_from_checkpoint", True))).training[
+        "resume_from_checkpoint"] is True
+    path = "runs/x/checkpoint-100"
+    assert load_recipe(write(tmp_path, with_("training", "resume_from_checkpoint", path))).training[
+        "resume_from_checkpoint"] == path
+
+
+def test_local_checkpoint_and_data(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    data = tmp_path / "train.jsonl"
+    data.write_text("{}\n")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    raw = json.loads(json.dumps(BASE))
+    raw["model"]["name_or_path"] = str(ckpt)
+    raw["data"].update(path=str(data), chat_template=str(template))
+    recipe = load_recipe(write(tmp_path, raw))
+    assert recipe.model.name_or_path == str(ckpt) and recipe.data.path == str(data)
+    inline = "{{ messages[0].content }}"
+    assert load_recipe(write(tmp_path, raw), [f"data.chat_template='{inline}'"]).data.chat_template == inline
+
+
+def test_recipe_to_dict_round_trips(tmp_path):
+    for name in SHIPPED:
+        recipe = load_recipe(name, ["seed=7"])
+        dumped = yaml.safe_dump(recipe_to_dict(recipe))
+        assert yaml.safe_load(dumped) == recipe_to_dict(recipe)
+        assert load_recipe(write(tmp_path, dumped)) == recipe
+
+
+def test_torch_dtype():
+    import torch
+
+    assert torch_dtype("bfloat16") is torch.bfloat16
+    assert torch_dtype("float32") is torch.float32
+    with pytest.raises(RecipeError, match="fp16"):
+        torch_dtype("fp16")
+
+
+def _llama_dir(tmp_path):
+    ckpt = tmp_path / "llama"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return str(ckpt)
+
+
+BAD_FILES = {
+    "unknown top-level key": (lambda t: with_(None, "foo", 1), r"unknown key 'foo' \(expected one of: model, lora"),
+    "unknown section key": (lambda t: with_("lora", "rank", 8), r"unknown key 'lora\.rank' \(expected one of: r, "),
+    "unknown training key": (
+        lambda t: with_("training", "learnig_rate", 1e-4), r"training\.learnig_rate.*'learning_rate'"
+    ),
+    "wrong type": (lambda t: with_("lora", "r", "abc"), r"^lora\.r: expected int, got str 'abc'$"),
+    "bool for int": (lambda t: with_("lora", "r", True), r"^lora\.r: expected int, got bool True$"),
+    "int for bool": (lambda t: with_("model", "load_in_4bit", 1), r"^model\.load_in_4bit: expected bool"),
+    "training str for float": (
+        lambda t: with_("training", "learning_rate", "abc"), r"^training\.learning_rate: expected float"
+    ),
+    "training bool for float": (
+        lambda t: with_("training", "num_train_epochs", True), r"^training\.num_train_epochs: "
+    ),
+    "training list type": (lambda t: with_("training", "report_to", [1]), r"^training\.report_to: "),
+    "lora.r out of range": (lambda t: with_("lora", "r", 0), r"^lora\.r: must be >= 1"),
+    "dropout out of range": (lambda t: with_("lora", "dropout", 1.0), r"^lora\.dropout: must be in \[0, 1\)"),
+    "eval_fraction out of range": (lambda t: with_("data", "eval_fraction", -0.1), r"^data\.eval_fraction: "),
+    "max_seq_length out of range": (lambda t: with_("model", "max_seq_length", 0), r"^model\.max_seq_length: "),
+    "bad dtype": (
+        lambda t: with_("model", "dtype", "fp16"), r"^model\.dtype: expected one of float32, bfloat16, float16"
+    ),
+    "bad format": (lambda t: with_("data", "format", "sharegpt"), r"^data\.format: expected one of alpaca, chat, text"),
+    "bad attn": (lambda t: with_("model", "attn_implementation", "flash"), r"^model\.attn_implementation: .*sdpa"),
+    "missing model name": (
+        lambda t: with_("model", "name_or_path", ...), r"missing required key\(s\): model\.name_or_path"
+    ),
+    "missing data keys": (lambda t: {**BASE, "data": {}}, r"missing required key\(s\): data\.path, data\.format"),
+    "missing section": (
+        lambda t: {k: v for k, v in BASE.items() if k != "data"}, r"missing required section\(s\): data"
+    ),
+    "missing output_dir": (lambda t: with_("training", "output_dir", ...), r"^training\.output_dir: required"),
+    "training seed": (lambda t: with_("training", "seed", 1), r"^training\.seed: set the top-level 'seed'"),
+    "bool seed": (lambda t: with_(None, "seed", False), r"^seed: expected int"),
+    "non-qwen checkpoint": (
+        lambda t: with_("model", "name_or_path", _llama_dir(t)),
+        r"^model\.name_or_path: .*llama is a 'llama' checkpoint; supported model types: qwen2, qwen3",
+    ),
+    "checkpoint without config": (
+        lambda t: with_("model", "name_or_path", str(t)), r"^model\.name_or_path: .* config\.json"
+    ),
+    "missing local model": (
+        lambda t: with_("model", "name_or_path", str(t / "nope")), r"^model\.name_or_path: .*nope does not exist"
+    ),
+    "missing relative model": (
+        lambda t: with_("model", "name_or_path", "./nope"), r"^model\.name_or_path: \./nope does not exist"
+    ),
+    "bad hub model name": (lambda t: with_("model", "name_or_path", "qwen 3"), r"^model\.name_or_path: 'qwen 3'"),
+    "unknown builtin model": (
+        lambda t: with_("model", "name_or_path", "builtin:big"), r"^model\.name_or_path: .*tiny-qwen3"
+    ),
+    "missing local data": (
+        lambda t: with_("data", "path", str(t / "nope.jsonl")), r"^data\.path: .*nope\.jsonl does not exist"
+    ),
+    "missing bare data file": (
+        lambda t: with_("data", "path", "train.jsonl"), r"^data\.path: train\.jsonl does not exist"
+    ),
+    "missing chat template file": (
+        lambda t: with_("data", "chat_template", "x.jinja"), r"^data\.chat_template: x\.jinja"
+    ),
+    "section not a mapping": (lambda t: with_(None, "lora", [1]), r"^lora: expected a mapping"),
+    "non-mapping top level": (lambda t: [1, 2], r"recipe\.yaml: expected a mapping"),
+    "yaml syntax error": (
+        lambda t: "model:\n  name_or_path: a\n  dtype: [bfloat16\nlora: {}\n", r"recipe\.yaml:\d+: invalid YAML"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_recipe_files(case, tmp_path):
+    make, pattern = BAD_FILES[case]
+    with pytest.raises(RecipeError, match=pattern) as info:
+        load_recipe(write(tmp_path, make(tmp_path)))
+    assert "\n" not in str(info.value)
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = write(tmp_path, "model:\n  name_or_path: Qwen/Qwen3-8B\n  dtype: : bad\n")
+    with pytest.raises(RecipeError, match=rf"{path.name}:3: invalid YAML"):
+        load_recipe(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(RecipeError, match=r"nope\.yaml does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+BAD_OVERRIDES = {
+    "no equals": ("foo", r"^override 'foo' must look like section\.key=value$"),
+    "section only": ("lora=8", r"must look like section\.key=value"),
+    "unknown section": ("optim.lr=1", r"unknown key 'optim\.lr' \(expected one of: model, lora"),
+    "unknown section key": ("lora.rank=8", r"unknown key 'lora\.rank'"),
+    "unknown training key": ("training.lr=1e-4", r"unknown key 'training\.lr'"),
+    "sub-key of scalar": ("lora.r.x=1", r"lora\.r has no sub-keys"),
+    "wrong type": ("lora.r=abc", r"^lora\.r: expected int, got str 'abc'$"),
+    "training wrong type": ("training.learning_rate=abc", r"^training\.learning_rate: expected float"),
+    "null required": ("data.path=null", r"^data\.path: expected str, got null$"),
+    "bad yaml value": ("lora.target_modules=[a", r"override 'lora\.target_modules=\[a': value is not valid YAML"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_OVERRIDES))
+def test_bad_overrides(case):
+    override, pattern = BAD_OVERRIDES[case]
+    with pytest.raises(RecipeError, match=pattern):
+        load_recipe("tiny_qwen", [override])

@@ -1,0 +1,224 @@
+"""`unsloth-lite-train --recipe PATH [section.key=value ...] [--merge]` (also `python scripts/train.py`).
+
+The steps a person would take: read the recipe, load the model, add LoRA, load the data, train, save. Bad
+input (a recipe key, a path, a checkpoint that is not Qwen) is reported in one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+import sys
+import tempfile
+
+import torch
+import yaml
+
+from unsloth_lite.recipes import Recipe, RecipeError, load_recipe, recipe_to_dict, torch_dtype
+
+EXIT_USAGE = 2
+
+# bitsandbytes logs an advisory at import on CPUs with AVX-512 BF16 when the optional `kernels` package (which
+# fetches kernels from a hub) is absent; its own fallback is used and nothing is wrong, so keep it quiet.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+def _log(message: str) -> None:
+    print(f"unsloth-lite-train: {message}", flush=True)
+
+
+def _chat_template(value: str) -> str:
+    return pathlib.Path(value).read_text() if os.path.isfile(value) else value
+
+
+def load_base(recipe: Recipe, output_dir: pathlib.Path):
+    """(model, tokenizer) patched. The built-in tiny model is first written to `output_dir/base_model`, so the
+    adapter saved later points at a base that can be loaded again (for `--merge`, or by PEFT)."""
+    from unsloth_lite.models import load_model
+    from unsloth_lite.training.tiny import TINY_MODEL, build_tiny_qwen3, build_tiny_tokenizer
+
+    spec = recipe.model
+    path = spec.name_or_path
+    dtype = torch_dtype(spec.dtype)
+    if path == TINY_MODEL:
+        path = output_dir / "base_model"
+        if not (path / "config.json").exists():
+            tokenizer = build_tiny_tokenizer()
+            build_tiny_qwen3(tokenizer, dtype, seed=recipe.seed).save_pretrained(path)
+            tokenizer.save_pretrained(path)
+    device_map = "cpu" if recipe.training.get("use_cpu") or not torch.cuda.is_available() else None
+    kwargs = {"device_map": device_map} if device_map else {}
+    if spec.trust_remote_code:
+        kwargs["trust_remote_code"] = True
+    model, tokenizer = load_model(
+        str(path), load_in_4bit=spec.load_in_4bit, dtype=dtype, max_seq_length=spec.max_seq_length,
+        attn_implementation=spec.attn_implementation, **kwargs,
+    )
+    if tokenizer is None:
+        raise RecipeError(f"model.name_or_path: {spec.name_or_path} ships no tokenizer")
+    if recipe.data.chat_template:
+        tokenizer.chat_template = _chat_template(recipe.data.chat_template)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, str(path)
+
+
+def load_data(recipe: Recipe, tokenizer):
+    from unsloth_lite.training.data import load_records, tokenize_dataset
+
+    data = recipe.data
+    raw = load_records(data.path, data.split, seed=recipe.seed)
+    held_out = None
+    if data.eval_fraction > 0:
+        parts = raw.train_test_split(test_size=data.eval_fraction, seed=recipe.seed)
+        raw, held_out = parts["train"], parts["test"]
+
+    def tokenize(dataset):
+        return tokenize_dataset(
+            dataset, tokenizer, data.format, recipe.model.max_seq_length, data.train_on_responses_only,
+            data.text_field,
+        )
+
+    return tokenize(raw), (tokenize(held_out) if held_out is not None else None), held_out
+
+
+def answer_accuracy_callback(tokenizer, records, limit: int = 64):
+    """After each evaluation, the held-out chat records' greedy answers checked against the references."""
+    import transformers
+
+    from unsloth_lite.training.tiny import answer_accuracy
+
+    records = [records[i] for i in range(min(limit, len(records)))]
+
+    class AnswerAccuracy(transformers.TrainerCallback):
+        def on_evaluate(self, args, state, control, model=None, metrics=None, **kwargs):
+            accuracy = answer_accuracy(model, tokenizer, records)
+            state.log_history.append({"eval_answer_accuracy": accuracy, "step": state.global_step})
+            if metrics is not None:
+                metrics["eval_answer_accuracy"] = accuracy
+
+    return AnswerAccuracy()
+
+
+def plot_losses(log_history: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for key, label in (("loss", "train loss"), ("eval_loss", "eval loss")):
+        points = [(e["step"], e[key]) for e in log_history if key in e]
+        if points:
+            axis.plot(*zip(*points, strict=True), marker="." if key == "eval_loss" else None, label=label)
+    accuracy = [(e["step"], e["eval_answer_accuracy"]) for e in log_history if "eval_answer_accuracy" in e]
+    if accuracy:
+        right = axis.twinx()
+        right.plot(*zip(*accuracy, strict=True), color="tab:green", marker="o", label="held-out answer accuracy")
+        right.set_ylabel("accuracy")
+        right.set_ylim(0, 1)
+        right.legend(loc="upper center")
+    axis.set_xlabel("step")
+    axis.set_ylabel("loss")
+    axis.legend(loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def _save_atomically(write, target: pathlib.Path) -> None:
+    """Write into a sibling temporary directory, then rename it into place."""
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    write(staging)
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    os.replace(staging, target)
+
+
+def merge_and_save(recipe: Recipe, base_path: str, adapter_dir: pathlib.Path, target: pathlib.Path) -> None:
+    """A merged 16-bit model (the base in 16 bits plus the adapter) as safetensors, loadable by
+    `AutoModelForCausalLM`."""
+    import transformers
+    from peft import PeftModel
+
+    dtype = torch_dtype(recipe.model.dtype)
+    dtype = torch.bfloat16 if dtype == torch.float32 and recipe.model.load_in_4bit else dtype
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, device_map="cpu")
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    _save_atomically(lambda d: merged.save_pretrained(d, safe_serialization=True), target)
+
+
+def train(recipe: Recipe, merge: bool = False) -> int:
+    import transformers
+
+    from unsloth_lite.models import add_lora
+    from unsloth_lite.training import Trainer
+    from unsloth_lite.training.data import PaddingCollator
+    from unsloth_lite.training.tiny import ARITHMETIC_DATA
+
+    training = dict(recipe.training)
+    resume = training.pop("resume_from_checkpoint", None)
+    output_dir = pathlib.Path(training["output_dir"])
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    transformers.set_seed(recipe.seed)
+
+    _log(f"loading {recipe.model.name_or_path}")
+    model, tokenizer, base_path = load_base(recipe, output_dir)
+    lora = recipe.lora
+    model = add_lora(
+        model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
+    )
+    if training.get("gradient_checkpointing"):
+        model.enable_input_require_grads()
+    trainable, total = model.get_nb_trainable_parameters()
+    _log(f"LoRA r={lora.r}: {trainable:,} trainable of {total:,} parameters")
+
+    _log(f"loading data {recipe.data.path}")
+    train_set, eval_set, held_out = load_data(recipe, tokenizer)
+    _log(f"{len(train_set):,} training rows" + (f", {len(eval_set):,} held out" if eval_set is not None else ""))
+    if eval_set is None and training.get("eval_strategy", "no") != "no":
+        training["eval_strategy"] = "no"
+    args = transformers.TrainingArguments(**training, seed=recipe.seed)
+    callbacks = []
+    if recipe.data.path == ARITHMETIC_DATA and held_out is not None:
+        callbacks.append(answer_accuracy_callback(tokenizer, held_out))
+    trainer = Trainer(
+        model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+        data_collator=PaddingCollator(tokenizer.pad_token_id), processing_class=tokenizer, callbacks=callbacks,
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    if eval_set is not None:
+        trainer.evaluate()
+
+    trainer.save_model(str(output_dir))  # the adapter, in PEFT's format, and the tokenizer
+    trainer.save_state()
+    plot_losses(trainer.state.log_history, output_dir / "loss.png")
+    _log(f"adapter, tokenizer, trainer_state.json and loss.png written to {output_dir}")
+    if merge:
+        merge_and_save(recipe, base_path, output_dir, output_dir / "merged")
+        tokenizer.save_pretrained(output_dir / "merged")
+        _log(f"merged model written to {output_dir / 'merged'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="unsloth-lite-train", description="Fine-tune a Qwen model from a recipe.")
+    parser.add_argument("--recipe", required=True, help="a recipe file, or the name of a packaged recipe")
+    parser.add_argument("--merge", action="store_true", help="also write a merged 16-bit model to OUTPUT_DIR/merged")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="recipe overrides")
+    args = parser.parse_args(argv)
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        return train(recipe, merge=args.merge)
+    except RecipeError as error:
+        print(f"unsloth-lite-train: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,545 @@
+"""Training recipes: a short YAML file (model, lora, data, training, seed) validated before anything heavy loads.
+
+A recipe reads like this (see `recipe_files/` for complete ones)::
+
+    model:    {name_or_path: Qwen/Qwen3-8B, load_in_4bit: true, dtype: bfloat16, max_seq_length: 2048}
+    lora:     {r: 16, alpha: 16, dropout: 0.0, target_modules: all-linear}
+    data:     {path: yahma/alpaca-cleaned, format: alpaca}
+    training: {output_dir: runs/qwen3_8b, learning_rate: 2.0e-4, num_train_epochs: 1}   # TrainingArguments fields
+    seed: 42
+
+`load_recipe(path, overrides)` parses it with `yaml.safe_load`, applies command-line overrides such as
+`lora.r=8` or `training.learning_rate=2e-5`, and checks every key, type, range and path, raising a one-line
+`RecipeError` that names the offending key. Nothing is downloaded and no model is loaded here.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import enum
+import functools
+import json
+import os
+import pathlib
+import re
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+RECIPE_DIR = pathlib.Path(__file__).resolve().parent / "recipe_files"
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+DATA_FORMATS = ("alpaca", "chat", "text", "tokenized")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_5", "qwen3_5_text")
+BUILTIN_MODELS = ("builtin:tiny-qwen3",)
+BUILTIN_DATASETS = ("builtin:arithmetic",)
+DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")
+TOP_LEVEL_KEYS = ("model", "lora", "data", "training", "seed")
+
+# A hub repository id: "org/name" (models) or, for datasets, also a bare legacy "name".
+_HUB_MODEL_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_DATASET_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+# YAML 1.1 (PyYAML) reads `2e-5` as a string; float-typed keys accept such numeric strings.
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message is one line naming the key (dotted) or the file."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).splitlines()))
+
+
+@dataclass
+class ModelSection:
+    name_or_path: str
+    load_in_4bit: bool = True
+    dtype: str = "bfloat16"
+    max_seq_length: int = 2048
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class LoRASection:
+    r: int = 16
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] | str = "all-linear"
+
+
+@dataclass
+class DataSection:
+    path: str
+    format: str
+    split: str = "train"
+    eval_fraction: float = 0.0
+    chat_template: str | None = None
+    train_on_responses_only: bool = True
+    text_field: str = "text"
+
+
+@dataclass
+class Recipe:
+    model: ModelSection
+    lora: LoRASection
+    data: DataSection
+    training: dict
+    seed: int = 42
+
+
+SECTIONS = {"model": ModelSection, "lora": LoRASection, "data": DataSection}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Type checking against annotations
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}" if value is not None else "null"
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return "null"
+    if tp is Any:
+        return "any"
+    if origin in (typing.Union, types.UnionType):
+        names = []
+        for arg in args:  # SomeEnum | str reads as plain "str"
+            name = "str" if isinstance(arg, type) and issubclass(arg, enum.Enum) else _type_name(arg)
+            if name not in names:
+                names.append(name)
+        return " or ".join(names)
+    if origin is typing.Literal:
+        return " or ".join(repr(a) for a in args)
+    if origin in (list, tuple, Sequence):
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if origin is dict or tp is dict:
+        return "mapping"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "str"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check(value: Any, tp: Any) -> Any:
+    """Returns `value` (a numeric string converted for float types) if it fits annotation `tp`; raises
+    `_Mismatch` otherwise. Annotations it does not understand accept anything (TrainingArguments checks later)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any or isinstance(tp, (str, typing.ForwardRef, typing.TypeVar)):
+        return value
+    if tp is type(None) or tp is None:
+        if value is None:
+            return value
+        raise _Mismatch
+    if origin in (typing.Union, types.UnionType):
+        # An exact fit first (so `str | float` keeps '1e-3' a string), then conversions.
+        for arg in args:
+            try:
+                if _check_strict(value, arg):
+                    return value
+            except _Mismatch:
+                pass
+        for arg in args:
+            try:
+                return _check(value, arg)
+            except _Mismatch:
+                pass
+        raise _Mismatch
+    if origin is typing.Literal:
+        if any(type(value) is type(a) and value == a for a in args):
+            return value
+        raise _Mismatch
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
+            return float(value)
+        raise _Mismatch
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _Mismatch
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if isinstance(value, str):
+            return value
+        raise _Mismatch
+    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+        if not isinstance(value, list):
+            raise _Mismatch
+        return [_check(v, args[0]) for v in value] if args else value
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise _Mismatch
+        if len(args) == 2:
+            return {_check(k, args[0]): _check(v, args[1]) for k, v in value.items()}
+        return value
+    return value  # a class we do not know how to check (e.g. accelerate's ParallelismConfig): TrainingArguments will
+
+
+def _check_strict(value: Any, tp: Any) -> bool:
+    """Whether `value` fits `tp` without any conversion."""
+    return _check(value, tp) is value
+
+
+def _typed(key: str, value: Any, tp: Any) -> Any:
+    try:
+        return _check(value, tp)
+    except _Mismatch:
+        raise RecipeError(f"{key}: expected {_type_name(tp)}, got {_describe(value)}") from None
+
+
+def _unknown_key(known: Sequence[str], dotted: str) -> RecipeError:
+    return RecipeError(f"unknown key '{dotted}' (expected one of: {', '.join(known)})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# transformers.TrainingArguments fields
+# ----------------------------------------------------------------------------------------------------------------
+
+# Keys whose accepted types differ from the TrainingArguments annotation.
+_TRAINING_TYPE_OVERRIDES = {
+    "resume_from_checkpoint": bool | str | None,  # the CLI reads `true` as "the last checkpoint in output_dir"
+    "output_dir": str,
+}
+# Keys set elsewhere in the recipe.
+_TRAINING_FORBIDDEN = {"seed": "set the top-level 'seed' instead"}
+
+
+@functools.lru_cache(maxsize=1)
+def _training_fields() -> dict[str, Any]:
+    from transformers import TrainingArguments
+
+    fields = {f.name: f.type for f in dataclasses.fields(TrainingArguments) if f.init}
+    if any(isinstance(tp, str) for tp in fields.values()):  # postponed annotations (older versions)
+        try:
+            hints = typing.get_type_hints(TrainingArguments)
+            fields = {name: hints.get(name, tp) for name, tp in fields.items()}
+        except Exception:  # unresolvable names: those keys are accepted unchecked
+            pass
+    fields.update(_TRAINING_TYPE_OVERRIDES)
+    return fields
+
+
+def _unknown_training_key(key: Any) -> RecipeError:
+    close = difflib.get_close_matches(str(key), list(_training_fields()), n=3)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return RecipeError(f"unknown key 'training.{key}' (not a transformers.TrainingArguments field{hint})")
+
+
+def _validate_training(raw: Any) -> dict:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"training: expected a mapping of TrainingArguments fields, got {_describe(raw)}")
+    fields = _training_fields()
+    out = {}
+    for key, value in raw.items():
+        dotted = f"training.{key}"
+        if key in _TRAINING_FORBIDDEN:
+            raise RecipeError(f"{dotted}: {_TRAINING_FORBIDDEN[key]}")
+        if key not in fields:
+            raise _unknown_training_key(key)
+        out[key] = _typed(dotted, value, fields[key])
+    if out.get("output_dir") in (None, ""):
+        raise RecipeError("training.output_dir: required (the directory for checkpoints and logs)")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sections
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _build_section(name: str, raw: Any):
+    cls = SECTIONS[name]
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{name}: expected a mapping, got {_describe(raw)}")
+    fields = dataclasses.fields(cls)
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields]
+    for key in raw:
+        if key not in known:
+            raise _unknown_key(known, f"{name}.{key}")
+    missing = [
+        f"{name}.{f.name}"
+        for f in fields
+        if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise RecipeError(f"missing required key(s): {', '.join(missing)}")
+    values = {key: _typed(f"{name}.{key}", value, hints[key]) for key, value in raw.items()}
+    for f in fields:
+        if hints[f.name] is float and f.name in values:
+            values[f.name] = float(values[f.name])
+    return cls(**values)
+
+
+def _choice(key: str, value: str, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise RecipeError(f"{key}: expected one of {', '.join(allowed)}, got {value!r}")
+
+
+def _looks_local(path: str) -> bool:
+    """A path the user meant as local (as opposed to a hub id like 'org/name')."""
+    if path.startswith(("/", "./", "../", "~", ".\\", "..\\")) or path in (".", ".."):
+        return True
+    if re.match(r"[A-Za-z]:[\\/]", path):  # a Windows drive
+        return True
+    parts = re.split(r"[\\/]", path)
+    if len(parts) > 2:  # hub ids have a single slash
+        return True
+    return len(parts) > 1 and os.path.exists(parts[0])
+
+
+def _validate_model(model: ModelSection) -> None:
+    _choice("model.dtype", model.dtype, DTYPES)
+    _choice("model.attn_implementation", model.attn_implementation, ATTN_IMPLEMENTATIONS)
+    if model.max_seq_length < 1:
+        raise RecipeError(f"model.max_seq_length: must be >= 1, got {model.max_seq_length}")
+    name = model.name_or_path
+    if name.startswith("builtin:"):
+        _choice("model.name_or_path", name, BUILTIN_MODELS)
+        return
+    model.name_or_path = name = os.path.expanduser(name)
+    if os.path.isdir(name):
+        config_path = os.path.join(name, "config.json")
+        if not os.path.isfile(config_path):
+            raise RecipeError(f"model.name_or_path: {name} has no config.json (not a Hugging Face checkpoint)")
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                model_type = json.load(f).get("model_type")
+        except (OSError, ValueError, AttributeError) as e:
+            raise RecipeError(f"model.name_or_path: cannot read {config_path}: {e}") from None
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise RecipeError(
+                f"model.name_or_path: {name} is a {model_type!r} checkpoint; "
+                f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        return
+    if os.path.exists(name):
+        raise RecipeError(f"model.name_or_path: {name} is a file, not a checkpoint directory")
+    if _looks_local(name):
+        raise RecipeError(f"model.name_or_path: {name} does not exist")
+    if not _HUB_MODEL_RE.fullmatch(name):
+        raise RecipeError(
+            f"model.name_or_path: {name!r} is neither a local checkpoint directory nor a hub name like 'Qwen/Qwen3-8B'"
+        )
+
+
+def _validate_lora(lora: LoRASection) -> None:
+    if lora.r < 1:
+        raise RecipeError(f"lora.r: must be >= 1, got {lora.r}")
+    if lora.alpha < 1:
+        raise RecipeError(f"lora.alpha: must be >= 1, got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise RecipeError(f"lora.dropout: must be in [0, 1), got {lora.dropout}")
+    targets = lora.target_modules
+    if isinstance(targets, str):
+        if not targets.strip():
+            raise RecipeError("lora.target_modules: must not be empty")
+    elif not targets or any(not t.strip() for t in targets):
+        raise RecipeError(f"lora.target_modules: expected 'all-linear' or a non-empty list of names, got {targets!r}")
+
+
+def _validate_data(data: DataSection) -> None:
+    _choice("data.format", data.format, DATA_FORMATS)
+    if not 0.0 <= data.eval_fraction < 1.0:
+        raise RecipeError(f"data.eval_fraction: must be in [0, 1), got {data.eval_fraction}")
+    for key in ("split", "text_field"):
+        if not getattr(data, key):
+            raise RecipeError(f"data.{key}: must not be empty")
+    path = data.path
+    if path.startswith("builtin:"):
+        _choice("data.path", path, BUILTIN_DATASETS)
+    else:
+        data.path = path = os.path.expanduser(path)
+        if os.path.isfile(path):
+            if not path.endswith(DATA_FILE_SUFFIXES):
+                raise RecipeError(f"data.path: {path} is not one of {', '.join(DATA_FILE_SUFFIXES)}")
+        elif os.path.isdir(path):
+            pass
+        elif _looks_local(path) or path.endswith(DATA_FILE_SUFFIXES):
+            raise RecipeError(f"data.path: {path} does not exist")
+        elif not _HUB_DATASET_RE.fullmatch(path):
+            raise RecipeError(
+                f"data.path: {path!r} is neither a local file or directory nor a hub dataset name like 'org/name'"
+            )
+    template = data.chat_template
+    if template is not None:
+        if not template.strip():
+            raise RecipeError("data.chat_template: must not be empty (use null for the tokenizer's template)")
+        is_template = "{{" in template or "{%" in template
+        if not is_template:
+            template_path = os.path.expanduser(template)
+            if not os.path.isfile(template_path):
+                raise RecipeError(
+                    f"data.chat_template: {template} is neither a Jinja template nor an existing .jinja file"
+                )
+            data.chat_template = template_path
+
+
+def _build_recipe(raw: Any, source: str) -> Recipe:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source}: expected a mapping with keys {', '.join(TOP_LEVEL_KEYS)}, got {_describe(raw)}")
+    for key in raw:
+        if key not in TOP_LEVEL_KEYS:
+            raise _unknown_key(TOP_LEVEL_KEYS, str(key))
+    missing = [key for key in ("model", "data", "training") if key not in raw]
+    if missing:
+        raise RecipeError(f"{source}: missing required section(s): {', '.join(missing)}")
+    model = _build_section("model", raw["model"])
+    lora = _build_section("lora", raw.get("lora"))
+    data = _build_section("data", raw["data"])
+    seed = _typed("seed", raw.get("seed", 42), int)
+    if not 0 <= seed < 2**32:
+        raise RecipeError(f"seed: must be in [0, 2**32), got {seed}")
+    _validate_model(model)
+    _validate_lora(lora)
+    _validate_data(data)
+    training = _validate_training(raw["training"])
+    return Recipe(model=model, lora=lora, data=data, training=training, seed=seed)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Overrides
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _apply_override(raw: dict, override: str) -> None:
+    if not isinstance(override, str) or "=" not in override:
+        raise RecipeError(f"override {override!r} must look like section.key=value")
+    dotted, _, text = override.partition("=")
+    keys = dotted.strip().split(".")
+    if any(not k for k in keys):
+        raise RecipeError(f"override {override!r} must look like section.key=value")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e)
+        raise RecipeError(f"override {override!r}: value is not valid YAML: {problem}") from None
+    section = keys[0]
+    if section not in TOP_LEVEL_KEYS:
+        raise _unknown_key(TOP_LEVEL_KEYS, dotted)
+    if section == "seed":
+        if len(keys) != 1:
+            raise RecipeError(f"override {override!r}: seed has no sub-keys")
+        raw["seed"] = value
+        return
+    if len(keys) == 1:
+        raise RecipeError(f"override {override!r} must look like section.key=value")
+    if section in SECTIONS:
+        known = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        if keys[1] not in known or len(keys) > 2:
+            if keys[1] in known:
+                raise RecipeError(f"override {override!r}: {section}.{keys[1]} has no sub-keys")
+            raise _unknown_key(known, f"{section}.{keys[1]}")
+    elif keys[1] not in _training_fields() and keys[1] not in _TRAINING_FORBIDDEN:
+        raise _unknown_training_key(keys[1])
+    node = raw.get(section)
+    if node is None:
+        node = raw[section] = {}
+    for i, key in enumerate(keys[1:-1], start=1):
+        if not isinstance(node, dict):
+            raise RecipeError(f"override {override!r}: {'.'.join(keys[:i])} is not a mapping")
+        if node.get(key) is None:
+            node[key] = {}
+        node = node[key]
+    if not isinstance(node, dict):
+        raise RecipeError(f"override {override!r}: {'.'.join(keys[:-1])} is not a mapping")
+    node[keys[-1]] = value
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def available_recipes() -> list[str]:
+    """Names of the packaged recipes (usable as `resolve_recipe_path(name)`)."""
+    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def resolve_recipe_path(name: str | os.PathLike) -> pathlib.Path:
+    """An existing file as given; else a bare name (with or without .yaml) among the packaged recipes."""
+    text = os.fspath(name)
+    path = pathlib.Path(text).expanduser()
+    if path.is_file():
+        return path
+    bare = pathlib.PurePath(text).name
+    if bare == text:
+        stem = re.sub(r"\.ya?ml$", "", bare)
+        packaged = RECIPE_DIR / f"{stem}.yaml"
+        if packaged.is_file():
+            return packaged
+    what = "is a directory" if path.is_dir() else "does not exist"
+    raise RecipeError(f"recipe {text} {what}; packaged recipes: {', '.join(available_recipes()) or '(none)'}")
+
+
+def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recipe:
+    """Reads a recipe file (a path, or a packaged recipe's name), applies `overrides` ("section.key=value",
+    values parsed as YAML) and validates everything; raises `RecipeError` naming the first problem."""
+    resolved = resolve_recipe_path(path)
+    try:
+        text = resolved.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"cannot read recipe {resolved}: {e}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{resolved}:{mark.line + 1}" if mark is not None else str(resolved)
+        problem = getattr(e, "problem", None) or str(e)
+        raise RecipeError(f"{where}: invalid YAML: {problem}") from None
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    if overrides and not isinstance(raw, dict):
+        raise RecipeError(f"{resolved}: expected a mapping with keys {', '.join(TOP_LEVEL_KEYS)}, got {_describe(raw)}")
+    raw = copy.deepcopy(raw)
+    for override in overrides:
+        _apply_override(raw, override)
+    return _build_recipe(raw, str(resolved))
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """A plain dict (yaml.safe_dump-able) that `load_recipe` reads back to an equal Recipe."""
+    return {
+        "model": dataclasses.asdict(recipe.model),
+        "lora": dataclasses.asdict(recipe.lora),
+        "data": dataclasses.asdict(recipe.data),
+        "training": copy.deepcopy(dict(recipe.training)),
+        "seed": recipe.seed,
+    }
+
+
+def torch_dtype(name: str):
+    """The torch dtype for 'float32', 'bfloat16' or 'float16'."""
+    import torch
+
+    if name not in DTYPES:
+        raise RecipeError(f"model.dtype: expected one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)

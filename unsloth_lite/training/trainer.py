@@ -1,0 +1,78 @@
+"""`unsloth_lite.Trainer`: `transformers.Trainer` with the model patched onto the fused kernels.
+
+Same constructor and `TrainingArguments`. The loss comes from the final hidden states through the fused
+linear cross-entropy (the patched causal-LM forward), so training never forms the `[tokens, vocab]` logits.
+Under gradient accumulation it is normalised exactly as Hugging Face's: the Trainer passes
+`num_items_in_batch`, the number of non-ignored target tokens over the accumulated batch, and each
+micro-batch's loss is its sum of token losses over that count. Evaluation computes the loss without logits,
+unless metrics need them (`compute_metrics` or `preprocess_logits_for_metrics`).
+
+Checkpoints are written into a staging directory and renamed into place once complete: a process killed
+during a save never leaves a `checkpoint-N` that looks complete but isn't, so resuming always finds a whole
+one (model, optimizer, scheduler, RNG states, data position).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+
+import torch
+import transformers
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from unsloth_lite.models import patch_model
+
+STAGING_PREFIX = ".staging-"
+
+
+class Trainer(transformers.Trainer):
+    def __init__(self, model=None, args=None, *positional, **kwargs):
+        if model is not None:
+            patch_model(model)
+        self._staging_dir = None
+        super().__init__(model, args, *positional, **kwargs)
+        # The patched forward takes num_items_in_batch and normalises by it (no division by the number of
+        # accumulation steps afterwards), as Hugging Face's own causal-LM loss does.
+        self.model_accepts_loss_kwargs = True
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        wants_logits = not prediction_loss_only and (
+            self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None
+        )
+        if wants_logits or "labels" not in inputs:
+            return super().prediction_step(model, {**inputs, "return_logits": True}, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach().mean(), None, None
+
+    def _get_output_dir(self, trial):
+        return self._staging_dir or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        run_dir = super()._get_output_dir(trial)
+        os.makedirs(run_dir, exist_ok=True)
+        for stale in glob.glob(os.path.join(run_dir, STAGING_PREFIX + "*")):  # left by a killed save
+            shutil.rmtree(stale, ignore_errors=True)
+        self._staging_dir = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=run_dir)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            staging, self._staging_dir = self._staging_dir, None
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        target = os.path.join(run_dir, name)
+        if os.path.exists(target):
+            shutil.rmtree(target)
+        os.replace(os.path.join(staging, name), target)
+        shutil.rmtree(staging)
+        best = self.state.best_model_checkpoint
+        if best and best.startswith(staging):
+            self.state.best_model_checkpoint = run_dir + best[len(staging):]
+        if self.args.should_save:
+            rotate_checkpoints(
+                output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True,
+            )
