@@ -57,7 +57,7 @@ def test_shipped_recipes_load(name):
 
 def test_tiny_recipe_contents():
     recipe = load_recipe("tiny_qwen")
-    assert recipe.model.name_or_path == "builtin:tiny-qwen3" and recipe.model.load_in_4bit is False
+    assert recipe.model.name_or_path == "builtin:tiny-qwen3" and recipe.model.load_in_4bit is True
     assert recipe.model.dtype == "float32" and recipe.model.max_seq_length == 128
     assert recipe.lora == LoRASection(r=64, alpha=64, dropout=0.0, target_modules="all-linear")
     assert recipe.data.path == "builtin:arithmetic" and recipe.data.format == "chat"

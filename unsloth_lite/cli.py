@@ -139,16 +139,32 @@ def _save_atomically(write, target: pathlib.Path) -> None:
     os.replace(staging, target)
 
 
+def _as_trained_in_nf4(model: torch.nn.Module) -> None:
+    """Replaces each decoder linear weight by its NF4 round trip (bitsandbytes' quantisation, double quant,
+    block 64, then dequantisation): exactly the base the adapter was trained on with `load_in_4bit`."""
+    import bitsandbytes as bnb
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            weight = module.weight.data
+            packed, state = bnb.functional.quantize_4bit(
+                weight, blocksize=64, compress_statistics=True, quant_type="nf4"
+            )
+            weight.copy_(bnb.functional.dequantize_4bit(packed, state))
+
+
 def merge_and_save(recipe: Recipe, base_path: str, adapter_dir: pathlib.Path, target: pathlib.Path) -> None:
-    """A merged 16-bit model (the base in 16 bits plus the adapter) as safetensors, loadable by
-    `AutoModelForCausalLM`."""
+    """A merged 16-bit model loadable by `AutoModelForCausalLM`: the base as it was trained (NF4-dequantised
+    when trained in 4 bits) plus the adapter, in the recipe's dtype, or bfloat16 for a float32 recipe."""
     import transformers
     from peft import PeftModel
 
     dtype = torch_dtype(recipe.model.dtype)
-    dtype = torch.bfloat16 if dtype == torch.float32 and recipe.model.load_in_4bit else dtype
     base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, device_map="cpu")
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    if recipe.model.load_in_4bit:
+        _as_trained_in_nf4(base)
+    merged = PeftModel.from_pretrained(base.float(), adapter_dir).merge_and_unload()
+    merged = merged.to(dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
     _save_atomically(lambda d: merged.save_pretrained(d, safe_serialization=True), target)
 
 

@@ -39,7 +39,7 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 def build_tiny_qwen3(tokenizer, dtype: torch.dtype = torch.float32, seed: int = 0) -> Qwen3ForCausalLM:
     """A 2-layer Qwen3 (hidden 128, GQA 4/2 heads of 32) with random weights."""
     config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
