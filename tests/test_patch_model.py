@@ -39,23 +39,26 @@ def batch(device, vocab=151, size=(2, 11)):
     return input_ids, labels
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_patched_model_matches_unpatched(arch, device):
-    reference = tiny_model(arch, device)
+def assert_patched_matches(reference, loss_tol, grad_tol, device):
+    """Loss and every parameter gradient of a patched copy of `reference` against `reference` itself."""
     patched = patch_model(copy.deepcopy(reference))
     input_ids, labels = batch(device)
-
     expected = reference(input_ids=input_ids, labels=labels)
     expected.loss.backward()
     out = patched(input_ids=input_ids, labels=labels)
     out.loss.backward()
-
     assert out.logits is None  # labels given, logits not asked for: never formed
-    assert_close(out.loss, expected.loss, 1e-5, "loss")
+    assert_close(out.loss.float(), expected.loss.float(), loss_tol, "loss")
     grads = dict(reference.named_parameters())
     for name, param in patched.named_parameters():
         assert param.grad is not None, name
-        assert_close(param.grad, grads[name].grad, 1e-4, f"grad {name}")
+        assert_close(param.grad, grads[name].grad, grad_tol, f"grad {name}")
+    return patched
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_patched_model_matches_unpatched(arch, device):
+    assert_patched_matches(tiny_model(arch, device), 1e-5, 1e-4, device)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
@@ -84,17 +87,7 @@ def test_patched_loss_with_num_items_in_batch(device):
 
 
 def test_patched_bf16_model(device):
-    reference = tiny_model("qwen3", device, torch.bfloat16)
-    patched = patch_model(copy.deepcopy(reference))
-    input_ids, labels = batch(device)
-    expected = reference(input_ids=input_ids, labels=labels)
-    expected.loss.backward()
-    out = patched(input_ids=input_ids, labels=labels)
-    out.loss.backward()
-    assert_close(out.loss.float(), expected.loss.float(), 1e-2, "loss")
-    grads = dict(reference.named_parameters())
-    for name, param in patched.named_parameters():
-        assert_close(param.grad, grads[name].grad, 5e-2, f"grad {name}")
+    assert_patched_matches(tiny_model("qwen3", device, torch.bfloat16), 1e-2, 5e-2, device)
 
 
 def test_patched_generation_matches(device):
@@ -122,7 +115,7 @@ def test_patch_rejects_unsupported_model():
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(ValueError, match="model_type 'llama'.*supported: qwen2, qwen3"):
+    with pytest.raises(ValueError, match="model_type .llama.*supported: qwen2, qwen3, qwen3_5, qwen3_5_text"):
         patch_model(model)
 
 
@@ -131,3 +124,25 @@ def test_patch_names_the_missing_attribute(device):
     del model.model.layers[0].self_attn.q_norm
     with pytest.raises(RuntimeError, match="transformers .*Qwen3Attention has no q_norm.weight"):
         patch_model(model)
+
+
+def tiny_qwen3_5(device, dtype=torch.float32):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=151, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+    model = Qwen3_5ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # zero-centred: around 0
+                param.copy_(0.3 * torch.randn_like(param))
+    return model.to(device=device, dtype=dtype)
+
+
+def test_patched_qwen3_5_matches_unpatched(device):
+    patched = assert_patched_matches(tiny_qwen3_5(device), 1e-5, 1e-4, device)
+    assert patched.model.layers[1].mlp.__dict__.get("_unsloth_lite_patched")

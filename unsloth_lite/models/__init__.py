@@ -1,6 +1,6 @@
 """Per-architecture patching of Hugging Face Qwen modules onto the fused kernels."""
 
-from unsloth_lite.models import qwen2, qwen3  # noqa: F401  (each registers its table)
+from unsloth_lite.models import qwen2, qwen3, qwen3_5  # noqa: F401  (each registers its table)
 from unsloth_lite.models.loading import add_lora, load_model
 from unsloth_lite.models.patching import ARCHITECTURES, patch_model
 

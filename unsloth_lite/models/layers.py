@@ -88,6 +88,12 @@ def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return norm(hidden_states, self.weight, self.variance_epsilon)
 
 
+def zero_centred_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's RMSNorm: weights stored around 0, applied as (1 + weight)."""
+    norm = rms_norm if use_kernels(hidden_states) else rms_norm_reference
+    return norm(hidden_states, self.weight, self.eps, offset=1.0)
+
+
 def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     projections = _lora_projections(self, ("gate_proj", "up_proj", "down_proj"), x)
     if projections is not None:

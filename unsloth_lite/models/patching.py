@@ -57,7 +57,7 @@ def _attribute_missing(module: torch.nn.Module, dotted: str) -> bool:
 
 
 def patch_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Route every supported module of a Hugging Face Qwen2/Qwen3 causal LM (plain, 4-bit, PEFT-wrapped)
+    """Route every supported module of a Hugging Face Qwen2/Qwen3/Qwen3.5 causal LM (plain, 4-bit, PEFT-wrapped)
     through the fused kernels, in place; returns `model`. Patching twice changes nothing."""
     model_type = model_config(model).model_type
     if model_type not in ARCHITECTURES:
