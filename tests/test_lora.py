@@ -11,16 +11,16 @@ from unsloth_lite.kernels.lora import LoRAProjection, lora_mlp, lora_projections
 
 
 def make_projection(n_in, n_out, rank, device, dtype, nf4=False, bias=False):
-    weight = torch.randn(n_out, n_in, device="cpu", dtype=dtype) / n_in**0.5
+    weight = torch.randn(n_out, n_in, device=device, dtype=dtype) / n_in**0.5
     if nf4:
         packed, state = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
         base = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, quant_type="nf4", bnb_quantized=True)
         dense = bnb.functional.dequantize_4bit(packed, state)
     else:
         base = dense = weight
-    lora_a = (torch.randn(rank, n_in, dtype=dtype) / n_in**0.5).requires_grad_()
-    lora_b = (torch.randn(n_out, rank, dtype=dtype) / rank**0.5).requires_grad_()
-    b = torch.randn(n_out, dtype=dtype) if bias else None
+    lora_a = (torch.randn(rank, n_in, device=device, dtype=dtype) / n_in**0.5).requires_grad_()
+    lora_b = (torch.randn(n_out, rank, device=device, dtype=dtype) / rank**0.5).requires_grad_()
+    b = torch.randn(n_out, device=device, dtype=dtype) if bias else None
     projection = LoRAProjection(base, b, lora_a, lora_b, scale=1.7)
     return projection, dense
 
@@ -36,9 +36,9 @@ def leaf64(t):
 
 @pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-def test_lora_projections(nf4, dtype):
-    x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
-    made = [make_projection(64, n_out, 4, "cpu", dtype, nf4=nf4, bias=True) for n_out in (64, 32, 32)]
+def test_lora_projections(nf4, dtype, device):
+    x = torch.randn(3, 5, 64, device=device, dtype=dtype, requires_grad=True)
+    made = [make_projection(64, n_out, 4, device, dtype, nf4=nf4, bias=True) for n_out in (64, 32, 32)]
     projections = tuple(p for p, _ in made)
     outputs = lora_projections(x, projections)
     grads = [torch.randn_like(y) for y in outputs]
@@ -60,11 +60,11 @@ def test_lora_projections(nf4, dtype):
 
 @pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-def test_lora_mlp(nf4, dtype):
+def test_lora_mlp(nf4, dtype, device):
     hidden, inter = 64, 192
-    x = torch.randn(2, 7, hidden, dtype=dtype, requires_grad=True)
+    x = torch.randn(2, 7, hidden, device=device, dtype=dtype, requires_grad=True)
     shapes = ((hidden, inter), (hidden, inter), (inter, hidden))
-    made = [make_projection(*shape, 8, "cpu", dtype, nf4=nf4) for shape in shapes]
+    made = [make_projection(*shape, 8, device, dtype, nf4=nf4) for shape in shapes]
     out = lora_mlp(x, *(p for p, _ in made))
     grad = torch.randn_like(out)
     out.backward(grad)
@@ -83,10 +83,37 @@ def test_lora_mlp(nf4, dtype):
         assert_close(p.lora_b.grad, q.lora_b.grad, tol, f"{name} dB")
 
 
-def test_lora_mlp_backward_twice_raises():
-    x = torch.randn(4, 64, requires_grad=True)
-    made = [make_projection(*shape, 4, "cpu", torch.float32) for shape in ((64, 96), (64, 96), (96, 64))]
+def test_lora_mlp_backward_twice_raises(device):
+    x = torch.randn(4, 64, device=device, requires_grad=True)
+    made = [make_projection(*shape, 4, device, torch.float32) for shape in ((64, 96), (64, 96), (96, 64))]
     out = lora_mlp(x, *(p for p, _ in made))
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="cannot run twice"):
         out.sum().backward()
+
+
+@pytest.mark.gpu
+def test_lora_mlp_qwen3_8b_layer_nf4():
+    """One Qwen3-8B MLP (4096 -> 12288 -> 4096), NF4 bases, bf16, 2 x 512 tokens, against an fp32 reference."""
+    x = torch.randn(2, 512, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    shapes = ((4096, 12288), (4096, 12288), (12288, 4096))
+    made = [make_projection(*shape, 16, "cuda", torch.bfloat16, nf4=True) for shape in shapes]
+    out = lora_mlp(x, *(p for p, _ in made))
+    grad = torch.randn_like(out)
+    out.backward(grad)
+
+    def ref_projection(v, dense, p):
+        return v @ dense.float().t() + p.scale * (v @ p.lora_a.float().t()) @ p.lora_b.float().t()
+
+    x32 = x.detach().float().requires_grad_()
+    p32 = [LoRAProjection(None, None, p.lora_a.detach().float().requires_grad_(),
+                          p.lora_b.detach().float().requires_grad_(), p.scale) for p, _ in made]
+    gate = ref_projection(x32, made[0][1], p32[0])
+    up = ref_projection(x32, made[1][1], p32[1])
+    ref = ref_projection(F.silu(gate) * up, made[2][1], p32[2])
+    ref.backward(grad.float())
+    assert_close(out, ref, 1e-2, "out")
+    assert_close(x.grad, x32.grad, 1e-2, "dx")
+    for (p, _), q in zip(made, p32, strict=True):
+        assert_close(p.lora_a.grad, q.lora_a.grad, 2e-2, "dA")
+        assert_close(p.lora_b.grad, q.lora_b.grad, 2e-2, "dB")
