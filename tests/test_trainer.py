@@ -76,3 +76,19 @@ def test_trainer_evaluates_without_logits(tokenizer, tmp_path):
     # metrics that need logits get them
     ours.compute_metrics = lambda prediction: {"logit_rows": float(prediction.predictions.shape[0])}
     assert ours.evaluate()["eval_logit_rows"] == 12
+
+
+def test_trainer_with_gradient_checkpointing_and_lora(tokenizer, tmp_path):
+    """LoRA on a frozen base under non-reentrant checkpointing trains (the adapters get gradients)."""
+    from unsloth_lite import add_lora
+
+    model = add_lora(build_tiny_qwen3(tokenizer, torch.float32, seed=3), r=4, lora_alpha=8)
+    args = training_args(
+        tmp_path, max_steps=2, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainer = unsloth_lite.Trainer(model=model, args=args, train_dataset=dataset(tokenizer, 16, seed=4),
+                                   data_collator=PaddingCollator(tokenizer.pad_token_id))
+    trainer.train()
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert sorted(changed) == sorted(before)  # every adapter moved: B in step 1 (PEFT starts it at 0), A in step 2

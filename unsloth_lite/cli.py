@@ -189,8 +189,6 @@ def train(recipe: Recipe, merge: bool = False) -> int:
     model = add_lora(
         model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
     )
-    if training.get("gradient_checkpointing"):
-        model.enable_input_require_grads()
     trainable, total = model.get_nb_trainable_parameters()
     _log(f"LoRA r={lora.r}: {trainable:,} trainable of {total:,} parameters")
 

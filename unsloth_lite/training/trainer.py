@@ -34,6 +34,9 @@ class Trainer(transformers.Trainer):
             patch_model(model)
         self._staging_dir = None
         super().__init__(model, args, *positional, **kwargs)
+        if self.args.gradient_checkpointing and hasattr(self.model, "enable_input_require_grads"):
+            # Frozen embeddings (LoRA) would hand the first checkpointed layer inputs without grad.
+            self.model.enable_input_require_grads()
         # The patched forward takes num_items_in_batch and normalises by it (no division by the number of
         # accumulation steps afterwards), as Hugging Face's own causal-LM loss does.
         self.model_accepts_loss_kwargs = True
