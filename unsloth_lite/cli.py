@@ -34,8 +34,9 @@ def _chat_template(value: str) -> str:
 
 
 def load_base(recipe: Recipe, output_dir: pathlib.Path):
-    """(model, tokenizer) patched. The built-in tiny model is first written to `output_dir/base_model`, so the
-    adapter saved later points at a base that can be loaded again (for `--merge`, or by PEFT)."""
+    """(patched model, tokenizer, base path). The built-in tiny model is first written to
+    `output_dir/base_model`, so the adapter saved later points at a base that can be loaded again (for
+    `--merge`, or by PEFT)."""
     from unsloth_lite.models import load_model
     from unsloth_lite.training.tiny import TINY_MODEL, build_tiny_qwen3, build_tiny_tokenizer
 

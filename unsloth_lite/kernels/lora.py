@@ -19,10 +19,10 @@ The MLP, with projections gate (g), up (u) and down (d) and h = silu(g) ⊙ u:
 
 Saved: the layer input, the pre-activations g and u, and the rank-r products t. h (the largest activation
 after g and u) is not saved: the backward recomputes it from g and u. dg and du are written over g and u,
-which the backward no longer needs, so the MLP backward allocates one [tokens, intermediate] buffer (dh),
-not three. The base weight is never saved: a 4-bit weight is dequantised (`dequantize_nf4`) into one
-scratch buffer reused by every layer, forward and backward, and a frozen base gets no gradient. The
-matrix products run on cuBLAS.
+which the backward no longer needs, so beyond the recomputed h the MLP backward allocates one
+[tokens, intermediate] buffer (dh), not three. The base weight is never saved: a 4-bit weight is
+dequantised (`dequantize_nf4`) into one scratch buffer reused by every layer, forward and backward, and a
+frozen base gets no gradient. The matrix products run on cuBLAS.
 """
 
 from __future__ import annotations
