@@ -14,7 +14,8 @@ present. Every variant loads that checkpoint through its own loading path, decod
 q,k,v,o,gate,up,down; gradient checkpointing; torch AdamW (lr 1e-4) over the LoRA weights.
 
 Each variant runs in its own process (Unsloth and Liger patch transformers globally): the parent starts
-`scripts/bench_train.py --worker VARIANT --batch B ...`, which prints one JSON line with its results.
+`scripts/bench_train.py --worker VARIANT --batch-sizes 1,4 ...`, which loads the model once, measures each
+batch size in turn (peak statistics reset in between) and prints one JSON line for each.
 - `hf`: `AutoModelForCausalLM` (sdpa) + `peft.get_peft_model`. `peft.prepare_model_for_kbit_training` is not
   used: it upcasts every non-quantised weight (embeddings, lm_head, norms) to fp32, which is not what the
   other variants train with; `enable_input_require_grads` and non-reentrant checkpointing instead.
@@ -22,6 +23,9 @@ Each variant runs in its own process (Unsloth and Liger patch transformers globa
 - `unsloth`: `FastLanguageModel.from_pretrained` / `get_peft_model(use_gradient_checkpointing="unsloth")`,
   imported first, from `--unsloth-site` (prepended to the worker's PYTHONPATH).
 - `unsloth_lite`: `unsloth_lite.load_model` + `add_lora`, checkpointing as for `hf`.
+- `unsloth_lite_ckpt`, `unsloth_lite_offload` (only when named in `--variants`): the same with
+  `unsloth_lite.training.checkpointing.enable_gradient_checkpointing`, without and with the saved layer
+  inputs in pinned CPU memory.
 
 One step: forward with labels = input ids (the loss), backward, `optimizer.step()`, `zero_grad(set_to_none=True)`
 on a random token batch `[batch, seq]`; batch i comes from seed 1234 + i, so every variant sees the same batches
@@ -48,8 +52,10 @@ LoRA's own FLOPs (0.35 GFLOP/token at r=16) are left out, as in BENCHMARKS.md.
 
 `--max-seq`: for hf and unsloth_lite, the longest sequence (batch 1, a multiple of 256, at most the model's
 positions) that trains one step with `torch.cuda.set_per_process_memory_fraction` holding the process to
-`--memory-cap-gib`: doubling from `--seq` (halving if that fails), then bisection, each probe in a fresh
-worker, at most `--max-probes` probes; running out of memory is a failed probe.
+`--memory-cap-gib`: doubling from `--seq` (halving if that fails), then bisection, at most `--max-probes`
+probes, all in the variant's one worker (the model loads once; after a probe runs out of memory its
+tensors are freed and the allocator's cache emptied before the next); running out of memory is a failed
+probe, any other error ends the search.
 
 `--tiny`: a CPU smoke run through the same parent/worker path (a 2-layer qwen3, hidden 64, vocab 257, fp32,
 still NF4 through bitsandbytes' CPU backend, kernels in Triton's interpreter; no profile, no memory figures).
@@ -59,6 +65,7 @@ Workers never touch the network (HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -76,13 +83,19 @@ from bench_common import environment, markdown_table, matmul_tflops, write_json
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_RESULT "
 MARKER = "bench_train_checkpoint.json"
-ALL_VARIANTS = ("hf", "hf_liger", "unsloth", "unsloth_lite")
+DEFAULT_VARIANTS = ("hf", "hf_liger", "unsloth", "unsloth_lite")
+ALL_VARIANTS = (*DEFAULT_VARIANTS, "unsloth_lite_ckpt", "unsloth_lite_offload")
 TINY_VARIANTS = ("hf", "unsloth_lite")
 MAX_SEQ_VARIANTS = ("hf", "unsloth_lite")
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_R, LORA_ALPHA, LR = 16, 16, 1e-4
 SEED = 1234
 SEQ_MULTIPLE = 256
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 # Qwen3-8B's shape; the three special tokens (end of text, im_start, im_end) are the last ids of the vocabulary.
 W1 = dict(
@@ -135,10 +148,12 @@ def _tokenizer(c: dict):
     vocab = {specials.get(i, f"t{i}"): i for i in range(c["vocab_size"])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
     )
+    tokenizer.chat_template = CHATML  # so the checkpoint also trains through the recipes' instruction formats
+    return tokenizer
 
 
 def ensure_checkpoint(c: dict, workdir: str, dtype: torch.dtype, device: torch.device, name: str) -> Path:
@@ -221,14 +236,20 @@ def load_hf(path, device, dtype, seq, liger=False):
     return get_peft_model(model, config), {}
 
 
-def load_unsloth_lite(path, device, dtype, seq):
+def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf"):
+    """`checkpointing`: "hf" (Hugging Face's non-reentrant), "ours" (`enable_gradient_checkpointing`), or
+    "offload" (the same with the saved layer inputs in pinned CPU memory)."""
     import unsloth_lite
+    from unsloth_lite.training.checkpointing import enable_gradient_checkpointing
 
     kwargs = {"device_map": "cpu"} if device.type == "cpu" else {}
     model, _ = unsloth_lite.load_model(path, load_in_4bit=True, dtype=dtype, max_seq_length=seq, **kwargs)
-    _enable_checkpointing(model)
+    if checkpointing == "hf":
+        _enable_checkpointing(model)
     torch.manual_seed(SEED)
     model = unsloth_lite.add_lora(model, r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=TARGET_MODULES)
+    if checkpointing != "hf":
+        enable_gradient_checkpointing(model, offload_to_cpu=checkpointing == "offload")
     return model, {}
 
 
@@ -260,6 +281,8 @@ LOADERS = {
     "hf_liger": lambda path, device, dtype, seq: load_hf(path, device, dtype, seq, liger=True),
     "unsloth": load_unsloth,
     "unsloth_lite": load_unsloth_lite,
+    "unsloth_lite_ckpt": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "ours"),
+    "unsloth_lite_offload": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "offload"),
 }
 
 
@@ -268,7 +291,8 @@ def _checkpointed_layers(model) -> int | None:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:
         return None
-    return sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing for m in model.modules())
+    # Unsloth sets the flag to the string "unsloth"
+    return sum(isinstance(m, GradientCheckpointingLayer) and bool(m.gradient_checkpointing) for m in model.modules())
 
 
 def _count_kernels(prof) -> tuple[int, float] | tuple[None, None]:
@@ -290,35 +314,32 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def train(args) -> dict:
-    device = torch.device("cpu" if args.tiny else "cuda")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.set_device(0)
-        device = torch.device("cuda", 0)
-        if args.memory_cap_gib:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), device)
-    config = json.loads((Path(args.checkpoint) / "config.json").read_text())
-    out = {}
-
+def load(args, device, dtype) -> tuple:
+    """(model, optimizer, info) of the worker's variant."""
     start = time.perf_counter()
     model, info = LOADERS[args.worker](args.checkpoint, device, dtype, args.seq)
-    out.update(info)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR)
-    out["load_s"] = round(time.perf_counter() - start, 1)
-    out["trainable_params"] = sum(p.numel() for p in params)
-    out["checkpointed_layers"] = _checkpointed_layers(model)
+    info.update(
+        load_s=round(time.perf_counter() - start, 1), trainable_params=sum(p.numel() for p in params),
+        checkpointed_layers=_checkpointed_layers(model),
+    )
+    if device.type == "cuda":
+        _sync(device)
+        info["load_gib"] = torch.cuda.memory_allocated(device) / 2**30
+    return model, optimizer, info
 
-    profile = cuda and not args.no_profile
-    n_batches = args.warmup + args.steps + int(profile)
+
+def measure(args, model, optimizer, device, batch: int, seq: int, vocab: int, warmup: int, steps: int,
+            profile: bool) -> dict:
+    """Trains `warmup` + `steps` steps of `[batch, seq]` (docstring); times the last `steps`."""
+    cuda = device.type == "cuda"
+    out = {}
     batches = []
-    for i in range(n_batches):
+    for i in range(warmup + steps + int(profile)):
         generator = torch.Generator().manual_seed(SEED + i)
-        batches.append(torch.randint(0, config["vocab_size"], (args.batch, args.seq), generator=generator).to(device))
+        batches.append(torch.randint(0, vocab, (batch, seq), generator=generator).to(device))
 
     def step(ids):
         loss = model(input_ids=ids, labels=ids).loss
@@ -329,11 +350,10 @@ def train(args) -> dict:
 
     _sync(device)
     if cuda:
-        out["load_gib"] = torch.cuda.memory_allocated(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
     losses = []
     warmup_start = time.perf_counter()
-    for i in range(args.warmup):
+    for i in range(warmup):
         losses.append(step(batches[i]))
     _sync(device)
     out["warmup_s"] = round(time.perf_counter() - warmup_start, 1)
@@ -341,7 +361,7 @@ def train(args) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     times = []
-    for i in range(args.warmup, args.warmup + args.steps):
+    for i in range(warmup, warmup + steps):
         _sync(device)
         t0 = time.perf_counter()
         losses.append(step(batches[i]))
@@ -361,8 +381,8 @@ def train(args) -> dict:
         out["kernels_per_step"], out["kernel_ms"] = _count_kernels(prof)
     losses = [float(loss) for loss in losses]
     out.update(
-        step_s=sum(times) / len(times), step_s_min=min(times), step_s_max=max(times), first_loss=losses[0],
-        losses=losses,
+        step_s=sum(times) / len(times) if times else None, step_s_min=min(times, default=None),
+        step_s_max=max(times, default=None), first_loss=losses[0] if losses else None, losses=losses,
     )
     return out
 
@@ -371,17 +391,109 @@ def _is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
+def _error(error: BaseException) -> dict:
+    if _is_oom(error):
+        return dict(oom=True, error="OOM")
+    message = str(error).strip().splitlines()
+    return dict(error=f"{type(error).__name__}: {message[0] if message else ''}"[:300])
+
+
+def search_max_seq(probe, start: int, ceiling: int, max_probes: int) -> dict:
+    """Longest multiple of SEQ_MULTIPLE <= ceiling for which `probe(seq)` is True (fits), None if even the
+    shortest fails: doubling from `start` (halving while nothing fits yet), then bisection, at most
+    `max_probes` probes. `probe` returns None for a failure other than running out of memory, which ends
+    the search."""
+    probes = []
+    good, bad = None, None
+
+    def attempt(seq: int) -> bool | None:
+        ok = probe(seq)
+        probes.append(dict(seq=seq, ok=bool(ok)))
+        return ok
+
+    seq = min(ceiling, max(SEQ_MULTIPLE, start // SEQ_MULTIPLE * SEQ_MULTIPLE))
+    while len(probes) < max_probes:
+        ok = attempt(seq)
+        if ok is None:
+            return dict(max_seq=good, probes=probes)
+        if ok:
+            good = seq
+            if bad is not None or seq >= ceiling:
+                break
+            seq = min(ceiling, 2 * seq)
+        else:
+            bad = seq
+            if good is not None or seq <= SEQ_MULTIPLE:
+                break
+            seq = max(SEQ_MULTIPLE, seq // 2 // SEQ_MULTIPLE * SEQ_MULTIPLE)
+    while good is not None and bad is not None and bad - good > SEQ_MULTIPLE and len(probes) < max_probes:
+        mid = (good + bad) // 2 // SEQ_MULTIPLE * SEQ_MULTIPLE
+        ok = attempt(mid)
+        if ok is None:
+            break
+        good, bad = (mid, bad) if ok else (good, mid)
+    return dict(max_seq=good, first_failure=bad, probes=probes)
+
+
 def worker_main(args) -> int:
-    result = dict(variant=args.worker, batch=args.batch, seq=args.seq)
+    """Loads the variant once, then measures each batch size (or runs the --max-seq search) and prints one
+    result line for each."""
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+        if args.memory_cap_gib:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), device)
+    config = json.loads((Path(args.checkpoint) / "config.json").read_text())
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+
+    def report(result):
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+
     try:
-        result.update(train(args))
+        model, optimizer, info = load(args, device, dtype)
     except (Exception, SystemExit) as error:  # reported as this variant's error, never a crash of the whole run
         traceback.print_exc()
-        message = str(error).strip().splitlines()
-        result["error"] = f"{type(error).__name__}: {message[0] if message else ''}"[:300]
-        if _is_oom(error):
-            result.update(oom=True, error="OOM")
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+        for batch in batch_sizes:
+            report(dict(variant=args.worker, batch=batch, seq=args.seq, **_error(error)))
+        return 0
+
+    if args.max_seq:
+        def probe(seq: int) -> bool | None:
+            try:
+                measure(args, model, optimizer, device, 1, seq, config["vocab_size"], 0, 1, profile=False)
+                return True
+            except (Exception, SystemExit) as error:
+                failure = _error(error)
+                if not failure.get("oom"):
+                    traceback.print_exc()
+                    return None
+                return False
+            finally:
+                optimizer.zero_grad(set_to_none=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+
+        ceiling = config["max_position_embeddings"] // SEQ_MULTIPLE * SEQ_MULTIPLE
+        search = search_max_seq(probe, args.seq, ceiling, args.max_probes)
+        report(dict(variant=args.worker, memory_cap_gib=args.memory_cap_gib, load_gib=info.get("load_gib"), **search))
+        return 0
+
+    for batch in batch_sizes:
+        result = dict(variant=args.worker, batch=batch, seq=args.seq, **info)
+        try:
+            result.update(measure(args, model, optimizer, device, batch, args.seq, config["vocab_size"],
+                                  args.warmup, args.steps, profile=device.type == "cuda" and not args.no_profile))
+        except (Exception, SystemExit) as error:
+            traceback.print_exc()
+            result.update(_error(error))
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        report(result)
     return 0
 
 
@@ -406,19 +518,19 @@ def worker_env(variant: str, args) -> dict:
     return env
 
 
-def run_worker(args, checkpoint: Path, variant: str, batch: int, seq: int, steps: int, warmup: int,
-               profile: bool, memory_cap_gib: float | None = None) -> dict:
+def run_worker(args, checkpoint: Path, variant: str, batch_sizes: list[int], max_seq: bool = False) -> list[dict]:
+    """Runs one worker process for `variant`; returns its result lines (one per batch size, or the search)."""
     cmd = [
         sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--checkpoint", str(checkpoint),
-        "--batch", str(batch), "--seq", str(seq), "--steps", str(steps), "--warmup", str(warmup),
+        "--batch-sizes", ",".join(map(str, batch_sizes)), "--seq", str(args.seq), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--max-probes", str(args.max_probes),
     ]
-    if args.tiny:
-        cmd.append("--tiny")
-    if not profile:
-        cmd.append("--no-profile")
-    if memory_cap_gib:
-        cmd += ["--memory-cap-gib", str(memory_cap_gib)]
-    label = f"[{variant} b{batch} s{seq}]"
+    for flag, on in (("--tiny", args.tiny), ("--no-profile", args.no_profile), ("--max-seq", max_seq)):
+        if on:
+            cmd.append(flag)
+    if args.memory_cap_gib:
+        cmd += ["--memory-cap-gib", str(args.memory_cap_gib)]
+    label = f"[{variant} {'max-seq' if max_seq else 'b' + ','.join(map(str, batch_sizes))} s{args.seq}]"
     print(f"{label} starting", flush=True)
     start = time.perf_counter()
     proc = subprocess.Popen(
@@ -436,23 +548,24 @@ def run_worker(args, checkpoint: Path, variant: str, batch: int, seq: int, steps
         proc.wait()
     finally:
         timer.cancel()
-    results = [line[len(RESULT_PREFIX):] for line in lines if line.startswith(RESULT_PREFIX)]
-    if results:
-        result = json.loads(results[-1])
-    else:
+    results = [json.loads(line[len(RESULT_PREFIX):]) for line in lines if line.startswith(RESULT_PREFIX)]
+    if not results or (not max_seq and len(results) < len(batch_sizes)):
         tail = [line for line in lines if line.strip()][-15:]
         reason = "timed out" if proc.returncode in (-9, 137) else f"exited with {proc.returncode}"
-        result = dict(variant=variant, batch=batch, seq=seq, error=f"worker {reason}: {tail[-1] if tail else ''}")
+        done = {r.get("batch") for r in results}
+        results += [dict(variant=variant, batch=b, seq=args.seq, error=f"worker {reason}: {tail[-1] if tail else ''}")
+                    for b in ([None] if max_seq else [b for b in batch_sizes if b not in done])]
         print(f"{label} {reason}; last output:\n" + "\n".join(tail), flush=True)
-    if "error" in result and results and not args.verbose:
+    elif any("error" in r for r in results) and not args.verbose:
         print(f"{label} error; last output:\n" + "\n".join(lines[-15:]), flush=True)
-    status = result.get("error") or f"{batch * seq / result['step_s']:.0f} tokens/s"
-    print(f"{label} done in {time.perf_counter() - start:.0f} s: {status}", flush=True)
-    return result
-
-
-def _round(value, digits):
-    return round(value, digits) if isinstance(value, (int, float)) else value
+    for r in results:
+        if max_seq:
+            status = f"max_seq {r.get('max_seq')}" if "error" not in r else r["error"]
+        else:
+            status = r.get("error") or f"b{r['batch']}: {r['batch'] * r['seq'] / r['step_s']:.0f} tokens/s"
+        print(f"{label} {status}", flush=True)
+    print(f"{label} done in {time.perf_counter() - start:.0f} s", flush=True)
+    return results
 
 
 def summarise(results: list[dict], c: dict, peak_tflops: float) -> list[dict]:
@@ -483,44 +596,6 @@ def summarise(results: list[dict], c: dict, peak_tflops: float) -> list[dict]:
     return rows
 
 
-def search_max_seq(args, checkpoint: Path, variant: str, positions: int) -> dict:
-    """Longest batch-1 sequence (multiple of 256) that trains one step within the memory cap (docstring)."""
-    ceiling = positions // SEQ_MULTIPLE * SEQ_MULTIPLE
-    probes = []
-    good, bad = None, None
-
-    def probe(seq: int) -> bool | None:
-        r = run_worker(args, checkpoint, variant, 1, seq, steps=1, warmup=0, profile=False,
-                       memory_cap_gib=args.memory_cap_gib)
-        probes.append(dict(seq=seq, ok="error" not in r, error=r.get("error"), peak_gib=_round(r.get("peak_gib"), 2)))
-        if "error" in r and not r.get("oom"):
-            return None  # a failure other than running out of memory ends the search
-        return "error" not in r
-
-    seq = min(ceiling, max(SEQ_MULTIPLE, args.seq // SEQ_MULTIPLE * SEQ_MULTIPLE))
-    while len(probes) < args.max_probes:  # doubling (halving while nothing fits yet)
-        ok = probe(seq)
-        if ok is None:
-            return dict(variant=variant, max_seq=good, error=probes[-1]["error"], probes=probes)
-        if ok:
-            good = seq
-            if bad is not None or seq >= ceiling:
-                break
-            seq = min(ceiling, 2 * seq)
-        else:
-            bad = seq
-            if good is not None or seq <= SEQ_MULTIPLE:
-                break
-            seq = max(SEQ_MULTIPLE, seq // 2 // SEQ_MULTIPLE * SEQ_MULTIPLE)
-    while good is not None and bad is not None and bad - good > SEQ_MULTIPLE and len(probes) < args.max_probes:
-        mid = (good + bad) // 2 // SEQ_MULTIPLE * SEQ_MULTIPLE
-        ok = probe(mid)
-        if ok is None:
-            return dict(variant=variant, max_seq=good, error=probes[-1]["error"], probes=probes)
-        good, bad = (mid, bad) if ok else (good, mid)
-    return dict(variant=variant, max_seq=good, first_failure=bad, memory_cap_gib=args.memory_cap_gib, probes=probes)
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(ALL_VARIANTS)}")
@@ -535,12 +610,12 @@ def parse_args(argv=None):
     parser.add_argument("--memory-cap-gib", type=float, default=None, help="GPU memory cap (--max-seq: default 24)")
     parser.add_argument("--max-probes", type=int, default=8, help="--max-seq: probes per variant")
     parser.add_argument("--worker-timeout", type=float, default=1800, help="seconds before a worker is killed")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the workload's)")
     parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke run)")
     parser.add_argument("--verbose", action="store_true", help="echo the workers' output")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--worker", choices=ALL_VARIANTS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     tiny = args.tiny
     defaults = dict(batch_sizes="1" if tiny else "1,4", seq=32 if tiny else 2048, steps=2 if tiny else 8,
@@ -565,7 +640,7 @@ def main(argv=None) -> int:
     if args.variants:
         variants = [v for v in args.variants.split(",") if v]
     else:
-        variants = list(MAX_SEQ_VARIANTS if args.max_seq else TINY_VARIANTS if args.tiny else ALL_VARIANTS)
+        variants = list(MAX_SEQ_VARIANTS if args.max_seq else TINY_VARIANTS if args.tiny else DEFAULT_VARIANTS)
     unknown = sorted(set(variants) - set(ALL_VARIANTS))
     if unknown:
         print(f"unknown variants {unknown}; choose from {','.join(ALL_VARIANTS)}", file=sys.stderr)
@@ -574,6 +649,8 @@ def main(argv=None) -> int:
         print("--max-seq needs a GPU", file=sys.stderr)
         return 2
     c = TINY if args.tiny else W1
+    if args.layers:
+        c = dict(c, num_hidden_layers=args.layers)
     dtype = torch.float32 if args.tiny else torch.bfloat16
 
     checkpoint = ensure_checkpoint(c, args.workdir, dtype, device, "tiny_qwen3" if args.tiny else "qwen3_8b_shape")
@@ -598,19 +675,17 @@ def main(argv=None) -> int:
     payload = dict(environment=env, matmul_size=matmul_size, matmul_TFLOPs=peak_tflops, workload=workload)
 
     if args.max_seq:
-        searches = [search_max_seq(args, checkpoint, v, c["max_position_embeddings"]) for v in variants]
+        searches = [r for v in variants for r in run_worker(args, checkpoint, v, [1], max_seq=True)]
         print(markdown_table(searches, ["variant", "max_seq", "first_failure", "memory_cap_gib", "error"]))
-        for s in searches:
-            print(f"{s['variant']} probes: " + ", ".join(f"{p['seq']}:{'ok' if p['ok'] else p['error']}"
-                                                         for p in s["probes"]))
+        for search in searches:
+            print(f"{search['variant']} probes: "
+                  + ", ".join(f"{p['seq']}:{'ok' if p['ok'] else 'no'}" for p in search.get("probes", [])))
         write_json(args.out, dict(payload, max_seq=searches))
         return 0
 
-    results = []
-    for batch in [int(b) for b in args.batch_sizes.split(",") if b]:
-        for variant in variants:
-            results.append(run_worker(args, checkpoint, variant, batch, args.seq, args.steps, args.warmup,
-                                      profile=not args.no_profile, memory_cap_gib=args.memory_cap_gib))
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    results = [r for variant in variants for r in run_worker(args, checkpoint, variant, batch_sizes)]
+    results.sort(key=lambda r: (r.get("batch") or 0, variants.index(r["variant"])))
     rows = summarise(results, c, peak_tflops)
     columns = ["variant", "batch", "seq", "tokens_per_s", "step_ms", "peak_gib", "load_gib", "first_loss",
                "loss_rel_diff", "kernels_per_step", "gpu_busy", "MFU", "HFU", "error"]

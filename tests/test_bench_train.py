@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -58,27 +57,42 @@ def test_flop_accounting_matches_benchmarks():
     assert flops["total"] == pytest.approx(46.9e9, rel=1e-3)
 
 
-def _search(bt, monkeypatch, fits, max_probes=8, seq=2048, fail_with="OOM"):
-    def fake_worker(args, checkpoint, variant, batch, seq, steps, warmup, profile, memory_cap_gib=None):
-        assert (batch, steps, warmup, profile, memory_cap_gib) == (1, 1, 0, False, 24.0)
-        if fits(seq):
-            return dict(variant=variant, batch=1, seq=seq, step_s=1.0, peak_gib=1.0)
-        return dict(variant=variant, batch=1, seq=seq, error=fail_with, oom=fail_with == "OOM")
+def _search(bt, fits, max_probes=8, seq=2048, crash=False):
+    """The search over a probe that fits when `fits(seq)`, else runs out of memory (or, with `crash`, fails
+    otherwise: None)."""
+    def probe(s):
+        return True if fits(s) else (None if crash else False)
 
-    monkeypatch.setattr(bt, "run_worker", fake_worker)
-    args = SimpleNamespace(seq=seq, max_probes=max_probes, memory_cap_gib=24.0)
-    return bt.search_max_seq(args, Path("unused"), "hf", positions=40960)
+    return bt.search_max_seq(probe, seq, 40960, max_probes)
 
 
-def test_max_seq_search(monkeypatch):
+def test_max_seq_search():
     bt = bench_train()
-    found = _search(bt, monkeypatch, lambda s: s <= 9000)
+    found = _search(bt, lambda s: s <= 9000)
     assert [p["seq"] for p in found["probes"]] == [2048, 4096, 8192, 16384, 12288, 10240, 9216, 8704]
     assert (found["max_seq"], found["first_failure"]) == (8704, 9216)
-    assert _search(bt, monkeypatch, lambda s: s <= 9000, max_probes=20)["max_seq"] == 8960
-    assert _search(bt, monkeypatch, lambda s: s <= 1000)["max_seq"] == 768  # halving first
-    everything = _search(bt, monkeypatch, lambda s: True)
+    assert _search(bt, lambda s: s <= 9000, max_probes=20)["max_seq"] == 8960
+    assert _search(bt, lambda s: s <= 1000)["max_seq"] == 768  # halving first
+    everything = _search(bt, lambda s: True)
     assert everything["max_seq"] == 40960 and len(everything["probes"]) == 6
-    assert _search(bt, monkeypatch, lambda s: False)["max_seq"] is None
-    crashed = _search(bt, monkeypatch, lambda s: s <= 4096, fail_with="RuntimeError: boom")
-    assert crashed["max_seq"] == 4096 and crashed["error"] == "RuntimeError: boom"
+    assert _search(bt, lambda s: False)["max_seq"] is None
+    crashed = _search(bt, lambda s: s <= 4096, crash=True)
+    assert crashed["max_seq"] == 4096 and crashed["probes"][-1] == dict(seq=8192, ok=False)
+
+
+def test_random_alpaca_records(tmp_path):
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    random_alpaca = importlib.import_module("random_alpaca")
+    path = tmp_path / "alpaca.jsonl"
+    assert random_alpaca.main([str(path), "--vocab", "300", "--records", "5", "--words", "41"]) == 0
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 5
+    for record in records:
+        words = (record["instruction"] + " " + record["output"]).split()
+        assert len(words) == 41 and record["input"] == ""
+        assert all(w.startswith("t") and 0 <= int(w[1:]) < 297 for w in words)
+
+    from unsloth_lite.training.data import load_records
+
+    assert len(load_records(str(path))) == 5

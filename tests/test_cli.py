@@ -40,9 +40,11 @@ def test_tiny_recipe_trains_saves_and_merges(tmp_path):
     result = run(f"training.output_dir={out}", "training.max_steps=8", *QUICK, "--merge")
     assert result.returncode == 0, result.stderr[-3000:]
     for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "trainer_state.json",
-                 "loss.png", "recipe.yaml", "merged/config.json", "merged/model.safetensors"):
+                 "loss.png", "recipe.yaml", "train_summary.json", "merged/config.json", "merged/model.safetensors"):
         assert (out / name).exists(), name
     assert len(losses(out)) == 8
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["train_tokens"] > 8 and summary["tokens_per_s"] > 0, summary
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -117,6 +119,19 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("unsloth-lite-train: error:") and message in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_tokenizer_without_chat_template_is_exit_2(tmp_path):
+    from unsloth_lite.training.tiny import build_tiny_qwen3, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_qwen3(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "model")
+    result = run(f"training.output_dir={tmp_path / 'out'}", f"model.name_or_path={tmp_path / 'model'}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "data.chat_template" in lines[0] and "no chat template" in lines[0], result.stderr
 
 
 def test_missing_recipe_file_is_exit_2(tmp_path):

@@ -135,12 +135,12 @@ def test_flce_int32_labels(device):
 
 
 def test_flce_chunk_rows():
-    # The largest power of two of rows whose logits fit the budget: 512 at both Qwen vocabularies (bf16).
-    assert flce.chunk_rows(16384, 151936, 2) == 512
+    # The most rows whose logits fit the budget, a multiple of 256: 768 and 512 at the Qwen vocabularies (bf16).
+    assert flce.chunk_rows(16384, 151936, 2) == 768
     assert flce.chunk_rows(16384, 248320, 2) == 512
-    assert 512 * 248320 * 2 <= flce.CHUNK_BYTES < 256 * 2**20
+    assert 768 * 151936 * 2 <= flce.CHUNK_BYTES < 256 * 2**20
     assert flce.chunk_rows(16384, 151936, 4) == 256  # fp32 logits
-    assert flce.chunk_rows(16384, 151936, 2, trained_weight=True) == 4096
+    assert flce.chunk_rows(16384, 151936, 2, trained_weight=True) == 6912
     assert flce.chunk_rows(100, 1000, 2) == 100  # at most N
     assert flce.chunk_rows(16384, 2**20, 2) == 64  # 120 rows fit: a power of two
     assert flce.chunk_rows(10, 2**30, 2) == 1  # at least 1

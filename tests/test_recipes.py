@@ -110,6 +110,15 @@ def test_overrides_apply_with_types():
     assert recipe.training["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
 
 
+def test_overrides_keep_text_where_a_key_takes_text():
+    # YAML reads `no` as false and `1` as an int; these keys take strings, so the text is kept as written.
+    recipe = load_recipe("tiny_qwen", ["training.save_strategy=no", "training.report_to=none", "data.split=1"])
+    assert recipe.training["save_strategy"] == "no"
+    assert recipe.data.split == "1"
+    # a key that takes a bool still gets one
+    assert load_recipe("tiny_qwen", ["training.bf16=no"]).training["bf16"] is False
+
+
 def test_defaults_and_optional_sections(tmp_path):
     raw = {k: v for k, v in BASE.items() if k not in ("lora", "seed")}
     recipe = load_recipe(write(tmp_path, raw))

@@ -7,6 +7,7 @@ input (a recipe key, a path, a checkpoint that is not Qwen) is reported in one l
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import pathlib
@@ -33,6 +34,21 @@ def _chat_template(value: str) -> str:
     return pathlib.Path(value).read_text() if os.path.isfile(value) else value
 
 
+def _check_chat_template(path: str, data_format: str, trust_remote_code: bool) -> None:
+    """Fails before the (long) model load if the instruction formats would find no chat template."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return  # no loadable tokenizer: load_model's own error names the path
+    if not tokenizer.chat_template:
+        raise RecipeError(
+            f"data.chat_template: the tokenizer of {path} has no chat template, which the {data_format} format "
+            "needs; give one (a Jinja template or a .jinja file)"
+        )
+
+
 def load_base(recipe: Recipe, output_dir: pathlib.Path):
     """(patched model, tokenizer, base path). The built-in tiny model is first written to
     `output_dir/base_model`, so the adapter saved later points at a base that can be loaded again (for
@@ -49,6 +65,8 @@ def load_base(recipe: Recipe, output_dir: pathlib.Path):
             tokenizer = build_tiny_tokenizer()
             build_tiny_qwen3(tokenizer, dtype, seed=recipe.seed).save_pretrained(path)
             tokenizer.save_pretrained(path)
+    if recipe.data.format in ("alpaca", "chat") and not recipe.data.chat_template:
+        _check_chat_template(str(path), recipe.data.format, spec.trust_remote_code)
     device_map = "cpu" if recipe.training.get("use_cpu") or not torch.cuda.is_available() else None
     kwargs = {"device_map": device_map} if device_map else {}
     if spec.trust_remote_code:
@@ -169,6 +187,16 @@ def merge_and_save(recipe: Recipe, base_path: str, adapter_dir: pathlib.Path, ta
     _save_atomically(lambda d: merged.save_pretrained(d, safe_serialization=True), target)
 
 
+def throughput_summary(tokens_seen: int, metrics: dict) -> dict:
+    """Tokens trained (padding excluded) per second of this run's training loop, and peak GPU memory."""
+    runtime = metrics.get("train_runtime") or float("nan")
+    summary = {"train_tokens": int(tokens_seen), "train_runtime_s": round(runtime, 1),
+               "tokens_per_s": round(tokens_seen / runtime, 1)}
+    if torch.cuda.is_available():
+        summary["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return summary
+
+
 def train(recipe: Recipe, merge: bool = False) -> int:
     import transformers
 
@@ -198,6 +226,7 @@ def train(recipe: Recipe, merge: bool = False) -> int:
     _log(f"{len(train_set):,} training rows" + (f", {len(eval_set):,} held out" if eval_set is not None else ""))
     if eval_set is None and training.get("eval_strategy", "no") != "no":
         training["eval_strategy"] = "no"
+    training.setdefault("include_num_input_tokens_seen", "non_padding")  # for the throughput summary
     args = transformers.TrainingArguments(**training, seed=recipe.seed)
     callbacks = []
     if recipe.data.path == ARITHMETIC_DATA and held_out is not None:
@@ -206,7 +235,12 @@ def train(recipe: Recipe, merge: bool = False) -> int:
         model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
         data_collator=PaddingCollator(tokenizer.pad_token_id), processing_class=tokenizer, callbacks=callbacks,
     )
-    trainer.train(resume_from_checkpoint=resume)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    result = trainer.train(resume_from_checkpoint=resume)
+    summary = throughput_summary(trainer.state.num_input_tokens_seen, result.metrics)
+    _log(", ".join(f"{key} {value}" for key, value in summary.items()))
+    (output_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if eval_set is not None:
         trainer.evaluate()
 

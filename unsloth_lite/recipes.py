@@ -471,7 +471,33 @@ def _apply_override(raw: dict, override: str) -> None:
         node = node[key]
     if not isinstance(node, dict):
         raise RecipeError(f"override {override!r}: {'.'.join(keys[:-1])} is not a mapping")
-    node[keys[-1]] = value
+    node[keys[-1]] = _as_text_where_expected(value, text.strip(), _override_type(section, keys))
+
+
+def _override_type(section: str, keys: list[str]) -> Any:
+    """The annotation of the key an override sets (Any below the top level of a field)."""
+    if len(keys) != 2:
+        return Any
+    if section in SECTIONS:
+        return typing.get_type_hints(SECTIONS[section]).get(keys[1], Any)
+    return _training_fields().get(keys[1], Any)
+
+
+def _as_text_where_expected(value: Any, text: str, tp: Any) -> Any:
+    """YAML reads `no`, `off` or `1e-3` as a bool or a number; where the key takes text and not what YAML
+    made of it (`training.save_strategy=no`), the text as written."""
+    if isinstance(value, str) or value is None:
+        return value
+    try:
+        _check(value, tp)
+        return value
+    except _Mismatch:
+        pass
+    try:
+        _check(text, tp)
+        return text
+    except _Mismatch:
+        return value  # reported, with the key and the expected type, when the section is checked
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ frozen base gets no gradient. The matrix products run on cuBLAS.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -80,29 +81,58 @@ def base_weight(projection: LoRAProjection, dtype: torch.dtype) -> torch.Tensor:
     return weight if weight.dtype == dtype else weight.to(dtype)
 
 
-def _project(x2d: torch.Tensor, p: LoRAProjection):
-    """(y, t): the projection of rows `x2d` and its rank-r product t = x Aᵀ. The adapter runs in the input's
-    dtype (PEFT keeps fp32 adapters; autograd casts their gradients back)."""
-    weight = base_weight(p, x2d.dtype)
-    y = torch.matmul(x2d, weight.t()) if p.bias is None else torch.addmm(p.bias.to(x2d.dtype), x2d, weight.t())
-    t = torch.matmul(x2d, p.lora_a.to(x2d.dtype).t())
-    y.addmm_(t, p.lora_b.to(x2d.dtype).t(), alpha=p.scale)
-    return y, t
+class _Adapters:
+    """The adapters of projections that share one input, in the compute dtype, formed once per forward and
+    kept for the backward (rank-sized, so cheap to keep): every A stacked into one `[Σr, in]` matrix, so one
+    product gives all the rank-r products t, and each B pre-multiplied by its scale s (one kernel with the
+    cast), so the forward's update and the backward's u = dy (sB) need no scaling of their own."""
+
+    def __init__(self, projections, dtype: torch.dtype):
+        a = [p.lora_a for p in projections]
+        if len(a) == 1:
+            self.a = a[0].to(dtype)
+        else:
+            self.a = torch.cat(a, out=a[0].new_empty((sum(t.shape[0] for t in a), a[0].shape[1]), dtype=dtype))
+        self.scaled_b = [
+            torch.mul(p.lora_b, p.scale, out=p.lora_b.new_empty(p.lora_b.shape, dtype=dtype)) for p in projections
+        ]
+        ends = itertools.accumulate(t.shape[0] for t in a)
+        self.slices = [slice(end - t.shape[0], end) for t, end in zip(a, ends, strict=True)]
 
 
-def _project_backward(dy: torch.Tensor, x2d: torch.Tensor, t: torch.Tensor, p: LoRAProjection, dx: torch.Tensor | None):
-    """(dx, dA, dB), dx accumulated into `dx` (created when None)."""
-    lora_a, lora_b = p.lora_a.to(dy.dtype), p.lora_b.to(dy.dtype)
-    u = torch.matmul(dy, lora_b)
-    d_lora_b = torch.matmul(dy.t(), t).mul_(p.scale)
-    d_lora_a = torch.matmul(u.t(), x2d).mul_(p.scale)
-    weight = base_weight(p, dy.dtype)
-    if dx is None:
-        dx = torch.matmul(dy, weight)
-    else:
-        dx.addmm_(dy, weight)
-    dx.addmm_(u, lora_a, alpha=p.scale)
-    return dx, d_lora_a, d_lora_b
+def _project_all(x2d: torch.Tensor, projections, adapters: _Adapters):
+    """(outputs, t): the projections of rows `x2d`, and the rank-r products t = x Aᵀ of all of them `[N, Σr]`.
+    The adapters run in the input's dtype (PEFT keeps fp32 adapters; autograd casts their gradients back)."""
+    t = torch.matmul(x2d, adapters.a.t())
+    outputs = []
+    for p, rows, scaled_b in zip(projections, adapters.slices, adapters.scaled_b, strict=True):
+        weight = base_weight(p, x2d.dtype)
+        y = torch.matmul(x2d, weight.t()) if p.bias is None else torch.addmm(p.bias.to(x2d.dtype), x2d, weight.t())
+        outputs.append(y.addmm_(t[:, rows], scaled_b.t()))
+    return outputs, t
+
+
+def _project_all_backward(grads, x2d: torch.Tensor, t: torch.Tensor, projections, adapters: _Adapters, dx=None):
+    """(dx, adapter gradients as [dA, dB] per projection); dx accumulated into `dx` (created when None)."""
+    # uᵀ of every projection stacked `[Σr, N]`: contiguous row blocks, so each is written by its own product and
+    # dA and the adapters' share of dx take one product each.
+    u_t = torch.empty((adapters.a.shape[0], x2d.shape[0]), dtype=x2d.dtype, device=x2d.device)
+    zero = x2d.new_zeros(())
+    d_lora_b = []
+    for dy, p, rows, scaled_b in zip(grads, projections, adapters.slices, adapters.scaled_b, strict=True):
+        torch.matmul(scaled_b.t(), dy.t(), out=u_t[rows])  # s · (dy B)ᵀ
+        d_lora_b.append(torch.addmm(zero, dy.t(), t[:, rows], beta=0, alpha=p.scale))
+        weight = base_weight(p, dy.dtype)
+        if dx is None:
+            dx = torch.matmul(dy, weight)
+        else:
+            dx.addmm_(dy, weight)
+    d_lora_a = torch.matmul(u_t, x2d)
+    dx.addmm_(u_t.t(), adapters.a)
+    grads = []
+    for rows, d_b in zip(adapters.slices, d_lora_b, strict=True):
+        grads += [d_lora_a[rows], d_b]
+    return dx, grads
 
 
 def _adapter_args(projections):
@@ -113,22 +143,20 @@ class LoRAProjectionsFunction(torch.autograd.Function):
     """Several projections of one input (q, k, v; or o alone): one saved input, one dx accumulation."""
 
     @staticmethod
-    def forward(ctx, x, projections, *adapters):
+    def forward(ctx, x, projections, *adapter_weights):
         x2d = x.reshape(-1, x.shape[-1])
-        outputs, ranks = zip(*(_project(x2d, p) for p in projections), strict=True)
-        ctx.projections = projections
+        adapters = _Adapters(projections, x2d.dtype)
+        outputs, t = _project_all(x2d, projections, adapters)
+        ctx.projections, ctx.adapters = projections, adapters
         ctx.input_shape = x.shape
-        ctx.save_for_backward(x2d, *ranks)
+        ctx.save_for_backward(x2d, t)
         return tuple(y.view(*x.shape[:-1], p.out_features) for y, p in zip(outputs, projections, strict=True))
 
     @staticmethod
     def backward(ctx, *grads):
-        x2d, *ranks = ctx.saved_tensors
-        dx = None
-        adapter_grads = []
-        for dy, t, p in zip(grads, ranks, ctx.projections, strict=True):
-            dx, d_a, d_b = _project_backward(dy.reshape(-1, p.out_features), x2d, t, p, dx)
-            adapter_grads += [d_a, d_b]
+        x2d, t = ctx.saved_tensors
+        grads = [dy.reshape(-1, p.out_features) for dy, p in zip(grads, ctx.projections, strict=True)]
+        dx, adapter_grads = _project_all_backward(grads, x2d, t, ctx.projections, ctx.adapters)
         return (dx.view(ctx.input_shape), None, *adapter_grads)
 
 
@@ -136,33 +164,34 @@ class LoRAMLPFunction(torch.autograd.Function):
     """down(silu(gate(x)) ⊙ up(x)), each projection with its adapter."""
 
     @staticmethod
-    def forward(ctx, x, projections, *adapters):
+    def forward(ctx, x, projections, *adapter_weights):
         gate, up, down = projections
         x2d = x.reshape(-1, x.shape[-1])
-        g, t_gate = _project(x2d, gate)
-        u, t_up = _project(x2d, up)
+        gate_up = _Adapters((gate, up), x2d.dtype)
+        (g, u), t_gate_up = _project_all(x2d, (gate, up), gate_up)
         h = _swiglu_forward(g, u)
-        out, t_down = _project(h, down)
-        ctx.projections = projections
+        down_adapters = _Adapters((down,), x2d.dtype)
+        (out,), t_down = _project_all(h, (down,), down_adapters)
+        ctx.projections, ctx.adapters = projections, (gate_up, down_adapters)
         ctx.input_shape = x.shape
-        ctx.save_for_backward(x2d, g, u, t_gate, t_up, t_down)
+        ctx.save_for_backward(x2d, g, u, t_gate_up, t_down)
         return out.view(*x.shape[:-1], down.out_features)
 
     @staticmethod
     def backward(ctx, dout):
         gate, up, down = ctx.projections
-        x2d, g, u, t_gate, t_up, t_down = ctx.saved_tensors
+        gate_up, down_adapters = ctx.adapters
+        x2d, g, u, t_gate_up, t_down = ctx.saved_tensors
         if getattr(ctx, "buffers_reused", False):
             raise RuntimeError("the LoRA MLP backward reuses its saved activations and cannot run twice")
         ctx.buffers_reused = True
         dout2d = dout.reshape(-1, down.out_features)
         h = _swiglu_forward(g, u)
-        dh, d_down_a, d_down_b = _project_backward(dout2d, h, t_down, down, None)
+        dh, down_grads = _project_all_backward([dout2d], h, t_down, (down,), down_adapters)
         del h
         dg, du = _swiglu_backward(dh, g, u, out=(g, u))  # g and u are dead from here on
-        dx, d_gate_a, d_gate_b = _project_backward(dg, x2d, t_gate, gate, None)
-        dx, d_up_a, d_up_b = _project_backward(du, x2d, t_up, up, dx)
-        return (dx.view(ctx.input_shape), None, d_gate_a, d_gate_b, d_up_a, d_up_b, d_down_a, d_down_b)
+        dx, gate_up_grads = _project_all_backward([dg, du], x2d, t_gate_up, (gate, up), gate_up)
+        return (dx.view(ctx.input_shape), None, *gate_up_grads, *down_grads)
 
 
 def lora_projections(x: torch.Tensor, projections: tuple[LoRAProjection, ...]) -> tuple[torch.Tensor, ...]:

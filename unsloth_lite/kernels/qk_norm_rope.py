@@ -14,8 +14,14 @@ rotation with (m_lo, m_hi) = (s_hi, -s_lo)). Then, as for RMSNorm, with x̂ = x 
 Nothing but the inputs and cos/sin is saved: r is a sum over the D elements the backward loads anyway, so it
 is recomputed instead of stored. Each element of q and k is read once and written once in each direction;
 q and k arrive as transposed views `[B, H, S, D]` of `[B, S, H, D]` and are addressed through their strides.
-Programs take blocks of head vectors as in `rope.py`; when weight gradients are wanted each program walks a
-run of blocks and writes one fp32 partial row, and `sum_partials` adds the rows.
+Programs take blocks of head vectors. The forward loads them as `rope.py` does, in segments (lo, hi, rest),
+each element once. The backward holds two row sums (x·x and the dot product) and, for dw, column sums: it
+loads each vector whole as one `[BLOCK_R, D]` tile, one layout for every value, so that no sum has to move
+between the segments' layouts, and loads rotate_half's partner elements a second time at permuted columns,
+from the cache lines just read. (Measured on an H200: segments make the forward 8-25% faster, whole tiles
+make the backward at Qwen3.5's D = 256 with 64 rotary dims 1.5x faster and at D = 128 12% slower.) When
+weight gradients are wanted each backward program walks a run of blocks and writes one fp32 partial row,
+and `sum_partials` adds the rows.
 """
 
 from __future__ import annotations
@@ -44,8 +50,42 @@ from unsloth_lite.kernels.utils import (
     sum_partials,
 )
 
-# The backward holds twice the live values of rope's, so its tiles are half as large.
-TILE_ELEMENTS = 1024
+# Elements of head vectors per program, forward and backward (the best of a sweep on an H200 at Qwen3's
+# D = 128 and Qwen3.5's D = 256 with a 64-wide rotary part).
+FORWARD_TILE_ELEMENTS = 1024
+BACKWARD_TILE_ELEMENTS = 512
+
+
+def forward_launch_config(head_dim: int, rotary_dim: int) -> dict:
+    """Segments as in `rope.py`; BLOCK_R head vectors of about FORWARD_TILE_ELEMENTS, 1 warp below 512
+    rotary elements a program, else 2."""
+    config = rope_launch_config(head_dim, rotary_dim)
+    row = 2 * config["BLOCK_HALF"] + (config["BLOCK_PASS"] if config["HAS_PASS"] else 0)
+    rows = max(1, FORWARD_TILE_ELEMENTS // row)
+    block_r = 1 << (rows.bit_length() - 1)
+    return dict(config, BLOCK_R=block_r, num_warps=1 if block_r * config["BLOCK_HALF"] < 512 else 2)
+
+
+def backward_launch_config(head_dim: int) -> dict:
+    """Whole head vectors, BLOCK_R of them, about BACKWARD_TILE_ELEMENTS elements, one warp."""
+    block_d = triton.next_power_of_2(head_dim)
+    rows = max(1, BACKWARD_TILE_ELEMENTS // block_d)
+    return dict(BLOCK_R=1 << (rows.bit_length() - 1), BLOCK_D=block_d, num_warps=1)
+
+
+@triton.jit
+def _rotation_columns(head_dim, half, BLOCK_D: tl.constexpr):
+    """Columns [1, BLOCK_D], their mask, which of them rotate, and each rotating column's partner (the other
+    half's element at the same offset; rotate_half pairs column j < R/2 with j + R/2)."""
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    rotary = cols < 2 * half
+    partner = tl.where(cols < half, cols + half, cols - half)
+    return cols, cols < head_dim, rotary, partner
+
+
+@triton.jit
+def _load(ptr, offsets, mask, ACC: tl.constexpr):
+    return tl.load(ptr + offsets, mask=mask, other=0.0).to(ACC)
 
 
 @triton.jit
@@ -99,49 +139,30 @@ def _norm_rope_backward_block(
     dx_ptr, dx_sb, dx_sh, dx_ss, dx_sd,
     cos_ptr, cos_sb, cos_ss, cos_sr,
     sin_ptr, sin_sb, sin_ss, sin_sr,
-    w_lo, w_hi, w_rest, first_row, n_rows, n_heads, seq_len, half, n_pass, head_dim, eps,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    HAS_PASS: tl.constexpr, ACC: tl.constexpr,
+    w, first_row, n_rows, n_heads, seq_len, half, head_dim, eps,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):
-    """dx of BLOCK_R head vectors; returns their dw contributions (lo, hi, rest), dead code when unused."""
+    """dx of BLOCK_R head vectors; returns their dw contribution `[BLOCK_D]`, dead code when unused."""
     mask_rows, b, s, head = head_rows(first_row, n_rows, n_heads, seq_len, BLOCK_R)
+    cols, mask_cols, rotary, partner = _rotation_columns(head_dim, half, BLOCK_D)
     dy_rows = b * dy_sb + s * dy_ss + head * dy_sh
-    x_rows = b * x_sb + s * x_ss + head * x_sh
+    mask = mask_rows & mask_cols
+    mask_rot = mask_rows & rotary
+    dy = _load(dy_ptr, dy_rows + cols * dy_sd, mask, ACC)
+    dy_partner = _load(dy_ptr, dy_rows + partner * dy_sd, mask_rot, ACC)
+    x = _load(x_ptr, b * x_sb + s * x_ss + head * x_sh + cols * x_sd, mask, ACC)
+    cos = _load(cos_ptr, b * cos_sb + s * cos_ss + cols * cos_sr, mask_rot, ACC)
+    sin_partner = _load(sin_ptr, b * sin_sb + s * sin_ss + partner * sin_sr, mask_rot, ACC)
+    # g = Rᵀ(dy): g_lo = dy_lo c_lo + dy_hi s_hi, g_hi = dy_hi c_hi - dy_lo s_lo
+    g = tl.where(rotary, dy * cos + dy_partner * tl.where(cols < half, sin_partner, -sin_partner), dy)
+    rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / head_dim + eps))[:, None]
+    x_hat = x * rstd
+    gw = g * w
+    mean_dot = (tl.sum(gw * x_hat, axis=1) / head_dim)[:, None]
+    dx = rstd * (gw - x_hat * mean_dot)
     dx_rows = b * dx_sb + s * dx_ss + head * dx_sh
-    dy_lo = load_segment(dy_ptr, dy_rows, mask_rows, dy_sd, 0, half, BLOCK_HALF, ACC)
-    dy_hi = load_segment(dy_ptr, dy_rows, mask_rows, dy_sd, half, half, BLOCK_HALF, ACC)
-    lo = load_segment(x_ptr, x_rows, mask_rows, x_sd, 0, half, BLOCK_HALF, ACC)
-    hi = load_segment(x_ptr, x_rows, mask_rows, x_sd, half, half, BLOCK_HALF, ACC)
-    sum_sq = tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)
-    dw_rest = tl.zeros([BLOCK_PASS], dtype=ACC)
-    if HAS_PASS:
-        g_rest = load_segment(dy_ptr, dy_rows, mask_rows, dy_sd, 2 * half, n_pass, BLOCK_PASS, ACC)
-        rest = load_segment(x_ptr, x_rows, mask_rows, x_sd, 2 * half, n_pass, BLOCK_PASS, ACC)
-        sum_sq += tl.sum(rest * rest, axis=1)
-    c_lo, c_hi, m_lo, m_hi = load_rotation(
-        cos_ptr, b * cos_sb + s * cos_ss, cos_sr, sin_ptr, b * sin_sb + s * sin_ss, sin_sr, mask_rows, half,
-        BLOCK_HALF, True, ACC,
-    )
-    g_lo = dy_lo * c_lo + dy_hi * m_lo
-    g_hi = dy_hi * c_hi + dy_lo * m_hi
-    rstd = (1.0 / tl.sqrt(sum_sq / head_dim + eps))[:, None]
-    lo_hat = lo * rstd
-    hi_hat = hi * rstd
-    gw_lo = g_lo * w_lo
-    gw_hi = g_hi * w_hi
-    dot = tl.sum(gw_lo * lo_hat, axis=1) + tl.sum(gw_hi * hi_hat, axis=1)
-    if HAS_PASS:
-        rest_hat = rest * rstd
-        gw_rest = g_rest * w_rest
-        dot += tl.sum(gw_rest * rest_hat, axis=1)
-        dw_rest = tl.sum(g_rest * rest_hat, axis=0)
-    mean_dot = (dot / head_dim)[:, None]
-    store_segment(dx_ptr, dx_rows, mask_rows, dx_sd, 0, half, rstd * (gw_lo - lo_hat * mean_dot), BLOCK_HALF)
-    store_segment(dx_ptr, dx_rows, mask_rows, dx_sd, half, half, rstd * (gw_hi - hi_hat * mean_dot), BLOCK_HALF)
-    if HAS_PASS:
-        dx_rest = rstd * (gw_rest - rest_hat * mean_dot)
-        store_segment(dx_ptr, dx_rows, mask_rows, dx_sd, 2 * half, n_pass, dx_rest, BLOCK_PASS)
-    return tl.sum(g_lo * lo_hat, axis=0), tl.sum(g_hi * hi_hat, axis=0), dw_rest
+    tl.store(dx_ptr + dx_rows + cols * dx_sd, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    return tl.sum(g * x_hat, axis=0)
 
 
 @triton.jit
@@ -151,41 +172,32 @@ def _norm_rope_backward_rows(
     dx_ptr, dx_sb, dx_sh, dx_ss, dx_sd,
     cos_ptr, cos_sb, cos_ss, cos_sr,
     sin_ptr, sin_sb, sin_ss, sin_sr,
-    w_ptr, dw_partial_ptr, first_row, last_row, n_rows, n_heads, seq_len, half, n_pass, head_dim, eps, offset,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    HAS_PASS: tl.constexpr, COMPUTE_DW: tl.constexpr, ACC: tl.constexpr,
+    w_ptr, dw_partial_ptr, first_row, last_row, n_rows, n_heads, seq_len, half, head_dim, eps, offset,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, COMPUTE_DW: tl.constexpr, ACC: tl.constexpr,
 ):
     """Backward of head vectors [first_row, last_row): one block, or with COMPUTE_DW a run of blocks whose dw
     is summed into one partial row."""
-    w_lo, w_hi, w_rest = _load_weight(w_ptr, half, n_pass, offset, BLOCK_HALF, BLOCK_PASS, ACC)
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    w = _load(w_ptr, cols, cols < head_dim, ACC) + offset
     if COMPUTE_DW:
-        dw_lo = tl.zeros([BLOCK_HALF], dtype=ACC)
-        dw_hi = tl.zeros([BLOCK_HALF], dtype=ACC)
-        dw_rest = tl.zeros([BLOCK_PASS], dtype=ACC)
+        dw = tl.zeros([BLOCK_D], dtype=ACC)
         for block_row in range(first_row, last_row, BLOCK_R):
-            d_lo, d_hi, d_rest = _norm_rope_backward_block(
+            dw += _norm_rope_backward_block(
                 dy_ptr, dy_sb, dy_sh, dy_ss, dy_sd, x_ptr, x_sb, x_sh, x_ss, x_sd,
                 dx_ptr, dx_sb, dx_sh, dx_ss, dx_sd,
                 cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
-                w_lo, w_hi, w_rest, block_row, n_rows, n_heads, seq_len, half, n_pass, head_dim, eps,
-                BLOCK_R, BLOCK_HALF, BLOCK_PASS, HAS_PASS, ACC,
+                w, block_row, n_rows, n_heads, seq_len, half, head_dim, eps,
+                BLOCK_R, BLOCK_D, ACC,
             )
-            dw_lo += d_lo
-            dw_hi += d_hi
-            dw_rest += d_rest
-        first = tl.zeros([1, 1], dtype=tl.int64)
-        everywhere = first == 0
-        store_segment(dw_partial_ptr, first, everywhere, 1, 0, half, dw_lo[None, :], BLOCK_HALF)
-        store_segment(dw_partial_ptr, first, everywhere, 1, half, half, dw_hi[None, :], BLOCK_HALF)
-        if HAS_PASS:
-            store_segment(dw_partial_ptr, first, everywhere, 1, 2 * half, n_pass, dw_rest[None, :], BLOCK_PASS)
+        dw_cols = tl.arange(0, BLOCK_D)
+        tl.store(dw_partial_ptr + dw_cols, dw, mask=dw_cols < head_dim)
     else:
         _norm_rope_backward_block(
             dy_ptr, dy_sb, dy_sh, dy_ss, dy_sd, x_ptr, x_sb, x_sh, x_ss, x_sd,
             dx_ptr, dx_sb, dx_sh, dx_ss, dx_sd,
             cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
-            w_lo, w_hi, w_rest, first_row, n_rows, n_heads, seq_len, half, n_pass, head_dim, eps,
-            BLOCK_R, BLOCK_HALF, BLOCK_PASS, HAS_PASS, ACC,
+            w, first_row, n_rows, n_heads, seq_len, half, head_dim, eps,
+            BLOCK_R, BLOCK_D, ACC,
         )
 
 
@@ -231,9 +243,8 @@ def _qk_norm_rope_backward_kernel(
     cos_ptr, cos_sb, cos_ss, cos_sr,
     sin_ptr, sin_sb, sin_ss, sin_sr,
     seq_len, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rows_per_program,
-    half, n_pass, head_dim, eps, offset,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    HAS_PASS: tl.constexpr, COMPUTE_DW: tl.constexpr, ACC: tl.constexpr,
+    half, head_dim, eps, offset,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, COMPUTE_DW: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < n_q_programs:
@@ -245,8 +256,8 @@ def _qk_norm_rope_backward_kernel(
             cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
             qw_ptr, dqw_partial_ptr + pid.to(tl.int64) * head_dim,
             first_row, tl.minimum(first_row + rows_per_program, n_q_rows), n_q_rows, n_q_heads, seq_len,
-            half, n_pass, head_dim, eps, offset,
-            BLOCK_R, BLOCK_HALF, BLOCK_PASS, HAS_PASS, COMPUTE_DW, ACC,
+            half, head_dim, eps, offset,
+            BLOCK_R, BLOCK_D, COMPUTE_DW, ACC,
         )
     else:
         k_pid = pid - n_q_programs
@@ -258,8 +269,8 @@ def _qk_norm_rope_backward_kernel(
             cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
             kw_ptr, dkw_partial_ptr + k_pid.to(tl.int64) * head_dim,
             first_row, tl.minimum(first_row + rows_per_program, n_k_rows), n_k_rows, n_k_heads, seq_len,
-            half, n_pass, head_dim, eps, offset,
-            BLOCK_R, BLOCK_HALF, BLOCK_PASS, HAS_PASS, COMPUTE_DW, ACC,
+            half, head_dim, eps, offset,
+            BLOCK_R, BLOCK_D, COMPUTE_DW, ACC,
         )
 
 
@@ -267,7 +278,7 @@ def _launch_forward(q, k, q_weight, k_weight, cos, sin, eps, offset):
     batch, n_q_heads, seq, head_dim = q.shape
     n_k_heads = k.shape[1]
     rotary_dim = cos.shape[-1]
-    config = rope_launch_config(head_dim, rotary_dim, TILE_ELEMENTS)
+    config = forward_launch_config(head_dim, rotary_dim)
     n_q_rows, n_k_rows = batch * seq * n_q_heads, batch * seq * n_k_heads
     n_q_programs = triton.cdiv(n_q_rows, config["BLOCK_R"])
     q_out, k_out = empty_like(q), empty_like(k)
@@ -286,8 +297,7 @@ def _launch_forward(q, k, q_weight, k_weight, cos, sin, eps, offset):
 def _launch_backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, offset, compute_dw):
     batch, n_q_heads, seq, head_dim = q.shape
     n_k_heads = k.shape[1]
-    rotary_dim = cos.shape[-1]
-    config = rope_launch_config(head_dim, rotary_dim, TILE_ELEMENTS)
+    config = backward_launch_config(head_dim)
     block_r = config["BLOCK_R"]
     n_q_rows, n_k_rows = batch * seq * n_q_heads, batch * seq * n_k_heads
     # One row block per program, or, for weight gradients, a run of blocks per program and one partial row each.
@@ -311,7 +321,7 @@ def _launch_backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, of
         q_weight, k_weight, dqw_partial, dkw_partial,
         cos, *cos_sin_strides(cos, batch), sin, *cos_sin_strides(sin, batch),
         seq, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rows_per_program,
-        rotary_dim // 2, head_dim - rotary_dim, head_dim, eps, offset,
+        cos.shape[-1] // 2, head_dim, eps, offset,
         COMPUTE_DW=compute_dw, ACC=accumulator_dtype(q.dtype), **config,
     )
     if not compute_dw:

@@ -42,7 +42,7 @@ from unsloth_lite.kernels.utils import (
     empty_strided,
 )
 
-TILE_ELEMENTS = 2048
+TILE_ELEMENTS = 1024
 
 
 @triton.jit
@@ -139,20 +139,20 @@ def _rope_kernel(
         )
 
 
-def rope_launch_config(head_dim: int, rotary_dim: int, tile_elements: int = TILE_ELEMENTS) -> dict:
-    """A program takes BLOCK_R head vectors, about `tile_elements` elements. Few warps: many small programs
-    in flight hide memory latency better here, and narrow rotary halves (Qwen3.5's 32) leave a wider warp
-    count with one or two elements per thread (measured on an H200)."""
+def rope_launch_config(head_dim: int, rotary_dim: int, copy_pass: bool = True) -> dict:
+    """A program takes BLOCK_R head vectors. Tile sizes and warps are the best of a sweep on an H200 at the K1
+    shapes: full rotary at D = 128 (8 vectors, 2 warps); D = 256 with 64 rotary dims out of place (about
+    2048 elements, 2 warps); the same in place, where only the 64 rotary dims are touched (16 vectors,
+    4 warps: with 32-wide halves fewer warps leave too few loads in flight)."""
     half = rotary_dim // 2
-    n_pass = head_dim - rotary_dim
+    n_pass = head_dim - rotary_dim if copy_pass else 0
     block_half = triton.next_power_of_2(half)
     block_pass = triton.next_power_of_2(n_pass) if n_pass else 1
     row = 2 * block_half + (block_pass if n_pass else 0)
-    rows_per_tile = max(1, tile_elements // row)
-    block_r = 1 << (rows_per_tile.bit_length() - 1)
+    rows_per_tile = max(1, (2 * TILE_ELEMENTS if n_pass else TILE_ELEMENTS) // row)
     return dict(
-        BLOCK_R=block_r, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, HAS_PASS=n_pass > 0,
-        num_warps=1 if block_r * block_half < 512 else 2,
+        BLOCK_R=1 << (rows_per_tile.bit_length() - 1), BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+        HAS_PASS=n_pass > 0, num_warps=4 if block_half < 64 and not n_pass else 2,
     )
 
 
@@ -197,8 +197,7 @@ def _launch_rope(q, k, q_out, k_out, cos, sin, backward: bool, copy_pass: bool =
     batch, n_q_heads, seq, head_dim = q.shape
     n_k_heads = k.shape[1]
     rotary_dim = cos.shape[-1]
-    config = rope_launch_config(head_dim, rotary_dim)
-    config["HAS_PASS"] = config["HAS_PASS"] and copy_pass
+    config = rope_launch_config(head_dim, rotary_dim, copy_pass=copy_pass)
     n_q_rows, n_k_rows = batch * seq * n_q_heads, batch * seq * n_k_heads
     n_q_programs = triton.cdiv(n_q_rows, config["BLOCK_R"])
     _rope_kernel[(n_q_programs + triton.cdiv(n_k_rows, config["BLOCK_R"]),)](
