@@ -154,6 +154,21 @@ def test_dequantize_nf4_out(device):
     assert_bit_identical(out, bnb_dequantize(q.data, q.quant_state))
 
 
+def test_dequantize_nf4_follows_changed_storage(device):
+    """Checked launch arguments are kept per QuantState: new packed bytes or absmax under the same state (or
+    a state changed in place) must be read again, not served from the kept arguments."""
+    p = quantize((33, 130), torch.bfloat16, True, 64, device)
+    qs = p.quant_state
+    assert_bit_identical(dequantize_nf4(p.data, qs), bnb_dequantize(p.data, qs))
+    other = quantize((33, 130), torch.bfloat16, True, 64, device)
+    assert_bit_identical(dequantize_nf4(other.data, qs), bnb_dequantize(other.data, qs), "other bytes")
+    qs.absmax = other.quant_state.absmax.clone()
+    assert_bit_identical(dequantize_nf4(p.data, qs), bnb_dequantize(p.data, qs), "other absmax")
+    qs.quant_type = "fp4"
+    with pytest.raises(ValueError, match="quant_type is 'fp4'"):
+        dequantize_nf4(p.data, qs)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Argument errors
 

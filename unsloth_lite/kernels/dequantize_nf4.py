@@ -22,6 +22,9 @@ nested absmax dequantization) per row, the two nibbles of each byte interleaved 
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -175,6 +178,65 @@ def _check_out(out, shape, dtype: torch.dtype, device: torch.device) -> None:
         raise ValueError(f"out must be contiguous, got strides {out.stride()}")
 
 
+@dataclasses.dataclass
+class _Launch:
+    """The checked arguments of one weight's dequantization, kept while its storage stays the same."""
+
+    key: tuple
+    shape: torch.Size
+    dtype: torch.dtype
+    args: tuple
+    grid: tuple
+    constants: dict
+
+
+# Per QuantState, by id and weakly held (QuantState is unhashable; the entry goes with it): checks and argument
+# preparation run once per weight, not on each of the three dequantizations a training step makes of every
+# frozen NF4 weight.
+_LAUNCHES: dict[int, tuple[weakref.ref, _Launch]] = {}
+
+
+def _storage_key(weight, qs) -> tuple:
+    tensors = [weight, qs.absmax, qs.code] + ([qs.state2.absmax, qs.state2.code, qs.offset] if qs.nested else [])
+    return tuple((t.data_ptr(), t.device, t.dtype) for t in tensors) + (
+        tuple(qs.shape), qs.dtype, qs.blocksize, qs.quant_type, bool(qs.nested)
+    )
+
+
+def _launch(weight, quant_state) -> _Launch:
+    qs = _quant_state_of(weight, quant_state)
+    key = _storage_key(weight, qs) if isinstance(weight, torch.Tensor) else None
+    cached = _LAUNCHES.get(id(qs))
+    if cached is not None and cached[0]() is qs and key is not None and cached[1].key == key:
+        return cached[1]
+    shape = torch.Size(qs.shape)
+    n_elements = _numel(shape)
+    packed = _packed_bytes(weight, n_elements)
+    device = packed.device
+    _check_quant_state(qs, device)
+    check_kernel_device("weight", packed)
+    blocksize = qs.blocksize
+    rows = max(1, TILE_ELEMENTS // blocksize)
+    n_blocks = triton.cdiv(n_elements, blocksize)
+    code = qs.code.to(torch.float32)
+    if qs.nested:
+        nested = (qs.state2.code.to(torch.float32), qs.state2.absmax, qs.offset.reshape(1), qs.state2.blocksize)
+    else:
+        nested = (code, qs.absmax, code, 1)  # unused
+    launch = _Launch(
+        key=_storage_key(weight, qs), shape=shape, dtype=qs.dtype,
+        args=(packed, qs.absmax, code, *nested), grid=(triton.cdiv(n_blocks, rows),),
+        constants=dict(
+            n_elements=n_elements, n_bytes=(n_elements + 1) // 2, n_blocks=n_blocks, HALF_BLOCK=blocksize // 2,
+            ROWS=rows, NESTED=bool(qs.nested), num_warps=4, enable_fp_fusion=False,
+        ),
+    )
+    if id(qs) not in _LAUNCHES:
+        weakref.finalize(qs, _LAUNCHES.pop, id(qs), None)
+    _LAUNCHES[id(qs)] = (weakref.ref(qs), launch)
+    return launch
+
+
 def dequantize_nf4(weight, quant_state=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The dense weight of a bitsandbytes NF4 `Params4bit` (or of a packed uint8 tensor and its `QuantState`).
 
@@ -184,35 +246,19 @@ def dequantize_nf4(weight, quant_state=None, out: torch.Tensor | None = None) ->
     AVX-512 CPU kernel misplaces absmax blocks when the last dim is a multiple of 16 but not of the blocksize;
     there this matches bitsandbytes' CUDA kernel and its pure-PyTorch backend instead.
     """
-    qs = _quant_state_of(weight, quant_state)
-    shape = torch.Size(qs.shape)
-    n_elements = _numel(shape)
-    packed = _packed_bytes(weight, n_elements)
-    device = packed.device
-    _check_quant_state(qs, device)
-    if out is not None:
-        _check_out(out, shape, qs.dtype, device)
-    check_kernel_device("weight", packed)
+    launch = _launch(weight, quant_state)
+    device = launch.args[0].device
     if out is None:
-        out = empty(shape, qs.dtype, device)
-    if n_elements == 0:
-        return out
-
-    blocksize = qs.blocksize
-    rows = max(1, TILE_ELEMENTS // blocksize)
-    n_blocks = triton.cdiv(n_elements, blocksize)
-    code = qs.code.to(torch.float32)
-    if qs.nested:
-        nested = (qs.state2.code.to(torch.float32), qs.state2.absmax, qs.offset.reshape(1), qs.state2.blocksize)
+        out = empty(launch.shape, launch.dtype, device)
     else:
-        nested = (code, qs.absmax, code, 1)  # unused
-    _dequantize_nf4_kernel[(triton.cdiv(n_blocks, rows),)](
-        packed, qs.absmax, code,
-        *nested,
-        out,
-        n_elements, (n_elements + 1) // 2, n_blocks,
-        HALF_BLOCK=blocksize // 2, ROWS=rows, NESTED=bool(qs.nested),
-        num_warps=4, enable_fp_fusion=False,
+        _check_out(out, launch.shape, launch.dtype, device)
+    if launch.constants["n_elements"] == 0:
+        return out
+    constants = launch.constants
+    _dequantize_nf4_kernel[launch.grid](
+        *launch.args, out, constants["n_elements"], constants["n_bytes"], constants["n_blocks"],
+        HALF_BLOCK=constants["HALF_BLOCK"], ROWS=constants["ROWS"], NESTED=constants["NESTED"],
+        num_warps=constants["num_warps"], enable_fp_fusion=constants["enable_fp_fusion"],
     )
     return out
 
