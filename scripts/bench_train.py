@@ -32,7 +32,8 @@ on a random token batch `[batch, seq]`; batch i comes from seed 1234 + i, so eve
 and the first-step losses must agree (within bf16 rounding; LoRA B starts at zero). `--warmup` steps, then
 `--steps` timed ones, each `torch.cuda.synchronize()`d and timed with `perf_counter`: wall time per step, host
 overhead included (what bounds batch 1). Then, unless `--no-profile`, one more step under `torch.profiler`
-counts the CUDA kernels launched and their summed time (`gpu_busy` = that time over the mean step time).
+counts the CUDA kernels launched and their summed time (`gpu_busy` = that time over the mean step time), and
+lists the kernels that take the most of it (`top_kernels`).
 
 Columns: `tokens_per_s` = batch x seq / mean step time; `load_gib`, GPU memory allocated once the model and its
 adapters are loaded; `peak_gib`, `torch.cuda.max_memory_allocated()` from then through the last timed step
@@ -295,18 +296,31 @@ def _checkpointed_layers(model) -> int | None:
     return sum(isinstance(m, GradientCheckpointingLayer) and bool(m.gradient_checkpointing) for m in model.modules())
 
 
-def _count_kernels(prof) -> tuple[int, float] | tuple[None, None]:
-    """Kernels launched in the profiled region and their summed time (ms)."""
+TOP_KERNELS = 15
+
+
+def _kernel_profile(prof) -> dict:
+    """Kernels launched in the profiled region: their number, summed time (ms), and the TOP_KERNELS names
+    with the most time (name shortened, calls, ms), to show where a step's device time goes."""
     try:
         events = list(prof.profiler.kineto_results.events())
     except Exception as error:
         print(f"could not read the profile: {error}", file=sys.stderr)
-        return None, None
+        return dict(kernels_per_step=None, kernel_ms=None)
     kernels = [e for e in events if hasattr(e, "activity_type") and e.activity_type() == "kernel"]
     if not kernels:  # older kineto bindings: device events that are not copies or memsets
         kernels = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA
                    and not e.name().startswith(("Memcpy", "Memset"))]
-    return len(kernels), sum(e.duration_ns() for e in kernels) / 1e6
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name()[:120], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.duration_ns() / 1e6
+    top = sorted(by_name.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
+    return dict(
+        kernels_per_step=len(kernels), kernel_ms=sum(e.duration_ns() for e in kernels) / 1e6,
+        top_kernels=[dict(name=name, calls=calls, ms=round(ms, 2)) for name, (calls, ms) in top],
+    )
 
 
 def _sync(device):
@@ -378,7 +392,7 @@ def measure(args, model, optimizer, device, batch: int, seq: int, vocab: int, wa
         with profiler(activities=[ProfilerActivity.CUDA]) as prof:
             step(batches[-1])
             _sync(device)
-        out["kernels_per_step"], out["kernel_ms"] = _count_kernels(prof)
+        out.update(_kernel_profile(prof))
     losses = [float(loss) for loss in losses]
     out.update(
         step_s=sum(times) / len(times) if times else None, step_s_min=min(times, default=None),
@@ -695,6 +709,9 @@ def main(argv=None) -> int:
         if "first_loss" in row:
             print(f"first-step loss {row['variant']} b{row['batch']}: {row['first_loss']!r} "
                   f"(relative difference to hf: {row.get('loss_rel_diff')}); all: {row['losses']}")
+        if row.get("top_kernels"):
+            print(f"device time by kernel, {row['variant']} b{row['batch']} (of {row['kernel_ms']:.0f} ms): "
+                  + "; ".join(f"{k['ms']:.1f} ms {k['calls']}x {k['name'][:60]}" for k in row["top_kernels"]))
     write_json(args.out, dict(payload, results=rows))
     return 0
 

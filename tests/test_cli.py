@@ -134,6 +134,37 @@ def test_tokenizer_without_chat_template_is_exit_2(tmp_path):
     assert len(lines) == 1 and "data.chat_template" in lines[0] and "no chat template" in lines[0], result.stderr
 
 
+def test_qwen3_5_recipe_loads_and_trains(tmp_path):
+    """The flagship recipe on a tiny Qwen3.5 (Gated DeltaNet + full attention layers) built from a config."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from unsloth_lite.training.tiny import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    Qwen3_5ForCausalLM(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    records = [dict(instruction=f"add {a} and {b}", input="", output=str(a + b)) for a in range(6) for b in range(6)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "scripts/train.py", "--recipe", "qlora_qwen27b.yaml",
+         f"model.name_or_path={tmp_path / 'model'}", f"data.path={tmp_path / 'data.jsonl'}", "model.dtype=float32",
+         "training.bf16=false", "model.max_seq_length=64", "training.max_steps=2", "training.logging_steps=1",
+         "training.gradient_accumulation_steps=2",
+         "training.save_strategy=no", "training.report_to=none", f"training.output_dir={out}"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(losses(out)) == 2 and all(loss == loss for loss in losses(out).values())  # finite, not NaN
+    assert (out / "adapter_model.safetensors").exists()
+
+
 def test_missing_recipe_file_is_exit_2(tmp_path):
     result = subprocess.run([sys.executable, "scripts/train.py", "--recipe", str(tmp_path / "nope.yaml")],
                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark behind docs/benchmarks.md, in one go, logs and JSON under OUT_DIR.
+#   bash scripts/run_benchmarks.sh OUT_DIR [UNSLOTH_SITE]
+# Needs a CUDA machine with the package's dependencies plus liger-kernel, cut-cross-entropy and bitsandbytes;
+# UNSLOTH_SITE is a directory holding Unsloth (the W1 peer), put first on the workers' PYTHONPATH.
+set -u
+out=${1:?usage: run_benchmarks.sh OUT_DIR [UNSLOTH_SITE]}
+unsloth_site=${2:-}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+step() {  # step NAME COMMAND...: runs it, keeps its output, reports its exit status
+    local name=$1; shift
+    echo "== $name: $*"
+    "$@" > "$out/$name.log" 2>&1
+    echo "== $name: exit $?"
+}
+
+step tests python -m pytest -q -n 8 -p no:cacheprovider tests
+step kernels python scripts/bench_kernels.py --out "$out/bench_kernels.json"
+step loss python scripts/bench_loss.py --out "$out/bench_loss.json"
+step train python scripts/bench_train.py ${unsloth_site:+--unsloth-site "$unsloth_site"} --out "$out/bench_train.json"
+step max_seq_ours python scripts/bench_train.py --max-seq --variants unsloth_lite --seq 16384 \
+    --out "$out/bench_train_maxseq_unsloth_lite.json"
+step max_seq_hf python scripts/bench_train.py --max-seq --variants hf --seq 8192 \
+    --out "$out/bench_train_maxseq_hf.json"
+checkpoint=$(ls -d /tmp/unsloth_lite_w1/qwen3_8b_shape-* | head -1)
+step data python scripts/random_alpaca.py /tmp/alpaca.jsonl --vocab 151936 --records 256 --words 2400
+step recipe python -m unsloth_lite.cli --recipe qlora_qwen3_8b.yaml "model.name_or_path=$checkpoint" \
+    data.path=/tmp/alpaca.jsonl training.max_steps=10 training.logging_steps=2 training.save_strategy=no \
+    training.report_to=none training.output_dir=/tmp/qlora_qwen3_8b
+cp /tmp/qlora_qwen3_8b/train_summary.json /tmp/qlora_qwen3_8b/trainer_state.json "$out/" 2>/dev/null
