@@ -23,9 +23,10 @@ batch size in turn (peak statistics reset in between) and prints one JSON line f
 - `unsloth`: `FastLanguageModel.from_pretrained` / `get_peft_model(use_gradient_checkpointing="unsloth")`,
   imported first, from `--unsloth-site` (prepended to the worker's PYTHONPATH).
 - `unsloth_lite`: `unsloth_lite.load_model` + `add_lora`, checkpointing as for `hf`.
-- `unsloth_lite_ckpt`, `unsloth_lite_offload` (only when named in `--variants`): the same with
-  `unsloth_lite.training.checkpointing.enable_gradient_checkpointing`, without and with the saved layer
-  inputs in pinned CPU memory.
+- `unsloth_lite_ckpt`, `unsloth_lite_offload`, `unsloth_lite_graphs` (only when named in `--variants`): the
+  same with `unsloth_lite.training.checkpointing.enable_gradient_checkpointing`: plain, with the saved layer
+  inputs in pinned CPU memory, and with each layer's forward and backward replayed as CUDA graphs (captured
+  in the second warm-up step: use `--warmup 2` or more).
 
 One step: forward with labels = input ids (the loss), backward, `optimizer.step()`, `zero_grad(set_to_none=True)`
 on a random token batch `[batch, seq]`; batch i comes from seed 1234 + i, so every variant sees the same batches
@@ -85,7 +86,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_RESULT "
 MARKER = "bench_train_checkpoint.json"
 DEFAULT_VARIANTS = ("hf", "hf_liger", "unsloth", "unsloth_lite")
-ALL_VARIANTS = (*DEFAULT_VARIANTS, "unsloth_lite_ckpt", "unsloth_lite_offload")
+ALL_VARIANTS = (*DEFAULT_VARIANTS, "unsloth_lite_ckpt", "unsloth_lite_offload", "unsloth_lite_graphs")
 TINY_VARIANTS = ("hf", "unsloth_lite")
 MAX_SEQ_VARIANTS = ("hf", "unsloth_lite")
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -238,8 +239,8 @@ def load_hf(path, device, dtype, seq, liger=False):
 
 
 def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf"):
-    """`checkpointing`: "hf" (Hugging Face's non-reentrant), "ours" (`enable_gradient_checkpointing`), or
-    "offload" (the same with the saved layer inputs in pinned CPU memory)."""
+    """`checkpointing`: "hf" (Hugging Face's non-reentrant), "ours" (`enable_gradient_checkpointing`),
+    "offload" (the same with the saved layer inputs in pinned CPU memory) or "graphs" (with CUDA graphs)."""
     import unsloth_lite
     from unsloth_lite.training.checkpointing import enable_gradient_checkpointing
 
@@ -250,7 +251,9 @@ def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf"):
     torch.manual_seed(SEED)
     model = unsloth_lite.add_lora(model, r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=TARGET_MODULES)
     if checkpointing != "hf":
-        enable_gradient_checkpointing(model, offload_to_cpu=checkpointing == "offload")
+        enable_gradient_checkpointing(
+            model, offload_to_cpu=checkpointing == "offload", cuda_graphs=checkpointing == "graphs"
+        )
     return model, {}
 
 
@@ -284,6 +287,7 @@ LOADERS = {
     "unsloth_lite": load_unsloth_lite,
     "unsloth_lite_ckpt": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "ours"),
     "unsloth_lite_offload": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "offload"),
+    "unsloth_lite_graphs": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "graphs"),
 }
 
 

@@ -24,26 +24,23 @@ def _loss_and_grads(model, input_ids, labels, seed=0):
     return loss.detach(), grads
 
 
-def _compare(model, device, offload_to_cpu=False, tol=1e-5):
-    input_ids, labels = batch(device)
+def _compare(model, device, offload_to_cpu=False, cuda_graphs=False, tol=1e-5, steps=3):
     reference = copy.deepcopy(model)
     hf_checkpointed = copy.deepcopy(model)
     hf_checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_checkpointed.enable_input_require_grads()
-    enable_gradient_checkpointing(model, offload_to_cpu=offload_to_cpu)
-    expected_loss, expected = _loss_and_grads(reference, input_ids, labels)
-    for other in (hf_checkpointed, model):
-        loss, grads = _loss_and_grads(other, input_ids, labels)
-        assert_close(loss, expected_loss, tol, "loss")
-        assert grads.keys() == expected.keys() and grads
-        for name, grad in grads.items():
-            assert_close(grad, expected[name], tol, name)
-    # a second step, so that state left by the first (e.g. offloaded buffers) cannot leak into it
-    loss, grads = _loss_and_grads(model, input_ids, labels, seed=1)
-    expected_loss, expected = _loss_and_grads(reference, input_ids, labels, seed=1)
-    assert_close(loss, expected_loss, tol, "second loss")
-    for name, grad in grads.items():
-        assert_close(grad, expected[name], tol, f"second {name}")
+    enable_gradient_checkpointing(model, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs)
+    # Several steps on fresh batches: state left by one (offloaded buffers, a graph's static inputs) must not
+    # leak into the next; with cuda_graphs the first step runs eagerly, the second captures, the third replays.
+    for step in range(steps):
+        input_ids, labels = batch(device)
+        expected_loss, expected = _loss_and_grads(reference, input_ids, labels, seed=step)
+        for other in (hf_checkpointed, model) if step == 0 else (model,):
+            loss, grads = _loss_and_grads(other, input_ids, labels, seed=step)
+            assert_close(loss, expected_loss, tol, f"step {step} loss")
+            assert grads.keys() == expected.keys() and grads
+            for name, grad in grads.items():
+                assert_close(grad, expected[name], tol, f"step {step} {name}")
 
 
 def test_full_fine_tune_with_dropout(device):
@@ -52,6 +49,10 @@ def test_full_fine_tune_with_dropout(device):
 
 
 def test_lora_on_patched_model(device):
+    _compare(_lora_model(device), device, tol=1e-4)
+
+
+def _lora_model(device):
     model = patch_model(tiny_model("qwen3", device))
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                            "up_proj", "down_proj"])
@@ -60,7 +61,49 @@ def test_lora_on_patched_model(device):
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.1)
-    _compare(model, device, tol=1e-4)
+    return model
+
+
+def _graphed_layer_count(model) -> int:
+    """Decoder layers whose forward and backward went through their graphs."""
+    return sum(
+        any(getattr(g, "backward_graph", None) is not None for g in m.__dict__.get("_unsloth_lite_graphs", {}).values())
+        for m in model.modules()
+    )
+
+
+def test_graphed_layers(device):
+    # Off CUDA the graphs' functions run eagerly: the static buffers and gradient routing are what is checked.
+    for model, tol in ((tiny_model("qwen3", device), 1e-5), (_lora_model(device), 1e-4)):
+        _compare(model, device, cuda_graphs=True, tol=tol)
+        assert _graphed_layer_count(model) == 2
+
+
+def test_graphed_layers_two_forwards_before_a_backward(device):
+    """A second forward while the first's backward is pending runs eagerly (its static input is in use)."""
+    model = tiny_model("qwen3", device)
+    reference = copy.deepcopy(model)
+    enable_gradient_checkpointing(model, cuda_graphs=True)
+    for step in range(3):
+        first, second = batch(device), batch(device)
+        results = []
+        for m in (model, reference):
+            m.train()
+            loss = m(input_ids=first[0], labels=first[1]).loss + 2 * m(input_ids=second[0], labels=second[1]).loss
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+            m.zero_grad(set_to_none=True)
+        (loss, grads), (expected_loss, expected) = results
+        assert_close(loss, expected_loss, 1e-5, f"step {step} loss")
+        for name, grad in grads.items():
+            assert_close(grad, expected[name], 1e-5, f"step {step} {name}")
+
+
+def test_graphed_layers_refuse_dropout_and_offload():
+    with pytest.raises(ValueError, match="without dropout"):
+        enable_gradient_checkpointing(tiny_model("qwen3", "cpu", attention_dropout=0.1), cuda_graphs=True)
+    with pytest.raises(ValueError, match="can't be combined"):
+        enable_gradient_checkpointing(tiny_model("qwen3", "cpu"), offload_to_cpu=True, cuda_graphs=True)
 
 
 def test_checkpoint_layer_passes_gradients_of_every_tensor_input(device):
@@ -89,3 +132,10 @@ def test_no_decoder_layers_is_an_error():
 def test_offloaded_inputs_on_gpu():
     model = tiny_model("qwen3", "cuda", attention_dropout=0.2)
     _compare(model, "cuda", offload_to_cpu=True)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_on_gpu():
+    for model, tol in ((tiny_model("qwen3", "cuda"), 1e-5), (_lora_model("cuda"), 1e-4)):
+        _compare(model, "cuda", cuda_graphs=True, tol=tol, steps=4)
+        assert _graphed_layer_count(model) == 2

@@ -14,8 +14,19 @@ stream: device to host right after each layer's forward, host to device one laye
 safety: the GPU input is marked as used by the side stream until its copy is done, and the side stream's
 copy back is awaited (an event) before the layer uses it.
 
-Enabled with `enable_gradient_checkpointing(model, offload_to_cpu=...)`; every layer that Hugging Face's
-gradient checkpointing covers (`GradientCheckpointingLayer`) then goes through `checkpoint_layer`. The
+`cuda_graphs=True` removes the host's launch cost, which bounds small batches: each layer's checkpointed
+forward and its recompute-and-backward are captured once per input shape as two CUDA graphs (on the second
+call with that shape; the first runs eagerly and compiles every kernel), then replayed. The layer input the
+checkpoint keeps is the forward graph's static input buffer; tensors among the layer's keyword arguments
+(cos/sin, position ids) are copied into static buffers before each replay, and the backward graph's
+gradients (of the input and of the layer's trainable parameters) are copied out of its static outputs.
+Graphs of all layers share one memory pool, captured in the order they replay (forward 0..L-1, backward
+L-1..0). It needs layers without dropout (a replayed recomputation could not repeat the forward's masks),
+shapes that repeat (a pair of graphs per shape is kept), and each forward's backward before the layer's
+next forward (otherwise that call runs eagerly). Off CUDA the same code runs the functions eagerly.
+
+Enabled with `enable_gradient_checkpointing(model, offload_to_cpu=..., cuda_graphs=...)`; every layer that
+Hugging Face's gradient checkpointing covers (`GradientCheckpointingLayer`) then goes through `checkpoint_layer`. The
 inputs that need gradients must be positional (as in Hugging Face's decoder loops) and at least one must
 require grad (the Trainer makes the embeddings' output require grad); otherwise the layer falls back to
 `torch.utils.checkpoint`'s non-reentrant form.
@@ -125,12 +136,173 @@ def _cuda_devices(args) -> list[int]:
     return sorted({a.device.index or 0 for a in args if torch.is_tensor(a) and a.is_cuda})
 
 
-def checkpoint_layer(run, *args, offload_to_cpu: bool = False):
+def checkpoint_layer(run, *args, offload_to_cpu: bool = False, cuda_graphs: bool = False):
     """`run(*args)` checkpointed (module docstring): the signature of Hugging Face's
     `_gradient_checkpointing_func(function, *args)`."""
     if not any(torch.is_tensor(a) and a.requires_grad for a in args):
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+    if cuda_graphs:
+        graphs = _LayerGraphs.for_call(run, args)
+        if graphs is not None:
+            return _GraphedLayer.apply(graphs, run, args[0], *graphs.params)
     return _CheckpointedLayer.apply(run, offload_to_cpu, *args)
+
+
+_SIMPLE = (type(None), bool, int, float, str)
+
+
+def _layer_of(run):
+    module = run.args[0] if run.args else getattr(run.func, "__self__", None)
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+class _Replayable:
+    """A function of static buffers, captured as a CUDA graph (into `pool`) or, off CUDA, run as it is."""
+
+    def __init__(self, function, device: torch.device, pool, stream):
+        self.graph = None
+        if device.type != "cuda":
+            self.function = function
+            return
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            function()  # warm-up on the capture stream: per-stream library state is set up outside the capture
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.outputs = function()
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    def __call__(self):
+        if self.graph is None:
+            return self.function()
+        self.graph.replay()
+        return self.outputs
+
+
+class _LayerGraphs:
+    """One layer's two graphs for one call signature, with their static buffers (module docstring)."""
+
+    _POOLS: dict = {}
+    # Buffers that every layer's graphs of one shape share: the output and the input gradient they write
+    # (copied out right after each replay) and the output gradient they read (copied in right before), so
+    # there is one of each instead of one a layer.
+    _SHARED: dict = {}
+
+    @classmethod
+    def for_call(cls, run, args) -> _LayerGraphs | None:
+        """The graphs of this call's layer and signature; None where the call must run eagerly (the first
+        call of a signature, an unsupported argument, or a backward still pending)."""
+        layer = _layer_of(run)
+        if layer is None or len(args) != 1 or not torch.is_tensor(args[0]):
+            return None
+        kwargs = run.keywords
+        for value in kwargs.values():
+            tensors = value if _is_tensor_pair(value) else (value,) if torch.is_tensor(value) else ()
+            if any(t.requires_grad for t in tensors) or not (tensors or isinstance(value, _SIMPLE)):
+                return None
+        signature = (_describe(args[0]), tuple(sorted((k, _describe(v)) for k, v in kwargs.items())))
+        store = layer.__dict__.setdefault("_unsloth_lite_graphs", {})
+        graphs = store.get(signature)
+        if graphs is None:
+            store[signature] = "seen"  # the first call runs eagerly: kernels compile, workspaces get allocated
+            return None
+        if graphs == "seen":
+            graphs = store[signature] = cls(layer, run, args[0])
+        return None if graphs.pending_backward else graphs
+
+    def __init__(self, layer, run, hidden):
+        self.device = hidden.device
+        self.params = [p for p in layer.parameters() if p.requires_grad]
+        self.hidden = torch.empty_like(hidden)  # the checkpoint: this layer's input of the current step
+        self.static_kwargs = {k: _static_copy(v) for k, v in run.keywords.items()}
+        self.function = functools.partial(run.func, *run.args, **self.static_kwargs)
+        shared_key = (tuple(hidden.shape), hidden.dtype, hidden.device)
+        if shared_key not in self._SHARED:
+            self._SHARED[shared_key] = tuple(torch.empty_like(hidden) for _ in range(3))
+        self.output, self.grad_hidden, self.grad_output = self._SHARED[shared_key]
+        self.forward_graph = self.backward_graph = None
+        self.pending_backward = False
+        key = self.device.index if self.device.type == "cuda" else None
+        if key not in self._POOLS and self.device.type == "cuda":
+            self._POOLS[key] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device))
+        self.pool, self.stream = self._POOLS.get(key, (None, None))
+
+    def forward(self, run, hidden) -> torch.Tensor:
+        self.hidden.copy_(hidden)
+        for name, value in run.keywords.items():
+            _copy_static(self.static_kwargs[name], value)
+        if self.forward_graph is None:
+            def layer_forward():
+                with torch.no_grad():
+                    self.output.copy_(self.function(self.hidden))
+
+            self.forward_graph = _Replayable(layer_forward, self.device, self.pool, self.stream)
+        self.forward_graph()
+        self.pending_backward = True
+        return self.output.clone()
+
+    def backward(self, grad_output):
+        self.grad_output.copy_(grad_output)
+        if self.backward_graph is None:
+            def recompute_and_backward():
+                with torch.enable_grad():
+                    hidden = self.hidden.detach().requires_grad_()
+                    output = self.function(hidden)
+                    grads = torch.autograd.grad(output, [hidden, *self.params], self.grad_output, allow_unused=True)
+                self.grad_hidden.copy_(grads[0])
+                return grads[1:]  # the parameters' gradients: small, kept in the pool
+
+            self.backward_graph = _Replayable(recompute_and_backward, self.device, self.pool, self.stream)
+        grad_params = self.backward_graph()
+        self.pending_backward = False
+        return [self.grad_hidden.clone()] + [None if g is None else g.clone() for g in grad_params]
+
+
+def _is_tensor_pair(value) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and all(torch.is_tensor(t) for t in value)
+
+
+def _describe(value):
+    if torch.is_tensor(value):
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype, value.device)
+    if _is_tensor_pair(value):
+        return tuple(_describe(t) for t in value)
+    return (type(value).__name__, value)
+
+
+def _static_copy(value):
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    if _is_tensor_pair(value):
+        return tuple(t.detach().clone() for t in value)
+    return value
+
+
+def _copy_static(static, value) -> None:
+    if torch.is_tensor(static):
+        static.copy_(value)
+    elif _is_tensor_pair(static):
+        for buffer, new in zip(static, value, strict=True):
+            buffer.copy_(new)
+
+
+class _GraphedLayer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, graphs, run, hidden, *params):
+        ctx.graphs = graphs
+        return graphs.forward(run, hidden)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, *grad_params = ctx.graphs.backward(grad_output)
+        return (None, None, grad_hidden, *grad_params)
+
+
+def _draws_random_numbers(module) -> bool:
+    if isinstance(module, torch.nn.Dropout):
+        return module.p > 0
+    dropout = getattr(module, "attention_dropout", 0.0)
+    return isinstance(dropout, float) and dropout > 0
 
 
 def start_forward_pass() -> None:
@@ -138,17 +310,23 @@ def start_forward_pass() -> None:
     _LAST_OFFLOADED.value = None
 
 
-def enable_gradient_checkpointing(model, offload_to_cpu: bool = False):
+def enable_gradient_checkpointing(model, offload_to_cpu: bool = False, cuda_graphs: bool = False):
     """Turns on gradient checkpointing of every decoder layer of a Hugging Face model (PEFT-wrapped or not)
     through `checkpoint_layer`; returns the model. Frozen embeddings get an output that requires grad, so
     that the first layer's input carries gradients into the checkpointed layers."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    if offload_to_cpu and cuda_graphs:
+        raise ValueError("offload_to_cpu and cuda_graphs can't be combined: the graphs keep their inputs on the GPU")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    function = functools.partial(checkpoint_layer, offload_to_cpu=offload_to_cpu)
+    function = functools.partial(checkpoint_layer, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs)
     layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise ValueError(f"{type(base).__name__} has no decoder layers that support gradient checkpointing")
+    if cuda_graphs:
+        random = [name for name, m in base.named_modules() if _draws_random_numbers(m)]
+        if random:
+            raise ValueError(f"cuda_graphs=True needs layers without dropout; {random[0]} has p > 0")
     for layer in layers:
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = function
