@@ -146,3 +146,45 @@ def tiny_qwen3_5(device, dtype=torch.float32):
 def test_patched_qwen3_5_matches_unpatched(device):
     patched = assert_patched_matches(tiny_qwen3_5(device), 1e-5, 1e-4, device)
     assert patched.model.layers[1].mlp.__dict__.get("_unsloth_lite_patched")
+
+
+def _padded_batch(device, ignore_pads=True, left=False):
+    input_ids, labels = batch(device, size=(3, 13))
+    lengths = [13, 9, 5]
+    mask = torch.zeros(3, 13, dtype=torch.long, device=device)
+    for row, n in enumerate(lengths):
+        if left:
+            mask[row, 13 - n:] = 1
+        else:
+            mask[row, :n] = 1
+    if ignore_pads:
+        labels = labels.masked_fill(mask == 0, -100)
+    return input_ids, labels, mask
+
+
+@pytest.mark.parametrize("case", ["right_padded", "pad_targets_trained", "left_padded"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_5"])
+def test_padded_batch_loss_and_grads(arch, case, device, monkeypatch):
+    """Right padding with ignored pad targets trains without the mask (causal attention suffices); otherwise
+    the mask is kept. Either way loss and gradients equal the unpatched model's with its mask."""
+    reference = tiny_qwen3_5(device) if arch == "qwen3_5" else tiny_model(arch, device)
+    patched = patch_model(copy.deepcopy(reference))
+    ignore_pads, left = case != "pad_targets_trained", case == "left_padded"
+    input_ids, labels, mask = _padded_batch(device, ignore_pads=ignore_pads, left=left)
+    masks_seen = []
+    inner_forward = type(patched.model).forward
+
+    def spying_forward(self, *args, **kwargs):
+        masks_seen.append(kwargs.get("attention_mask"))
+        return inner_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(patched.model), "forward", spying_forward)
+    expected = reference(input_ids=input_ids, attention_mask=mask, labels=labels)
+    expected.loss.backward()
+    out = patched(input_ids=input_ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    assert (masks_seen[-1] is None) == (case == "right_padded")
+    assert_close(out.loss, expected.loss, 1e-5, "loss")
+    grads = dict(reference.named_parameters())
+    for name, param in patched.named_parameters():
+        assert_close(param.grad, grads[name].grad, 1e-4, f"grad {name}")

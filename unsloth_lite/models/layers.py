@@ -209,6 +209,23 @@ def lm_head_is_plain_linear(module) -> str | None:
     return None
 
 
+def _causal_suffices(attention_mask, targets, position_ids, kwargs) -> bool:
+    """Whether causal attention alone gives the same loss as `attention_mask`: a 2-D mask of right padding
+    (each row's ones before its zeros) whose pad positions all have ignored targets, positions counted from
+    0, no cache. Real tokens then only ever see real keys, and pad positions only feed pad positions, whose
+    losses are ignored; without a mask, SDPA runs its causal kernels with GQA and no KV head is repeated.
+    (One host sync: the check.)"""
+    if not torch.is_tensor(attention_mask) or attention_mask.dim() != 2 or position_ids is not None:
+        return False
+    if any(kwargs.get(name) is not None for name in ("past_key_values", "cache", "inputs_embeds")):
+        return False
+    mask = attention_mask.bool()
+    if targets.shape != mask.shape:
+        return False
+    right_padded = (mask[:, 1:] <= mask[:, :-1]).all() & mask[:, 0].all()
+    return bool(right_padded & (mask | (targets.to(mask.device) == IGNORE_INDEX)).all())
+
+
 def causal_lm_forward(
     self,
     input_ids=None,
@@ -223,6 +240,10 @@ def causal_lm_forward(
     cross-entropy and no logits are formed, unless `return_logits=True`; without labels, logits as usual."""
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
+    if (labels is not None or shift_labels is not None) and not return_logits:
+        targets = shift_labels if shift_labels is not None else _shifted_labels(labels)
+        if _causal_suffices(attention_mask, targets, position_ids, kwargs):
+            attention_mask = None
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     hidden_states = outputs.last_hidden_state
     loss = logits = None
