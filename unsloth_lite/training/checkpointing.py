@@ -4,8 +4,8 @@ non-reentrant form, with the saved layer inputs optionally kept in pinned CPU me
 A checkpointed layer runs its forward under `no_grad` (no autograd graph is built, no saved-tensor hooks
 run) and keeps only its input hidden states. Its backward restores them, runs the layer again with
 gradients on, and back-propagates through that recomputation: the reentrant scheme, whose forward costs
-the host only the layer's own ops. CPU and CUDA random states are restored for the recomputation, so
-dropout draws the same masks twice.
+the host only the layer's own ops. Where the model has dropout, CPU and CUDA random states are restored
+for the recomputation, so dropout draws the same masks twice.
 
 `offload_to_cpu=True` keeps those inputs (one `[batch, seq, hidden]` tensor a layer, 2.25 GiB for 36 layers
 of Qwen3-8B at 4 x 2048 tokens in bf16) in pinned CPU memory instead of on the GPU. Copies run on a side
@@ -87,10 +87,12 @@ class _OffloadedInput:
 
 class _CheckpointedLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, offload_to_cpu, *args):
+    def forward(ctx, run, options, *args):
+        offload_to_cpu, preserve_rng_state = options
         ctx.run = run
-        ctx.cpu_rng = torch.get_rng_state()
-        ctx.cuda_rng = [(d, torch.cuda.get_rng_state(d)) for d in _cuda_devices(args)]
+        ctx.rng = None
+        if preserve_rng_state:
+            ctx.rng = torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in _cuda_devices(args)]
         with torch.no_grad():
             outputs = run(*args)
         tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
@@ -115,12 +117,17 @@ class _CheckpointedLayer(torch.autograd.Function):
         for i in ctx.tensor_positions:
             tensor = ctx.offloaded[i].take() if i in ctx.offloaded else next(kept)
             args[i] = tensor.detach().requires_grad_(ctx.needs_input_grad[2 + i])
-        with torch.random.fork_rng(devices=[d for d, _ in ctx.cuda_rng]):
-            torch.set_rng_state(ctx.cpu_rng)
-            for device, state in ctx.cuda_rng:
-                torch.cuda.set_rng_state(state, device)
+        if ctx.rng is None:
             with torch.enable_grad():
                 outputs = ctx.run(*args)
+        else:
+            cpu_state, cuda_states = ctx.rng
+            with torch.random.fork_rng(devices=[d for d, _ in cuda_states]):
+                torch.set_rng_state(cpu_state)
+                for device, state in cuda_states:
+                    torch.cuda.set_rng_state(state, device)
+                with torch.enable_grad():
+                    outputs = ctx.run(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [
             (out, grad) for out, grad in zip(outputs, grads, strict=True)
@@ -136,16 +143,19 @@ def _cuda_devices(args) -> list[int]:
     return sorted({a.device.index or 0 for a in args if torch.is_tensor(a) and a.is_cuda})
 
 
-def checkpoint_layer(run, *args, offload_to_cpu: bool = False, cuda_graphs: bool = False):
+def checkpoint_layer(
+    run, *args, offload_to_cpu: bool = False, cuda_graphs: bool = False, preserve_rng_state: bool = True
+):
     """`run(*args)` checkpointed (module docstring): the signature of Hugging Face's
-    `_gradient_checkpointing_func(function, *args)`."""
+    `_gradient_checkpointing_func(function, *args)`. `preserve_rng_state=False` skips saving and restoring
+    the random states, for layers that draw no random numbers."""
     if not any(torch.is_tensor(a) and a.requires_grad for a in args):
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
     if cuda_graphs:
         graphs = _LayerGraphs.for_call(run, args)
         if graphs is not None:
             return _GraphedLayer.apply(graphs, run, args[0], *graphs.params)
-    return _CheckpointedLayer.apply(run, offload_to_cpu, *args)
+    return _CheckpointedLayer.apply(run, (offload_to_cpu, preserve_rng_state), *args)
 
 
 _SIMPLE = (type(None), bool, int, float, str)
@@ -168,7 +178,8 @@ class _Replayable:
         with torch.cuda.stream(stream):
             function()  # warm-up on the capture stream: per-stream library state is set up outside the capture
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+        # thread_local: other threads (a data loader pinning memory) may keep calling CUDA during the capture
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             self.outputs = function()
         torch.cuda.current_stream(device).wait_stream(stream)
 
@@ -319,14 +330,15 @@ def enable_gradient_checkpointing(model, offload_to_cpu: bool = False, cuda_grap
     if offload_to_cpu and cuda_graphs:
         raise ValueError("offload_to_cpu and cuda_graphs can't be combined: the graphs keep their inputs on the GPU")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    function = functools.partial(checkpoint_layer, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs)
     layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise ValueError(f"{type(base).__name__} has no decoder layers that support gradient checkpointing")
-    if cuda_graphs:
-        random = [name for name, m in base.named_modules() if _draws_random_numbers(m)]
-        if random:
-            raise ValueError(f"cuda_graphs=True needs layers without dropout; {random[0]} has p > 0")
+    random = [name for name, m in base.named_modules() if _draws_random_numbers(m)]
+    if cuda_graphs and random:
+        raise ValueError(f"cuda_graphs=True needs layers without dropout; {random[0]} has p > 0")
+    function = functools.partial(
+        checkpoint_layer, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, preserve_rng_state=bool(random)
+    )
     for layer in layers:
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = function
