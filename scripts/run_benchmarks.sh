@@ -19,6 +19,7 @@ step() {  # step NAME COMMAND...: runs it, keeps its output, reports its exit st
 
 step tests python -m pytest -q -n 8 -p no:cacheprovider tests
 step kernels python scripts/bench_kernels.py --out "$out/bench_kernels.json"
+step sweep python scripts/bench_sweep.py --out "$out/bench_sweep.json"
 step loss python scripts/bench_loss.py --out "$out/bench_loss.json"
 step train python scripts/bench_train.py ${unsloth_site:+--unsloth-site "$unsloth_site"} --out "$out/bench_train.json"
 step max_seq_ours python scripts/bench_train.py --max-seq --variants unsloth_lite --seq 16384 \

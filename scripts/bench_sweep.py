@@ -1,0 +1,202 @@
+"""Launch-configuration sweeps behind the tile sizes of RoPE, q/k-norm+RoPE and the linear cross-entropy's
+chunk height, at the K1 and L1 shapes of BENCHMARKS.md.
+
+    python scripts/bench_sweep.py --out sweep.json                                 # on a GPU
+    python scripts/bench_sweep.py --kernels qk_norm_rope                           # one op
+    TRITON_INTERPRET=1 python scripts/bench_sweep.py --tiny                        # CPU smoke run
+
+- apply_rope, qk_norm_rope: every (head vectors a program, warps) pair, each direction's kernel timed alone
+  (RoPE's backward is its forward kernel with the transposed rotation, so one time stands for both; RoPE
+  also in place, where only the rotary dims are touched). GB/s counts the bytes the kernel must move: read
+  and write each touched element once (the q/k-norm backward also reads x). The row marked `default` is
+  the configuration the launcher picks.
+- fused_linear_cross_entropy: forward+backward with a frozen weight for several chunk heights, with the
+  extra peak memory beyond inputs and gradients (the bar is 256 MiB).
+
+Configurations are swapped in by replacing the launchers' config functions for the duration of a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import sys
+
+import torch
+from bench_common import bench_ms, copy_bandwidth_gbps, environment, markdown_table, write_json
+
+rope = importlib.import_module("unsloth_lite.kernels.rope")
+qk = importlib.import_module("unsloth_lite.kernels.qk_norm_rope")
+flce = importlib.import_module("unsloth_lite.kernels.fused_linear_cross_entropy")
+
+ALL_KERNELS = ("apply_rope", "qk_norm_rope", "fused_linear_cross_entropy")
+
+
+def _qk_inputs(batch, n_q, n_k, seq, head_dim, rotary_dim, device, dtype):
+    q = torch.randn(batch, seq, n_q, head_dim, device=device, dtype=dtype).transpose(1, 2)
+    k = torch.randn(batch, seq, n_k, head_dim, device=device, dtype=dtype).transpose(1, 2)
+    angles = torch.rand(batch, seq, rotary_dim // 2, device=device) * 100
+    angles = torch.cat([angles, angles], dim=-1)
+    weight = 1 + 0.1 * torch.randn(head_dim, device=device, dtype=dtype)
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype), weight
+
+
+def _with(module, name, function, timed):
+    """`timed()` with `module.name` replaced by `function`."""
+    original = getattr(module, name)
+    setattr(module, name, function)
+    try:
+        return timed()
+    finally:
+        setattr(module, name, original)
+
+
+def _overriding(original, block_r: int, warps: int):
+    """A launch-config function returning `original`'s config with BLOCK_R and num_warps replaced."""
+    def config(*args, **kwargs):
+        return dict(original(*args, **kwargs), BLOCK_R=block_r, num_warps=warps)
+
+    return config
+
+
+def _sweep(kernel, label, direction, module, name, default, run, n_bytes, grid, device, copy_gbps):
+    """Rows of `run` timed under each (BLOCK_R, warps) of `grid` and the launcher's own choice `default`,
+    `module.name` being the config function that is swapped."""
+    original = getattr(module, name)
+    rows = []
+    for block_r, warps in sorted({*grid, (default["BLOCK_R"], default["num_warps"])}):
+        ms = _with(module, name, _overriding(original, block_r, warps),
+                   lambda: bench_ms(run, device, warmup_ms=10, rep_ms=50))
+        gbps = n_bytes / ms / 1e6
+        rows.append(dict(
+            kernel=kernel, shape=label, direction=direction, BLOCK_R=block_r, warps=warps, ms=round(ms, 4),
+            GBps=round(gbps, 1), pct_copy=round(100 * gbps / copy_gbps, 1),
+            default="yes" if (block_r, warps) == (default["BLOCK_R"], default["num_warps"]) else "",
+        ))
+    return rows
+
+
+def rope_rows(shape, grid, device, dtype, copy_gbps):
+    batch, n_q, n_k, seq, head_dim, rotary_dim = shape
+    q, k, cos, sin, _ = _qk_inputs(batch, n_q, n_k, seq, head_dim, rotary_dim, device, dtype)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    size = (q.numel() + k.numel()) * q.element_size()
+    label = f"q [{batch},{n_q},{seq},{head_dim}] R={rotary_dim}"
+    common = (grid, device, copy_gbps)
+    return _sweep(
+        "apply_rope", label, "out of place", rope, "rope_launch_config", rope.rope_launch_config(head_dim, rotary_dim),
+        lambda: rope._launch_rope(q, k, q_out, k_out, cos, sin, backward=False), 2 * size, *common,
+    ) + _sweep(
+        "apply_rope", label, "in place", rope, "rope_launch_config",
+        rope.rope_launch_config(head_dim, rotary_dim, copy_pass=False),
+        lambda: rope._launch_rope(q, k, q, k, cos, sin, backward=False, copy_pass=False),
+        2 * size * rotary_dim // head_dim, *common,
+    )
+
+
+def qk_rows(shape, grid, device, dtype, copy_gbps):
+    batch, n_q, n_k, seq, head_dim, rotary_dim = shape
+    q, k, cos, sin, weight = _qk_inputs(batch, n_q, n_k, seq, head_dim, rotary_dim, device, dtype)
+    dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
+    size = (q.numel() + k.numel()) * q.element_size()
+    label = f"q [{batch},{n_q},{seq},{head_dim}] R={rotary_dim}"
+    common = (grid, device, copy_gbps)
+    return _sweep(
+        "qk_norm_rope", label, "forward", qk, "forward_launch_config", qk.forward_launch_config(head_dim, rotary_dim),
+        lambda: qk._launch_forward(q, k, weight, weight, cos, sin, 1e-6, 0.0), 2 * size, *common,
+    ) + _sweep(
+        "qk_norm_rope", label, "backward", qk, "backward_launch_config", qk.backward_launch_config(head_dim),
+        lambda: qk._launch_backward(dq_out, dk_out, q, k, weight, weight, cos, sin, 1e-6, 0.0, False),
+        3 * size, *common,
+    )
+
+
+def flce_rows(shape, chunk_heights, device, dtype):
+    n, h, v = shape
+    hidden = (0.5 * torch.randn(n, h, device=device, dtype=dtype)).requires_grad_()
+    weight = 0.02 * torch.randn(v, h, device=device, dtype=dtype)
+    labels = torch.randint(0, v, (n,), device=device)
+    labels[::7] = -100
+    default = flce.chunk_rows(n, v, hidden.element_size())
+
+    def step():
+        return torch.autograd.grad(flce.fused_linear_cross_entropy(hidden, weight, labels), hidden)
+
+    def timed():
+        extra = None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            grads = step()
+            extra = (torch.cuda.max_memory_allocated() - before - hidden.numel() * hidden.element_size()) / 2**20
+            del grads
+        return bench_ms(step, device, rep_ms=1000), extra
+
+    rows = []
+    for height in sorted({*chunk_heights, default}):
+        ms, extra = _with(flce, "chunk_rows", _fixed_chunk_rows(height), timed)
+        rows.append(dict(kernel="fused_linear_cross_entropy", shape=f"N={n} H={h} V={v}", chunk_rows=height,
+                         ms=round(ms, 3), extra_MiB=None if extra is None else round(extra, 1),
+                         TFLOPs=round(4 * n * h * v / ms / 1e9, 1), default="yes" if height == default else ""))
+    return rows
+
+
+def _fixed_chunk_rows(height: int):
+    def chunk_rows(n_rows, n_cols, element_size, trained_weight=False):
+        return max(1, min(height, n_rows))
+
+    return chunk_rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", default=",".join(ALL_KERNELS), help="comma-separated subset")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes, two configurations (CPU smoke run)")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        print("no CUDA device: pass --tiny (with TRITON_INTERPRET=1) for the CPU smoke run", file=sys.stderr)
+        return 2
+    kernels = [k for k in args.kernels.split(",") if k]
+    unknown = sorted(set(kernels) - set(ALL_KERNELS))
+    if unknown:
+        print(f"unknown kernels {unknown}; choose from {','.join(ALL_KERNELS)}", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16
+    if args.tiny:
+        qk_shapes, grid = [(1, 4, 2, 3, 32, 8)], [(1, 1), (2, 1)]
+        flce_shapes, heights = [(40, 32, 300)], [8, 16]
+    else:
+        qk_shapes = [(8, 32, 8, 2048, 128, 128), (4, 24, 4, 2048, 256, 64)]
+        grid = list(itertools.product([1, 2, 4, 8, 16, 32], [1, 2, 4, 8]))
+        flce_shapes, heights = [(16384, 4096, 151936), (16384, 5120, 248320)], [256, 512, 768, 1024]
+    env = environment(device)
+    copy_gbps = copy_bandwidth_gbps(device, gib=0.01 if args.tiny else 4.0)
+    rows = []
+    for shape in qk_shapes:
+        if "apply_rope" in kernels:
+            rows += rope_rows(shape, grid, device, dtype, copy_gbps)
+        if "qk_norm_rope" in kernels:
+            rows += qk_rows(shape, grid, device, dtype, copy_gbps)
+    if "fused_linear_cross_entropy" in kernels:
+        for shape in flce_shapes:
+            rows += flce_rows(shape, heights, device, dtype)
+    print(f"environment: {env}")
+    print(f"device copy bandwidth (read + write): {copy_gbps:.0f} GB/s")
+    tiles = [r for r in rows if "BLOCK_R" in r]
+    if tiles:
+        print(markdown_table(tiles, ["kernel", "shape", "direction", "BLOCK_R", "warps", "ms", "GBps", "pct_copy",
+                                     "default"]))
+    chunks = [r for r in rows if "chunk_rows" in r]
+    if chunks:
+        print(markdown_table(chunks, ["kernel", "shape", "chunk_rows", "ms", "extra_MiB", "TFLOPs", "default"]))
+    write_json(args.out, dict(environment=env, copy_GBps=copy_gbps, results=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
