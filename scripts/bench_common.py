@@ -10,6 +10,7 @@ import datetime
 import importlib.metadata
 import json
 import platform
+import sys
 import time
 
 import torch
@@ -45,6 +46,16 @@ def graph_ms(fn, device: torch.device) -> float | None:
         print(f"graph capture failed: {str(error).splitlines()[0]}")
         return None
     return bench_ms(graph.replay, device)
+
+
+def bench_device(tiny: bool) -> torch.device | None:
+    """CUDA for a full run, the CPU for `--tiny`; None (after saying why) for a full run without CUDA."""
+    if tiny:
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    print("no CUDA device: pass --tiny (with TRITON_INTERPRET=1) for the CPU smoke run", file=sys.stderr)
+    return None
 
 
 def copy_bandwidth_gbps(device: torch.device, gib: float = 4.0) -> float:

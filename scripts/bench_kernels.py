@@ -20,7 +20,15 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from bench_common import bench_ms, copy_bandwidth_gbps, environment, graph_ms, markdown_table, write_json
+from bench_common import (
+    bench_device,
+    bench_ms,
+    copy_bandwidth_gbps,
+    environment,
+    graph_ms,
+    markdown_table,
+    write_json,
+)
 
 from unsloth_lite.kernels import apply_rope, qk_norm_rope, rms_norm, swiglu
 
@@ -206,9 +214,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    if device.type == "cpu" and not args.tiny:
-        print("no CUDA device: pass --tiny (with TRITON_INTERPRET=1) for the CPU smoke run", file=sys.stderr)
+    device = bench_device(args.tiny)
+    if device is None:
         return 2
     wanted = set(args.variants.split(",")) if args.variants else None
     if args.tiny and wanted is None:

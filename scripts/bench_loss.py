@@ -31,7 +31,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_common import bench_ms, environment, markdown_table, matmul_tflops, write_json
+from bench_common import bench_device, bench_ms, environment, markdown_table, matmul_tflops, write_json
 
 from unsloth_lite.kernels import fused_linear_cross_entropy
 
@@ -171,9 +171,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    if device.type == "cpu" and not args.tiny:
-        print("no CUDA device: pass --tiny (with TRITON_INTERPRET=1) for the CPU smoke run", file=sys.stderr)
+    device = bench_device(args.tiny)
+    if device is None:
         return 2
     if args.variants:
         wanted = set(args.variants.split(","))

@@ -24,7 +24,7 @@ import itertools
 import sys
 
 import torch
-from bench_common import bench_ms, copy_bandwidth_gbps, environment, markdown_table, write_json
+from bench_common import bench_device, bench_ms, copy_bandwidth_gbps, environment, markdown_table, write_json
 
 rope = importlib.import_module("unsloth_lite.kernels.rope")
 qk = importlib.import_module("unsloth_lite.kernels.qk_norm_rope")
@@ -157,9 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, two configurations (CPU smoke run)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    if device.type == "cpu" and not args.tiny:
-        print("no CUDA device: pass --tiny (with TRITON_INTERPRET=1) for the CPU smoke run", file=sys.stderr)
+    device = bench_device(args.tiny)
+    if device is None:
         return 2
     kernels = [k for k in args.kernels.split(",") if k]
     unknown = sorted(set(kernels) - set(ALL_KERNELS))

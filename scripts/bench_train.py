@@ -80,7 +80,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from bench_common import environment, markdown_table, matmul_tflops, write_json
+from bench_common import bench_device, environment, markdown_table, matmul_tflops, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_RESULT "
@@ -651,9 +651,8 @@ def main(argv=None) -> int:
     if args.worker:
         return worker_main(args)
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    if device.type == "cpu" and not args.tiny:
-        print("no CUDA device: pass --tiny (with TRITON_INTERPRET=1) for the CPU smoke run", file=sys.stderr)
+    device = bench_device(args.tiny)
+    if device is None:
         return 2
     if args.variants:
         variants = [v for v in args.variants.split(",") if v]

@@ -1,4 +1,4 @@
-"""The kernel benchmark's tiny CPU mode runs end to end, so the script cannot rot."""
+"""The kernel benchmarks' tiny CPU modes run end to end, so the scripts cannot rot."""
 
 import os
 import subprocess
@@ -10,30 +10,31 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size"
+)
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
+
+def run_tiny(script: str) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
+    result = subprocess.run(
+        [sys.executable, f"scripts/{script}", "--tiny"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def test_bench_kernels_tiny_mode_runs():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
-    result = subprocess.run(
-        [sys.executable, "scripts/bench_kernels.py", "--tiny"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
+    out = run_tiny("bench_kernels.py")
     for kernel in ("rms_norm", "swiglu", "apply_rope", "qk_norm_rope"):
-        assert f"| {kernel} |" in result.stdout
-    assert "| unsloth_lite |" in result.stdout and "| eager |" in result.stdout
+        assert f"| {kernel} |" in out
+    assert "| unsloth_lite |" in out and "| eager |" in out
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
 def test_bench_sweep_tiny_mode_runs():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
-    result = subprocess.run(
-        [sys.executable, "scripts/bench_sweep.py", "--tiny"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
+    out = run_tiny("bench_sweep.py")
     for kernel in ("apply_rope", "qk_norm_rope", "fused_linear_cross_entropy"):
-        assert f"| {kernel} |" in result.stdout
+        assert f"| {kernel} |" in out
     for direction in ("out of place", "in place", "forward", "backward"):
-        assert f"| {direction} |" in result.stdout
-    assert "| yes |" in result.stdout  # the launchers' own choice is among the rows
+        assert f"| {direction} |" in out
+    assert out.count("| yes |") == 5  # the launchers' own choice: 2 RoPE, 2 q/k-norm directions, 1 chunk height
