@@ -324,7 +324,8 @@ def start_forward_pass() -> None:
 def enable_gradient_checkpointing(model, offload_to_cpu: bool = False, cuda_graphs: bool = False):
     """Turns on gradient checkpointing of every decoder layer of a Hugging Face model (PEFT-wrapped or not)
     through `checkpoint_layer`; returns the model. Frozen embeddings get an output that requires grad, so
-    that the first layer's input carries gradients into the checkpointed layers."""
+    that the first layer's input carries gradients into the checkpointed layers. With a Trainer, leave
+    `TrainingArguments.gradient_checkpointing` off: the Trainer would enable Hugging Face's own instead."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     if offload_to_cpu and cuda_graphs:
