@@ -185,9 +185,11 @@ class _Launch:
     key: tuple
     shape: torch.Size
     dtype: torch.dtype
-    args: tuple
+    n_elements: int
     grid: tuple
-    constants: dict
+    inputs: tuple  # the kernel's arguments before `out`
+    sizes: tuple  # ... and after it
+    meta: dict  # constexprs and launch options
 
 
 # Per QuantState, by id and weakly held (QuantState is unhashable; the entry goes with it): checks and argument
@@ -224,12 +226,9 @@ def _launch(weight, quant_state) -> _Launch:
     else:
         nested = (code, qs.absmax, code, 1)  # unused
     launch = _Launch(
-        key=_storage_key(weight, qs), shape=shape, dtype=qs.dtype,
-        args=(packed, qs.absmax, code, *nested), grid=(triton.cdiv(n_blocks, rows),),
-        constants=dict(
-            n_elements=n_elements, n_bytes=(n_elements + 1) // 2, n_blocks=n_blocks, HALF_BLOCK=blocksize // 2,
-            ROWS=rows, NESTED=bool(qs.nested), num_warps=4, enable_fp_fusion=False,
-        ),
+        key=key, shape=shape, dtype=qs.dtype, n_elements=n_elements, grid=(triton.cdiv(n_blocks, rows),),
+        inputs=(packed, qs.absmax, code, *nested), sizes=(n_elements, (n_elements + 1) // 2, n_blocks),
+        meta=dict(HALF_BLOCK=blocksize // 2, ROWS=rows, NESTED=bool(qs.nested), num_warps=4, enable_fp_fusion=False),
     )
     if id(qs) not in _LAUNCHES:
         weakref.finalize(qs, _LAUNCHES.pop, id(qs), None)
@@ -247,19 +246,13 @@ def dequantize_nf4(weight, quant_state=None, out: torch.Tensor | None = None) ->
     there this matches bitsandbytes' CUDA kernel and its pure-PyTorch backend instead.
     """
     launch = _launch(weight, quant_state)
-    device = launch.args[0].device
+    device = launch.inputs[0].device
     if out is None:
         out = empty(launch.shape, launch.dtype, device)
     else:
         _check_out(out, launch.shape, launch.dtype, device)
-    if launch.constants["n_elements"] == 0:
-        return out
-    constants = launch.constants
-    _dequantize_nf4_kernel[launch.grid](
-        *launch.args, out, constants["n_elements"], constants["n_bytes"], constants["n_blocks"],
-        HALF_BLOCK=constants["HALF_BLOCK"], ROWS=constants["ROWS"], NESTED=constants["NESTED"],
-        num_warps=constants["num_warps"], enable_fp_fusion=constants["enable_fp_fusion"],
-    )
+    if launch.n_elements:
+        _dequantize_nf4_kernel[launch.grid](*launch.inputs, out, *launch.sizes, **launch.meta)
     return out
 
 

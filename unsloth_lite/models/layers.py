@@ -240,16 +240,17 @@ def causal_lm_forward(
     cross-entropy and no logits are formed, unless `return_logits=True`; without labels, logits as usual."""
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
-    if (labels is not None or shift_labels is not None) and not return_logits:
+    targets = None
+    if labels is not None or shift_labels is not None:
         targets = shift_labels if shift_labels is not None else _shifted_labels(labels)
-        if _causal_suffices(attention_mask, targets, position_ids, kwargs):
+        if not return_logits and _causal_suffices(attention_mask, targets, position_ids, kwargs):
             attention_mask = None
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     hidden_states = outputs.last_hidden_state
     loss = logits = None
-    if labels is not None or shift_labels is not None:
-        loss = causal_lm_loss(hidden_states, self.lm_head, labels, num_items_in_batch, shift_labels)
-    if (labels is None and shift_labels is None) or return_logits:
+    if targets is not None:
+        loss = causal_lm_loss(hidden_states, self.lm_head, labels, num_items_in_batch, shift_labels=targets)
+    if targets is None or return_logits:
         if isinstance(logits_to_keep, int):
             kept = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
         else:

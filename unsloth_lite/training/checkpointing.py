@@ -45,7 +45,15 @@ _LAST_OFFLOADED = threading.local()  # the previous offloaded layer of the forwa
 
 @functools.cache
 def _side_stream(device_index: int) -> torch.cuda.Stream:
+    """The stream for offload copies and graph captures of a device."""
     return torch.cuda.Stream(device=device_index)
+
+
+@functools.cache
+def _graph_pool(device_index: int):
+    """The memory pool every layer graph on a device is captured into."""
+    with torch.cuda.device(device_index):
+        return torch.cuda.graph_pool_handle()
 
 
 class _OffloadedInput:
@@ -193,7 +201,6 @@ class _Replayable:
 class _LayerGraphs:
     """One layer's two graphs for one call signature, with their static buffers (module docstring)."""
 
-    _POOLS: dict = {}
     # Buffers that every layer's graphs of one shape share: the output and the input gradient they write
     # (copied out right after each replay) and the output gradient they read (copied in right before), so
     # there is one of each instead of one a layer.
@@ -233,10 +240,9 @@ class _LayerGraphs:
         self.output, self.grad_hidden, self.grad_output = self._SHARED[shared_key]
         self.forward_graph = self.backward_graph = None
         self.pending_backward = False
-        key = self.device.index if self.device.type == "cuda" else None
-        if key not in self._POOLS and self.device.type == "cuda":
-            self._POOLS[key] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device))
-        self.pool, self.stream = self._POOLS.get(key, (None, None))
+        self.pool = self.stream = None
+        if self.device.type == "cuda":
+            self.pool, self.stream = _graph_pool(self.device.index or 0), _side_stream(self.device.index or 0)
 
     def forward(self, run, hidden) -> torch.Tensor:
         self.hidden.copy_(hidden)
