@@ -22,11 +22,13 @@ batch size in turn (peak statistics reset in between) and prints one JSON line f
 - `hf_liger`: the same after `apply_liger_kernel_to_qwen3(rope, rms_norm, swiglu, fused_linear_cross_entropy)`.
 - `unsloth`: `FastLanguageModel.from_pretrained` / `get_peft_model(use_gradient_checkpointing="unsloth")`,
   imported first, from `--unsloth-site` (prepended to the worker's PYTHONPATH).
-- `unsloth_lite`: `unsloth_lite.load_model` + `add_lora`, checkpointing as for `hf`.
-- `unsloth_lite_ckpt`, `unsloth_lite_offload`, `unsloth_lite_graphs` (only when named in `--variants`): the
-  same with `unsloth_lite.training.checkpointing.enable_gradient_checkpointing`: plain, with the saved layer
-  inputs in pinned CPU memory, and with each layer's forward and backward replayed as CUDA graphs (captured
-  in the second warm-up step: use `--warmup 2` or more).
+- `unsloth_lite`: `unsloth_lite.load_model` + `add_lora` + `unsloth_lite.training.checkpointing.
+  enable_gradient_checkpointing(model, offload_to_cpu=True, cuda_graphs=True)`: the saved layer inputs in
+  pinned CPU memory, each layer's forward and recompute-and-backward replayed as CUDA graphs (captured in
+  the second step: keep `--warmup` at 2 or more).
+- only when named in `--variants`: `unsloth_lite_hf_ckpt` (the same with Hugging Face's checkpointing, as
+  for `hf`), `unsloth_lite_ckpt` (`enable_gradient_checkpointing` without offload or graphs),
+  `unsloth_lite_offload` (offload only), `unsloth_lite_graphs` (graphs only).
 
 One step: forward with labels = input ids (the loss), backward, `optimizer.step()`, `zero_grad(set_to_none=True)`
 on a random token batch `[batch, seq]`; batch i comes from seed 1234 + i, so every variant sees the same batches
@@ -34,12 +36,15 @@ and the first-step losses must agree (within bf16 rounding; LoRA B starts at zer
 `--steps` timed ones, each `torch.cuda.synchronize()`d and timed with `perf_counter`: wall time per step, host
 overhead included (what bounds batch 1). Then, unless `--no-profile`, one more step under `torch.profiler`
 counts the CUDA kernels launched and their summed time (`gpu_busy` = that time over the mean step time), and
-lists the kernels that take the most of it (`top_kernels`).
+lists the kernels that take the most of it (`top_kernels`); with `--host-profile` also the host-side ops
+with the most self CPU time (`top_host_ops`).
 
 Columns: `tokens_per_s` = batch x seq / mean step time; `load_gib`, GPU memory allocated once the model and its
 adapters are loaded; `peak_gib`, `torch.cuda.max_memory_allocated()` from then through the last timed step
 (the peak statistics reset after loading; Unsloth keeps its checkpointed activations in pinned CPU memory,
-which this leaves out); `first_loss` and `loss_rel_diff` (to hf's first loss).
+which this leaves out); `peak_reserved_gib`, `torch.cuda.max_memory_reserved()` over the same span (what the
+caching allocator held, its cached free blocks and CUDA graph pools included; in a worker the second batch
+size's figure includes blocks still cached from the first); `first_loss` and `loss_rel_diff` (to hf's first loss).
 `MFU` = 4 x N x tokens/s / peak, with N all parameters of the model (embeddings and lm_head included, 8.19B
 for W1; 4N: forward and input-gradient backward of a frozen base), peak = the bf16 8192^3 matmul rate measured
 by the parent in the same run. `HFU` = executed FLOPs per token x tokens/s / peak, with, per token,
@@ -86,7 +91,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_RESULT "
 MARKER = "bench_train_checkpoint.json"
 DEFAULT_VARIANTS = ("hf", "hf_liger", "unsloth", "unsloth_lite")
-ALL_VARIANTS = (*DEFAULT_VARIANTS, "unsloth_lite_ckpt", "unsloth_lite_offload", "unsloth_lite_graphs")
+ALL_VARIANTS = (
+    *DEFAULT_VARIANTS, "unsloth_lite_hf_ckpt", "unsloth_lite_ckpt", "unsloth_lite_offload", "unsloth_lite_graphs"
+)
 TINY_VARIANTS = ("hf", "unsloth_lite")
 MAX_SEQ_VARIANTS = ("hf", "unsloth_lite")
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -240,7 +247,8 @@ def load_hf(path, device, dtype, seq, liger=False):
 
 def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf"):
     """`checkpointing`: "hf" (Hugging Face's non-reentrant), "ours" (`enable_gradient_checkpointing`),
-    "offload" (the same with the saved layer inputs in pinned CPU memory) or "graphs" (with CUDA graphs)."""
+    "offload" (the same with the saved layer inputs in pinned CPU memory), "graphs" (with CUDA graphs) or
+    "graphs_offload" (both)."""
     import unsloth_lite
     from unsloth_lite.training.checkpointing import enable_gradient_checkpointing
 
@@ -252,7 +260,7 @@ def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf"):
     model = unsloth_lite.add_lora(model, r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=TARGET_MODULES)
     if checkpointing != "hf":
         enable_gradient_checkpointing(
-            model, offload_to_cpu=checkpointing == "offload", cuda_graphs=checkpointing == "graphs"
+            model, offload_to_cpu="offload" in checkpointing, cuda_graphs="graphs" in checkpointing
         )
     return model, {}
 
@@ -284,7 +292,8 @@ LOADERS = {
     "hf": load_hf,
     "hf_liger": lambda path, device, dtype, seq: load_hf(path, device, dtype, seq, liger=True),
     "unsloth": load_unsloth,
-    "unsloth_lite": load_unsloth_lite,
+    "unsloth_lite": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "graphs_offload"),
+    "unsloth_lite_hf_ckpt": load_unsloth_lite,
     "unsloth_lite_ckpt": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "ours"),
     "unsloth_lite_offload": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "offload"),
     "unsloth_lite_graphs": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "graphs"),
@@ -321,10 +330,18 @@ def _kernel_profile(prof) -> dict:
         entry[0] += 1
         entry[1] += e.duration_ns() / 1e6
     top = sorted(by_name.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
-    return dict(
+    out = dict(
         kernels_per_step=len(kernels), kernel_ms=sum(e.duration_ns() for e in kernels) / 1e6,
         top_kernels=[dict(name=name, calls=calls, ms=round(ms, 2)) for name, (calls, ms) in top],
     )
+    host_ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    if host_ops:  # recorded with --host-profile
+        host_ops.sort(key=lambda e: -e.self_cpu_time_total)
+        out["top_host_ops"] = [
+            dict(name=e.key[:80], calls=e.count, ms=round(e.self_cpu_time_total / 1e3, 2))
+            for e in host_ops[:TOP_KERNELS]
+        ]
+    return out
 
 
 def _sync(device):
@@ -389,11 +406,13 @@ def measure(args, model, optimizer, device, batch: int, seq: int, vocab: int, wa
         peak_measured = torch.cuda.max_memory_allocated(device)
         out["peak_gib"] = max(peak_warmup, peak_measured) / 2**30
         out["peak_measured_gib"] = peak_measured / 2**30
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as profiler
 
-        with profiler(activities=[ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CUDA] + [ProfilerActivity.CPU] * args.host_profile
+        with profiler(activities=activities) as prof:
             step(batches[-1])
             _sync(device)
         out.update(_kernel_profile(prof))
@@ -543,7 +562,8 @@ def run_worker(args, checkpoint: Path, variant: str, batch_sizes: list[int], max
         "--batch-sizes", ",".join(map(str, batch_sizes)), "--seq", str(args.seq), "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--max-probes", str(args.max_probes),
     ]
-    for flag, on in (("--tiny", args.tiny), ("--no-profile", args.no_profile), ("--max-seq", max_seq)):
+    for flag, on in (("--tiny", args.tiny), ("--no-profile", args.no_profile), ("--max-seq", max_seq),
+                     ("--host-profile", args.host_profile)):
         if on:
             cmd.append(flag)
     if args.memory_cap_gib:
@@ -607,7 +627,7 @@ def summarise(results: list[dict], c: dict, peak_tflops: float) -> list[dict]:
             if r["batch"] in reference:
                 ref = reference[r["batch"]]
                 row["loss_rel_diff"] = float(f"{abs(r['first_loss'] - ref) / abs(ref):.2e}")
-        for key in ("load_gib", "peak_gib", "peak_measured_gib"):
+        for key in ("load_gib", "peak_gib", "peak_measured_gib", "peak_reserved_gib"):
             if key in row:
                 row[key] = round(row[key], 2)
         rows.append(row)
@@ -622,6 +642,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 8; tiny: 2)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before timing (default 2; tiny: 1)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step (kernel counts)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="the profiled step also records host ops: top_host_ops, by self CPU time")
     parser.add_argument("--workdir", default="/tmp/unsloth_lite_w1", help="where the checkpoint is written once")
     parser.add_argument("--unsloth-site", default=None, help="directory holding unsloth (put first on PYTHONPATH)")
     parser.add_argument("--max-seq", action="store_true", help="longest batch-1 sequence within --memory-cap-gib")
@@ -704,7 +726,8 @@ def main(argv=None) -> int:
     results = [r for variant in variants for r in run_worker(args, checkpoint, variant, batch_sizes)]
     results.sort(key=lambda r: (r.get("batch") or 0, variants.index(r["variant"])))
     rows = summarise(results, c, peak_tflops)
-    columns = ["variant", "batch", "seq", "tokens_per_s", "step_ms", "peak_gib", "load_gib", "first_loss",
+    columns = ["variant", "batch", "seq", "tokens_per_s", "step_ms", "peak_gib", "peak_reserved_gib", "load_gib",
+               "first_loss",
                "loss_rel_diff", "kernels_per_step", "gpu_busy", "MFU", "HFU", "error"]
     shown = [dict(r, first_loss=round(r["first_loss"], 5)) if "first_loss" in r else r for r in rows]
     print(markdown_table(shown, columns))
@@ -712,6 +735,9 @@ def main(argv=None) -> int:
         if "first_loss" in row:
             print(f"first-step loss {row['variant']} b{row['batch']}: {row['first_loss']!r} "
                   f"(relative difference to hf: {row.get('loss_rel_diff')}); all: {row['losses']}")
+        if row.get("top_host_ops"):
+            print(f"host time by op (self), {row['variant']} b{row['batch']}: "
+                  + "; ".join(f"{k['ms']:.1f} ms {k['calls']}x {k['name'][:50]}" for k in row["top_host_ops"]))
         if row.get("top_kernels"):
             print(f"device time by kernel, {row['variant']} b{row['batch']} (of {row['kernel_ms']:.0f} ms): "
                   + "; ".join(f"{k['ms']:.1f} ms {k['calls']}x {k['name'][:60]}" for k in row["top_kernels"]))

@@ -99,11 +99,9 @@ def test_graphed_layers_two_forwards_before_a_backward(device):
             assert_close(grad, expected[name], 1e-5, f"step {step} {name}")
 
 
-def test_graphed_layers_refuse_dropout_and_offload():
+def test_graphed_layers_refuse_dropout():
     with pytest.raises(ValueError, match="without dropout"):
         enable_gradient_checkpointing(tiny_model("qwen3", "cpu", attention_dropout=0.1), cuda_graphs=True)
-    with pytest.raises(ValueError, match="can't be combined"):
-        enable_gradient_checkpointing(tiny_model("qwen3", "cpu"), offload_to_cpu=True, cuda_graphs=True)
 
 
 def test_checkpoint_layer_passes_gradients_of_every_tensor_input(device):
@@ -139,3 +137,38 @@ def test_cuda_graphs_on_gpu():
     for model, tol in ((tiny_model("qwen3", "cuda"), 1e-5), (_lora_model("cuda"), 1e-4)):
         _compare(model, "cuda", cuda_graphs=True, tol=tol, steps=4)
         assert _graphed_layer_count(model) == 2
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_recomputation_skips_the_down_projection(cuda_graphs, device, monkeypatch):
+    """The down projection's product runs in each layer's forward but not in its recomputation (the backward
+    never reads it); the gradients stay exact (test_lora_on_patched_model, test_graphed_layers)."""
+    import unsloth_lite.kernels.lora as lora_module
+
+    model = _lora_model(device)
+    enable_gradient_checkpointing(model, cuda_graphs=cuda_graphs)
+    intermediate = model.config.intermediate_size
+    calls = {"down": 0, "other": 0}
+    project_all = lora_module._project_all
+
+    def counting(x2d, projections, adapters):
+        calls["down" if x2d.shape[-1] == intermediate else "other"] += 1
+        return project_all(x2d, projections, adapters)
+
+    monkeypatch.setattr(lora_module, "_project_all", counting)
+    layers = model.config.num_hidden_layers
+    # A layer's forward runs q/k/v, o, gate/up and down; its recomputation the same but down. With graphs on
+    # CUDA: step 0 runs eagerly, step 1 captures (each graph's function runs twice: warm-up and capture),
+    # step 2 replays (no Python runs). Off CUDA every step runs the functions.
+    expected = [(layers, 6 * layers)] * 3
+    if cuda_graphs and torch.device(device).type == "cuda":
+        expected = [(layers, 6 * layers), (2 * layers, 12 * layers), (0, 0)]
+    for step, (down, other) in enumerate(expected):
+        calls.update(down=0, other=0)
+        _loss_and_grads(model, *batch(device))
+        assert calls == {"down": down, "other": other}, f"step {step}"
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_offloaded_inputs_on_gpu():
+    _compare(_lora_model("cuda"), "cuda", cuda_graphs=True, offload_to_cpu=True, tol=1e-4, steps=4)

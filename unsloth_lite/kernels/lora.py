@@ -17,6 +17,9 @@ The MLP, with projections gate (g), up (u) and down (d) and h = silu(g) ⊙ u:
     (dg, du) = SwiGLU backward of dh (see `swiglu.py`)
     dx = gate's and up's dx as above, summed.
 
+A caller that needs the gradient of `out` but not its value (a checkpoint's recomputation) skips
+W_d's product: the backward reads only t_d = h A_dᵀ of the down projection's forward.
+
 Saved: the layer input, the pre-activations g and u, and the rank-r products t. h (the largest activation
 after g and u) is not saved: the backward recomputes it from g and u. dg and du are written over g and u,
 which the backward no longer needs, so beyond the recomputed h the MLP backward allocates one
@@ -164,14 +167,18 @@ class LoRAMLPFunction(torch.autograd.Function):
     """down(silu(gate(x)) ⊙ up(x)), each projection with its adapter."""
 
     @staticmethod
-    def forward(ctx, x, projections, *adapter_weights):
+    def forward(ctx, x, projections, output_needed, *adapter_weights):
         gate, up, down = projections
         x2d = x.reshape(-1, x.shape[-1])
         gate_up = _Adapters((gate, up), x2d.dtype)
         (g, u), t_gate_up = _project_all(x2d, (gate, up), gate_up)
         h = _swiglu_forward(g, u)
         down_adapters = _Adapters((down,), x2d.dtype)
-        (out,), t_down = _project_all(h, (down,), down_adapters)
+        if output_needed:
+            (out,), t_down = _project_all(h, (down,), down_adapters)
+        else:  # the backward only needs t_down (module docstring)
+            t_down = torch.matmul(h, down_adapters.a.t())
+            out = h.new_empty((h.shape[0], down.out_features))
         ctx.projections, ctx.adapters = projections, (gate_up, down_adapters)
         ctx.input_shape = x.shape
         ctx.save_for_backward(x2d, g, u, t_gate_up, t_down)
@@ -191,7 +198,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         del h
         dg, du = _swiglu_backward(dh, g, u, out=(g, u))  # g and u are dead from here on
         dx, gate_up_grads = _project_all_backward([dg, du], x2d, t_gate_up, (gate, up), gate_up)
-        return (dx.view(ctx.input_shape), None, *gate_up_grads, *down_grads)
+        return (dx.view(ctx.input_shape), None, None, *gate_up_grads, *down_grads)
 
 
 def lora_projections(x: torch.Tensor, projections: tuple[LoRAProjection, ...]) -> tuple[torch.Tensor, ...]:
@@ -199,7 +206,11 @@ def lora_projections(x: torch.Tensor, projections: tuple[LoRAProjection, ...]) -
     return LoRAProjectionsFunction.apply(x, projections, *_adapter_args(projections))
 
 
-def lora_mlp(x: torch.Tensor, gate: LoRAProjection, up: LoRAProjection, down: LoRAProjection) -> torch.Tensor:
-    """The SwiGLU MLP with LoRA on all three projections; gradients for x and every A, B."""
+def lora_mlp(
+    x: torch.Tensor, gate: LoRAProjection, up: LoRAProjection, down: LoRAProjection, output_needed: bool = True
+) -> torch.Tensor:
+    """The SwiGLU MLP with LoRA on all three projections; gradients for x and every A, B.
+    `output_needed=False` (for a caller that back-propagates into the result but never reads it, as a
+    checkpoint's recomputation) skips the down projection and returns uninitialised memory of its shape."""
     projections = (gate, up, down)
-    return LoRAMLPFunction.apply(x, projections, *_adapter_args(projections))
+    return LoRAMLPFunction.apply(x, projections, output_needed, *_adapter_args(projections))

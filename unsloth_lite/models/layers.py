@@ -10,8 +10,10 @@ the plain-PyTorch references, which compute the same functions.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
+import threading
 import warnings
 
 import torch
@@ -37,6 +39,23 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 
 def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda or INTERPRET
+
+
+_RECOMPUTATION = threading.local()
+
+
+@contextlib.contextmanager
+def recomputation_for_backward():
+    """Marks a decoder layer's forward as the recomputation of a gradient checkpoint (in this thread): its
+    outputs are then only the roots of a backward, which needs their gradients, not their values. The MLP's
+    output, which a decoder layer only adds to the residual stream, is then left uncomputed (the down
+    projection is the one product of the layer's forward whose result its backward never reads)."""
+    previous = getattr(_RECOMPUTATION, "active", False)
+    _RECOMPUTATION.active = True
+    try:
+        yield
+    finally:
+        _RECOMPUTATION.active = previous
 
 
 _WARNED: set[str] = set()
@@ -97,7 +116,7 @@ def zero_centred_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Te
 def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     projections = _lora_projections(self, ("gate_proj", "up_proj", "down_proj"), x)
     if projections is not None:
-        return lora_mlp(x, *projections)
+        return lora_mlp(x, *projections, output_needed=not getattr(_RECOMPUTATION, "active", False))
     gate, up = self.gate_proj(x), self.up_proj(x)
     return self.down_proj((swiglu if use_kernels(gate) else swiglu_reference)(gate, up))
 

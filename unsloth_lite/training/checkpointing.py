@@ -1,11 +1,14 @@
 """Gradient checkpointing of the decoder layers, lighter on the host than `torch.utils.checkpoint`'s
-non-reentrant form, with the saved layer inputs optionally kept in pinned CPU memory.
+non-reentrant form, with the saved layer inputs optionally kept in pinned CPU memory and the layers
+optionally replayed as CUDA graphs.
 
 A checkpointed layer runs its forward under `no_grad` (no autograd graph is built, no saved-tensor hooks
 run) and keeps only its input hidden states. Its backward restores them, runs the layer again with
 gradients on, and back-propagates through that recomputation: the reentrant scheme, whose forward costs
-the host only the layer's own ops. Where the model has dropout, CPU and CUDA random states are restored
-for the recomputation, so dropout draws the same masks twice.
+the host only the layer's own ops. The recomputation runs under `recomputation_for_backward()`, which lets
+the patched layers skip what only the layer's output needs (the MLP's down projection). Where the model
+has dropout, CPU and CUDA random states are restored for the recomputation, so dropout draws the same
+masks twice.
 
 `offload_to_cpu=True` keeps those inputs (one `[batch, seq, hidden]` tensor a layer, 2.25 GiB for 36 layers
 of Qwen3-8B at 4 x 2048 tokens in bf16) in pinned CPU memory instead of on the GPU. Copies run on a side
@@ -14,31 +17,36 @@ stream: device to host right after each layer's forward, host to device one laye
 safety: the GPU input is marked as used by the side stream until its copy is done, and the side stream's
 copy back is awaited (an event) before the layer uses it.
 
-`cuda_graphs=True` removes the host's launch cost, which bounds small batches: each layer's checkpointed
-forward and its recompute-and-backward are captured once per input shape as two CUDA graphs (on the second
-call with that shape; the first runs eagerly and compiles every kernel), then replayed. The layer input the
-checkpoint keeps is the forward graph's static input buffer; tensors among the layer's keyword arguments
-(cos/sin, position ids) are copied into static buffers before each replay, and the backward graph's
-gradients (of the input and of the layer's trainable parameters) are copied out of its static outputs.
-Graphs of all layers share one memory pool, captured in the order they replay (forward 0..L-1, backward
-L-1..0). It needs layers without dropout (a replayed recomputation could not repeat the forward's masks),
-shapes that repeat (a pair of graphs per shape is kept), and each forward's backward before the layer's
-next forward (otherwise that call runs eagerly). Off CUDA the same code runs the functions eagerly.
+`cuda_graphs=True` removes the host's launch cost, which bounds small batches: each layer's forward and its
+recompute-and-backward are captured once per input shape as two CUDA graphs (both in the forward of the
+second call with that shape; the first runs eagerly and compiles every kernel), then replayed. The graphs
+read and write static buffers that all layers share: the input (copied in before each replay, from the
+forward's argument or from the checkpoint, which is kept as without graphs, offloaded or not), the output
+and the gradients (copied out right after). Tensors among the layer's keyword arguments (cos/sin, position
+ids) are copied into the layer's static buffers before each forward replay. Graphs of all layers share one
+memory pool: each graph's temporaries are dead once it has run, and what a graph returns is copied out
+before the next replay, so any order of replays is safe. It needs layers without dropout (a replayed
+recomputation could not repeat the forward's masks), shapes that repeat (a pair of graphs per shape is
+kept), and each forward's backward before the layer's next forward (otherwise that call runs eagerly).
+Off CUDA the same code runs the functions eagerly.
 
 Enabled with `enable_gradient_checkpointing(model, offload_to_cpu=..., cuda_graphs=...)`; every layer that
-Hugging Face's gradient checkpointing covers (`GradientCheckpointingLayer`) then goes through `checkpoint_layer`. The
-inputs that need gradients must be positional (as in Hugging Face's decoder loops) and at least one must
-require grad (the Trainer makes the embeddings' output require grad); otherwise the layer falls back to
-`torch.utils.checkpoint`'s non-reentrant form.
+Hugging Face's gradient checkpointing covers (`GradientCheckpointingLayer`) then goes through
+`checkpoint_layer`. The inputs that need gradients must be positional (as in Hugging Face's decoder loops)
+and at least one must require grad (the Trainer makes the embeddings' output require grad); otherwise the
+layer falls back to `torch.utils.checkpoint`'s non-reentrant form.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
 import torch
 import torch.utils.checkpoint
+
+from unsloth_lite.models.layers import recomputation_for_backward
 
 _LAST_OFFLOADED = threading.local()  # the previous offloaded layer of the forward pass being recorded
 
@@ -93,6 +101,28 @@ class _OffloadedInput:
         return tensor
 
 
+def _save_inputs(ctx, tensors, offload_to_cpu: bool) -> None:
+    """Keeps a checkpoint's input tensors for its backward: on their device, or (`offload_to_cpu`, for those
+    on a GPU that need gradients) in pinned CPU memory, linked to the previous offloaded layer of the pass."""
+    ctx.offloaded = {}
+    kept = []
+    for i, tensor in enumerate(tensors):
+        if offload_to_cpu and tensor.is_cuda and tensor.requires_grad:
+            previous = getattr(_LAST_OFFLOADED, "value", None)
+            ctx.offloaded[i] = _LAST_OFFLOADED.value = _OffloadedInput(tensor, previous)
+        else:
+            kept.append(tensor)
+    ctx.save_for_backward(*kept)
+
+
+def _saved_inputs(ctx) -> list[torch.Tensor]:
+    kept = iter(ctx.saved_tensors)
+    return [
+        ctx.offloaded[i].take() if i in ctx.offloaded else next(kept)
+        for i in range(len(ctx.offloaded) + len(ctx.saved_tensors))
+    ]
+
+
 class _CheckpointedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, options, *args):
@@ -103,39 +133,26 @@ class _CheckpointedLayer(torch.autograd.Function):
             ctx.rng = torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in _cuda_devices(args)]
         with torch.no_grad():
             outputs = run(*args)
-        tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
-        ctx.tensor_positions = tensor_positions
+        ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
-        ctx.offloaded = {}
-        kept = []
-        for i in tensor_positions:
-            tensor = args[i]
-            if offload_to_cpu and tensor.is_cuda and tensor.requires_grad:
-                previous = getattr(_LAST_OFFLOADED, "value", None)
-                ctx.offloaded[i] = _LAST_OFFLOADED.value = _OffloadedInput(tensor, previous)
-            else:
-                kept.append(tensor)
-        ctx.save_for_backward(*kept)
+        _save_inputs(ctx, [args[i] for i in ctx.tensor_positions], offload_to_cpu)
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
-        kept = iter(ctx.saved_tensors)
         args = list(ctx.others)
-        for i in ctx.tensor_positions:
-            tensor = ctx.offloaded[i].take() if i in ctx.offloaded else next(kept)
+        for i, tensor in zip(ctx.tensor_positions, _saved_inputs(ctx), strict=True):
             args[i] = tensor.detach().requires_grad_(ctx.needs_input_grad[2 + i])
-        if ctx.rng is None:
-            with torch.enable_grad():
-                outputs = ctx.run(*args)
-        else:
-            cpu_state, cuda_states = ctx.rng
-            with torch.random.fork_rng(devices=[d for d, _ in cuda_states]):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(recomputation_for_backward())
+            stack.enter_context(torch.enable_grad())
+            if ctx.rng is not None:
+                cpu_state, cuda_states = ctx.rng
+                stack.enter_context(torch.random.fork_rng(devices=[d for d, _ in cuda_states]))
                 torch.set_rng_state(cpu_state)
                 for device, state in cuda_states:
                     torch.cuda.set_rng_state(state, device)
-                with torch.enable_grad():
-                    outputs = ctx.run(*args)
+            outputs = ctx.run(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [
             (out, grad) for out, grad in zip(outputs, grads, strict=True)
@@ -162,7 +179,7 @@ def checkpoint_layer(
     if cuda_graphs:
         graphs = _LayerGraphs.for_call(run, args)
         if graphs is not None:
-            return _GraphedLayer.apply(graphs, run, args[0], *graphs.params)
+            return _GraphedLayer.apply(graphs, run, offload_to_cpu, args[0], *graphs.params)
     return _CheckpointedLayer.apply(run, (offload_to_cpu, preserve_rng_state), *args)
 
 
@@ -201,9 +218,9 @@ class _Replayable:
 class _LayerGraphs:
     """One layer's two graphs for one call signature, with their static buffers (module docstring)."""
 
-    # Buffers that every layer's graphs of one shape share: the output and the input gradient they write
-    # (copied out right after each replay) and the output gradient they read (copied in right before), so
-    # there is one of each instead of one a layer.
+    # Buffers that every layer's graphs of one shape share: the input they read (the forward's, then the
+    # recomputation's), the output and the input gradient they write (copied out right after each replay)
+    # and the output gradient they read (copied in right before): one of each instead of one a layer.
     _SHARED: dict = {}
 
     @classmethod
@@ -230,14 +247,18 @@ class _LayerGraphs:
 
     def __init__(self, layer, run, hidden):
         self.device = hidden.device
-        self.params = [p for p in layer.parameters() if p.requires_grad]
-        self.hidden = torch.empty_like(hidden)  # the checkpoint: this layer's input of the current step
+        # (module, name) of each trainable parameter, in `layer.parameters()` order
+        self.owners = [
+            (module, name) for module in layer.modules() for name, p in module._parameters.items()
+            if p is not None and p.requires_grad
+        ]
+        self.params = [module._parameters[name] for module, name in self.owners]
         self.static_kwargs = {k: _static_copy(v) for k, v in run.keywords.items()}
         self.function = functools.partial(run.func, *run.args, **self.static_kwargs)
         shared_key = (tuple(hidden.shape), hidden.dtype, hidden.device)
         if shared_key not in self._SHARED:
-            self._SHARED[shared_key] = tuple(torch.empty_like(hidden) for _ in range(3))
-        self.output, self.grad_hidden, self.grad_output = self._SHARED[shared_key]
+            self._SHARED[shared_key] = tuple(torch.empty_like(hidden) for _ in range(4))
+        self.hidden, self.output, self.grad_hidden, self.grad_output = self._SHARED[shared_key]
         self.forward_graph = self.backward_graph = None
         self.pending_backward = False
         self.pool = self.stream = None
@@ -249,30 +270,54 @@ class _LayerGraphs:
         for name, value in run.keywords.items():
             _copy_static(self.static_kwargs[name], value)
         if self.forward_graph is None:
-            def layer_forward():
-                with torch.no_grad():
-                    self.output.copy_(self.function(self.hidden))
-
-            self.forward_graph = _Replayable(layer_forward, self.device, self.pool, self.stream)
+            self._capture()
         self.forward_graph()
         self.pending_backward = True
         return self.output.clone()
 
-    def backward(self, grad_output):
+    def backward(self, hidden, grad_output):
+        self.hidden.copy_(hidden)
         self.grad_output.copy_(grad_output)
-        if self.backward_graph is None:
-            def recompute_and_backward():
-                with torch.enable_grad():
-                    hidden = self.hidden.detach().requires_grad_()
-                    output = self.function(hidden)
-                    grads = torch.autograd.grad(output, [hidden, *self.params], self.grad_output, allow_unused=True)
-                self.grad_hidden.copy_(grads[0])
-                return grads[1:]  # the parameters' gradients: small, kept in the pool
-
-            self.backward_graph = _Replayable(recompute_and_backward, self.device, self.pool, self.stream)
         grad_params = self.backward_graph()
         self.pending_backward = False
         return [self.grad_hidden.clone()] + [None if g is None else g.clone() for g in grad_params]
+
+    def _capture(self) -> None:
+        """Captures both graphs here, in the forward: a capture of the autograd engine's work from inside a
+        backward would make the caller's (legacy default) stream wait on the capturing one, which CUDA forbids."""
+        def layer_forward():
+            with torch.no_grad():
+                self.output.copy_(self.function(self.hidden))
+
+        def recompute_and_backward():
+            # The recomputation differentiates with respect to fresh leaves that alias the parameters: the
+            # parameters' own gradient accumulators exist already (this forward's autograd node holds them),
+            # bound to the stream they were created on, and gradients flowing into them from the capturing
+            # stream would make that stream wait on the capture.
+            aliases = [p.detach().requires_grad_() for p in self.params]
+            with _swapped_parameters(self.owners, aliases), recomputation_for_backward(), torch.enable_grad():
+                hidden = self.hidden.detach().requires_grad_()
+                output = self.function(hidden)
+                grads = torch.autograd.grad(output, [hidden, *aliases], self.grad_output, allow_unused=True)
+            self.grad_hidden.copy_(grads[0])
+            return grads[1:]  # the parameters' gradients: small, kept in the pool
+
+        self.forward_graph = _Replayable(layer_forward, self.device, self.pool, self.stream)
+        self.grad_output.zero_()  # what the capture's warm-up back-propagates; its results are discarded
+        self.backward_graph = _Replayable(recompute_and_backward, self.device, self.pool, self.stream)
+
+
+@contextlib.contextmanager
+def _swapped_parameters(owners, replacements):
+    """Modules' parameters `(module, name)` temporarily replaced by other tensors."""
+    originals = [module._parameters[name] for module, name in owners]
+    for (module, name), tensor in zip(owners, replacements, strict=True):
+        module._parameters[name] = tensor
+    try:
+        yield
+    finally:
+        for (module, name), tensor in zip(owners, originals, strict=True):
+            module._parameters[name] = tensor
 
 
 def _is_tensor_pair(value) -> bool:
@@ -305,14 +350,16 @@ def _copy_static(static, value) -> None:
 
 class _GraphedLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, graphs, run, hidden, *params):
+    def forward(ctx, graphs, run, offload_to_cpu, hidden, *params):
         ctx.graphs = graphs
+        _save_inputs(ctx, [hidden], offload_to_cpu)
         return graphs.forward(run, hidden)
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_hidden, *grad_params = ctx.graphs.backward(grad_output)
-        return (None, None, grad_hidden, *grad_params)
+        (hidden,) = _saved_inputs(ctx)
+        grad_hidden, *grad_params = ctx.graphs.backward(hidden, grad_output)
+        return (None, None, None, grad_hidden, *grad_params)
 
 
 def _draws_random_numbers(module) -> bool:
@@ -334,8 +381,6 @@ def enable_gradient_checkpointing(model, offload_to_cpu: bool = False, cuda_grap
     `TrainingArguments.gradient_checkpointing` off: the Trainer would enable Hugging Face's own instead."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    if offload_to_cpu and cuda_graphs:
-        raise ValueError("offload_to_cpu and cuda_graphs can't be combined: the graphs keep their inputs on the GPU")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
