@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from unsloth_lite.recipes import (
+    CheckpointingSection,
     LoRASection,
     Recipe,
     RecipeError,
@@ -73,7 +74,8 @@ def test_large_recipes_use_explicit_projections():
         assert recipe.lora.target_modules == projections
         assert recipe.training["per_device_train_batch_size"] == batch
         assert recipe.training["gradient_accumulation_steps"] == accum
-        assert recipe.training["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+        assert recipe.training["gradient_checkpointing"] is True
+        assert recipe.checkpointing == CheckpointingSection(offload_to_cpu=True, cuda_graphs=False)
 
 
 @pytest.mark.parametrize("name", ["tiny_qwen", "tiny_qwen.yaml", "recipes/tiny_qwen.yaml"])
@@ -124,6 +126,14 @@ def test_defaults_and_optional_sections(tmp_path):
     recipe = load_recipe(write(tmp_path, raw))
     assert recipe.lora == LoRASection() and recipe.seed == 42
     assert recipe.data.split == "train" and recipe.data.train_on_responses_only is True
+
+
+def test_checkpointing_section(tmp_path):
+    assert load_recipe(write(tmp_path, BASE)).checkpointing == CheckpointingSection()
+    raw = {**BASE, "training": {**BASE["training"], "gradient_checkpointing": True},
+           "checkpointing": {"offload_to_cpu": True}}
+    recipe = load_recipe(write(tmp_path, raw), ["checkpointing.cuda_graphs=true"])
+    assert recipe.checkpointing == CheckpointingSection(offload_to_cpu=True, cuda_graphs=True)
 
 
 def test_resume_from_checkpoint_bool_or_path(tmp_path):
@@ -210,6 +220,13 @@ BAD_FILES = {
     "missing output_dir": (lambda t: with_("training", "output_dir", ...), r"^training\.output_dir: required"),
     "training seed": (lambda t: with_("training", "seed", 1), r"^training\.seed: set the top-level 'seed'"),
     "bool seed": (lambda t: with_(None, "seed", False), r"^seed: expected int"),
+    "checkpointing without gradient checkpointing": (
+        lambda t: {**BASE, "checkpointing": {"offload_to_cpu": True}},
+        r"^checkpointing: its options need training\.gradient_checkpointing: true$",
+    ),
+    "unknown checkpointing key": (
+        lambda t: {**BASE, "checkpointing": {"offload": True}}, r"unknown key 'checkpointing\.offload'"
+    ),
     "non-qwen checkpoint": (
         lambda t: with_("model", "name_or_path", _llama_dir(t)),
         r"^model\.name_or_path: .*llama is a 'llama' checkpoint; supported model types: qwen2, qwen3",

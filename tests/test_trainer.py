@@ -78,17 +78,53 @@ def test_trainer_evaluates_without_logits(tokenizer, tmp_path):
     assert ours.evaluate()["eval_logit_rows"] == 12
 
 
-def test_trainer_with_gradient_checkpointing_and_lora(tokenizer, tmp_path):
-    """LoRA on a frozen base under non-reentrant checkpointing trains (the adapters get gradients)."""
+@pytest.mark.parametrize(
+    "checkpointing", [None, {"offload_to_cpu": True, "cuda_graphs": True}], ids=["default", "offload-graphs"]
+)
+def test_trainer_with_gradient_checkpointing_and_lora(checkpointing, tokenizer, tmp_path):
+    """LoRA on a frozen base with gradient checkpointing: the layers go through unsloth-lite's checkpointing
+    (with the options given), and the losses and adapters equal Hugging Face's Trainer with its own."""
     from unsloth_lite import add_lora
+    from unsloth_lite.training.checkpointing import checkpoint_layer, checkpointing_layers
 
     model = add_lora(build_tiny_qwen3(tokenizer, torch.float32, seed=3), r=4, lora_alpha=8)
-    args = training_args(
-        tmp_path, max_steps=2, gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
-    )
+    with torch.no_grad():  # PEFT starts B at zero: give it values so the first step exercises every gradient
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    trainer = unsloth_lite.Trainer(model=model, args=args, train_dataset=dataset(tokenizer, 16, seed=4),
-                                   data_collator=PaddingCollator(tokenizer.pad_token_id))
+    train = dataset(tokenizer, 16, seed=4)
+    collator = PaddingCollator(tokenizer.pad_token_id)
+    gc = dict(max_steps=2, gradient_accumulation_steps=1, gradient_checkpointing=True,
+              gradient_checkpointing_kwargs={"use_reentrant": False})
+    reference = transformers.Trainer(model=copy.deepcopy(model), args=training_args(tmp_path / "hf", **gc),
+                                     train_dataset=train, data_collator=collator)
+    reference.train()
+    trainer = unsloth_lite.Trainer(model=model, args=training_args(tmp_path / "ul", **gc), train_dataset=train,
+                                   data_collator=collator, checkpointing=checkpointing)
     trainer.train()
-    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
-    assert sorted(changed) == sorted(before)  # every adapter moved: B in step 1 (PEFT starts it at 0), A in step 2
+    for layer in checkpointing_layers(model):
+        assert layer._gradient_checkpointing_func.func is checkpoint_layer
+        assert layer._gradient_checkpointing_func.keywords["cuda_graphs"] == bool(checkpointing)
+    expected, got = step_losses(reference), step_losses(trainer)
+    assert len(got) == len(expected) == 2
+    assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), 1e-4, "losses")
+    trained = {n: p for n, p in reference.model.named_parameters() if p.requires_grad}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert not torch.equal(param, before[name]), name
+            assert_close(param, trained[name], 1e-4, f"{name} after training")
+
+
+def test_trainer_checkpointing_options_are_checked(tokenizer, tmp_path):
+    model = build_tiny_qwen3(tokenizer, torch.float32, seed=3)
+    with pytest.raises(ValueError, match="gradient_checkpointing=True"):
+        unsloth_lite.Trainer(model=model, args=training_args(tmp_path), checkpointing={"offload_to_cpu": True})
+    gc = training_args(tmp_path, gradient_checkpointing=True)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) offload \(expected"):
+        unsloth_lite.Trainer(model=model, args=gc, checkpointing={"offload": True})
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="without dropout"):
+        unsloth_lite.Trainer(model=model, args=gc, checkpointing={"cuda_graphs": True})

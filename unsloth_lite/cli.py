@@ -7,6 +7,7 @@ input (a recipe key, a path, a checkpoint that is not Qwen) is reported in one l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -234,6 +235,7 @@ def train(recipe: Recipe, merge: bool = False) -> int:
     trainer = Trainer(
         model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
         data_collator=PaddingCollator(tokenizer.pad_token_id), processing_class=tokenizer, callbacks=callbacks,
+        checkpointing=dataclasses.asdict(recipe.checkpointing) if args.gradient_checkpointing else None,
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

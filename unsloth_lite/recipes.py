@@ -1,4 +1,5 @@
-"""Training recipes: a short YAML file (model, lora, data, training, seed) validated before anything heavy loads.
+"""Training recipes: a short YAML file (model, lora, data, training, checkpointing, seed) validated before anything
+heavy loads.
 
 A recipe reads like this (see `recipe_files/` for complete ones)::
 
@@ -6,6 +7,7 @@ A recipe reads like this (see `recipe_files/` for complete ones)::
     lora:     {r: 16, alpha: 16, dropout: 0.0, target_modules: all-linear}
     data:     {path: yahma/alpaca-cleaned, format: alpaca}
     training: {output_dir: runs/qwen3_8b, learning_rate: 2.0e-4, num_train_epochs: 1}   # TrainingArguments fields
+    checkpointing: {offload_to_cpu: true}   # options of the gradient checkpointing (training.gradient_checkpointing)
     seed: 42
 
 `load_recipe(path, overrides)` parses it with `yaml.safe_load`, applies command-line overrides such as
@@ -41,7 +43,7 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_5", "qwen3_5_text")
 BUILTIN_MODELS = ("builtin:tiny-qwen3",)
 BUILTIN_DATASETS = ("builtin:arithmetic",)
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")
-TOP_LEVEL_KEYS = ("model", "lora", "data", "training", "seed")
+TOP_LEVEL_KEYS = ("model", "lora", "data", "training", "checkpointing", "seed")
 
 # A hub repository id: "org/name" (models) or, for datasets, also a bare legacy "name".
 _HUB_MODEL_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -87,15 +89,26 @@ class DataSection:
 
 
 @dataclass
+class CheckpointingSection:
+    """Options of `unsloth_lite.training.checkpointing` for the layers `training.gradient_checkpointing`
+    checkpoints: the saved layer inputs in pinned CPU memory; each layer replayed as CUDA graphs (pays off
+    where batch shapes repeat; a new shape is captured on its second use)."""
+
+    offload_to_cpu: bool = False
+    cuda_graphs: bool = False
+
+
+@dataclass
 class Recipe:
     model: ModelSection
     lora: LoRASection
     data: DataSection
     training: dict
+    checkpointing: CheckpointingSection = dataclasses.field(default_factory=CheckpointingSection)
     seed: int = 42
 
 
-SECTIONS = {"model": ModelSection, "lora": LoRASection, "data": DataSection}
+SECTIONS = {"model": ModelSection, "lora": LoRASection, "data": DataSection, "checkpointing": CheckpointingSection}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -422,7 +435,11 @@ def _build_recipe(raw: Any, source: str) -> Recipe:
     _validate_lora(lora)
     _validate_data(data)
     training = _validate_training(raw["training"])
-    return Recipe(model=model, lora=lora, data=data, training=training, seed=seed)
+    checkpointing = _build_section("checkpointing", raw.get("checkpointing"))
+    checkpointed = training.get("gradient_checkpointing") or training.get("activation_checkpointing")
+    if dataclasses.asdict(checkpointing) != dataclasses.asdict(CheckpointingSection()) and not checkpointed:
+        raise RecipeError("checkpointing: its options need training.gradient_checkpointing: true")
+    return Recipe(model=model, lora=lora, data=data, training=training, checkpointing=checkpointing, seed=seed)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -558,6 +575,7 @@ def recipe_to_dict(recipe: Recipe) -> dict:
         "lora": dataclasses.asdict(recipe.lora),
         "data": dataclasses.asdict(recipe.data),
         "training": copy.deepcopy(dict(recipe.training)),
+        "checkpointing": dataclasses.asdict(recipe.checkpointing),
         "seed": recipe.seed,
     }
 

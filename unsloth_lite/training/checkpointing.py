@@ -374,24 +374,36 @@ def start_forward_pass() -> None:
     _LAST_OFFLOADED.value = None
 
 
-def enable_gradient_checkpointing(model, offload_to_cpu: bool = False, cuda_graphs: bool = False):
-    """Turns on gradient checkpointing of every decoder layer of a Hugging Face model (PEFT-wrapped or not)
-    through `checkpoint_layer`; returns the model. Frozen embeddings get an output that requires grad, so
-    that the first layer's input carries gradients into the checkpointed layers. With a Trainer, leave
-    `TrainingArguments.gradient_checkpointing` off: the Trainer would enable Hugging Face's own instead."""
+def checkpointing_layers(model) -> list[torch.nn.Module]:
+    """The decoder layers that Hugging Face's gradient checkpointing covers, of a model PEFT-wrapped or not."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if not layers:
+    return [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def check_checkpointing_options(model, offload_to_cpu: bool = False, cuda_graphs: bool = False) -> list[str]:
+    """Raises ValueError for options the model can't take; returns the names of its modules with dropout."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not checkpointing_layers(model):
         raise ValueError(f"{type(base).__name__} has no decoder layers that support gradient checkpointing")
     random = [name for name, m in base.named_modules() if _draws_random_numbers(m)]
     if cuda_graphs and random:
         raise ValueError(f"cuda_graphs=True needs layers without dropout; {random[0]} has p > 0")
+    return random
+
+
+def enable_gradient_checkpointing(model, offload_to_cpu: bool = False, cuda_graphs: bool = False):
+    """Turns on gradient checkpointing of every decoder layer of a Hugging Face model (PEFT-wrapped or not)
+    through `checkpoint_layer`; returns the model. Frozen embeddings get an output that requires grad, so
+    that the first layer's input carries gradients into the checkpointed layers. `unsloth_lite.Trainer` does
+    this itself when `TrainingArguments.gradient_checkpointing` is on (options: its `checkpointing=`)."""
+    random = check_checkpointing_options(model, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     function = functools.partial(
         checkpoint_layer, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, preserve_rng_state=bool(random)
     )
-    for layer in layers:
+    for layer in checkpointing_layers(model):
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = function
     if not getattr(base, "_unsloth_lite_pass_hook", False):

@@ -7,6 +7,12 @@ Under gradient accumulation it is normalised exactly as Hugging Face's: the Trai
 micro-batch's loss is its sum of token losses over that count. Evaluation computes the loss without logits,
 unless metrics need them (`compute_metrics` or `preprocess_logits_for_metrics`).
 
+With `TrainingArguments.gradient_checkpointing`, the decoder layers Hugging Face checkpoints go through
+`unsloth_lite.training.checkpointing` instead (from the first training step on: the Trainer enables its own
+when training starts): the reentrant scheme, whose recomputation skips the MLP's down projection.
+`checkpointing={"offload_to_cpu": True, "cuda_graphs": True}` (a keyword of this Trainer only) passes its
+options; `gradient_checkpointing_kwargs` (arguments of `torch.utils.checkpoint`) no longer apply.
+
 Checkpoints are written into a staging directory and renamed into place once complete: a process killed
 during a save never leaves a `checkpoint-N` that looks complete but isn't, so resuming always finds a whole
 one (model, optimizer, scheduler, RNG states, data position).
@@ -24,22 +30,52 @@ import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from unsloth_lite.models import patch_model
+from unsloth_lite.training.checkpointing import (
+    check_checkpointing_options,
+    checkpointing_layers,
+    enable_gradient_checkpointing,
+)
 
 STAGING_PREFIX = ".staging-"
 
 
 class Trainer(transformers.Trainer):
-    def __init__(self, model=None, args=None, *positional, **kwargs):
+    def __init__(self, model=None, args=None, *positional, checkpointing: dict | None = None, **kwargs):
         if model is not None:
             patch_model(model)
         self._staging_dir = None
         super().__init__(model, args, *positional, **kwargs)
+        self._checkpointing = dict(checkpointing or {})
+        self._checkpointing_routed = False
+        if self._checkpointing:
+            unknown = sorted(set(self._checkpointing) - {"offload_to_cpu", "cuda_graphs"})
+            if unknown:
+                raise ValueError(f"checkpointing: unknown option(s) {', '.join(unknown)} "
+                                 "(expected offload_to_cpu, cuda_graphs)")
+            if not self.args.gradient_checkpointing:
+                raise ValueError("checkpointing options need TrainingArguments(gradient_checkpointing=True)")
+            check_checkpointing_options(self.model, **self._checkpointing)
         if self.args.gradient_checkpointing and hasattr(self.model, "enable_input_require_grads"):
             # Frozen embeddings (LoRA) would hand the first checkpointed layer inputs without grad.
             self.model.enable_input_require_grads()
         # The patched forward takes num_items_in_batch and normalises by it (no division by the number of
         # accumulation steps afterwards), as Hugging Face's own causal-LM loss does.
         self.model_accepts_loss_kwargs = True
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        if not self._checkpointing_routed:
+            self._route_checkpointing()
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def _route_checkpointing(self) -> None:
+        """Points the layers Hugging Face's checkpointing covers (enabled by `train()`) to ours."""
+        self._checkpointing_routed = True
+        checkpointed = [layer for layer in checkpointing_layers(self.model) if layer.gradient_checkpointing]
+        if not checkpointed:
+            return
+        enable_gradient_checkpointing(self.model, **self._checkpointing)
+        for layer in checkpointing_layers(self.model):
+            layer.gradient_checkpointing = any(layer is c for c in checkpointed)  # every_n_layers kept
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         wants_logits = not prediction_loss_only and (
