@@ -36,8 +36,8 @@ and the first-step losses must agree (within bf16 rounding; LoRA B starts at zer
 `--steps` timed ones, each `torch.cuda.synchronize()`d and timed with `perf_counter`: wall time per step, host
 overhead included (what bounds batch 1). Then, unless `--no-profile`, one more step under `torch.profiler`
 counts the CUDA kernels launched and their summed time (`gpu_busy` = that time over the mean step time), and
-lists the kernels that take the most of it (`top_kernels`); with `--host-profile` also the host-side ops
-with the most self CPU time (`top_host_ops`).
+lists the kernels that take the most of it (`top_kernels`) and the host-side calls with the most self CPU
+time (`top_host_ops`: CUDA runtime calls; with `--host-profile` also PyTorch ops and autograd Functions).
 
 Columns: `tokens_per_s` = batch x seq / mean step time; `load_gib`, GPU memory allocated once the model and its
 adapters are loaded; `peak_gib`, `torch.cuda.max_memory_allocated()` from then through the last timed step
@@ -335,7 +335,7 @@ def _kernel_profile(prof) -> dict:
         top_kernels=[dict(name=name, calls=calls, ms=round(ms, 2)) for name, (calls, ms) in top],
     )
     host_ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-    if host_ops:  # recorded with --host-profile
+    if host_ops:
         host_ops.sort(key=lambda e: -e.self_cpu_time_total)
         out["top_host_ops"] = [
             dict(name=e.key[:80], calls=e.count, ms=round(e.self_cpu_time_total / 1e3, 2))
@@ -643,7 +643,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=None, help="steps before timing (default 2; tiny: 1)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled step (kernel counts)")
     parser.add_argument("--host-profile", action="store_true",
-                        help="the profiled step also records host ops: top_host_ops, by self CPU time")
+                        help="the profiled step also records PyTorch ops and autograd Functions on the host")
     parser.add_argument("--workdir", default="/tmp/unsloth_lite_w1", help="where the checkpoint is written once")
     parser.add_argument("--unsloth-site", default=None, help="directory holding unsloth (put first on PYTHONPATH)")
     parser.add_argument("--max-seq", action="store_true", help="longest batch-1 sequence within --memory-cap-gib")
