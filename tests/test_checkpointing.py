@@ -48,6 +48,27 @@ def test_full_fine_tune_with_dropout(device):
     _compare(tiny_model("qwen3", device, attention_dropout=0.2), device)
 
 
+def test_recomputation_under_the_forwards_autocast(device):
+    """Under autocast the recomputation (which runs in the backward, outside the autocast region) must compute
+    in the forward's precision, or its activations would differ from the forward's at bf16 rounding."""
+    model = tiny_model("qwen3", device)
+    device_type = torch.device(device).type
+    reference = copy.deepcopy(model)
+    enable_gradient_checkpointing(model)
+    input_ids, labels = batch(device)
+    results = []
+    for m in (reference, model):
+        m.train()
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            loss = m(input_ids=input_ids, labels=labels).loss
+        loss.backward()  # outside the region, as the Trainer does (and as CUDA's backward thread always is)
+        results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    (expected_loss, expected), (loss, grads) = results
+    assert_close(loss, expected_loss, 1e-6, "loss")
+    for name, grad in grads.items():
+        assert_close(grad, expected[name], 1e-5, name)
+
+
 def test_lora_on_patched_model(device):
     _compare(_lora_model(device), device, tol=1e-4)
 

@@ -6,9 +6,9 @@ A checkpointed layer runs its forward under `no_grad` (no autograd graph is buil
 run) and keeps only its input hidden states. Its backward restores them, runs the layer again with
 gradients on, and back-propagates through that recomputation: the reentrant scheme, whose forward costs
 the host only the layer's own ops. The recomputation runs under `recomputation_for_backward()`, which lets
-the patched layers skip what only the layer's output needs (the MLP's down projection). Where the model
-has dropout, CPU and CUDA random states are restored for the recomputation, so dropout draws the same
-masks twice.
+the patched layers skip what only the layer's output needs (the MLP's down projection), and under the
+autocast settings of the forward. Where the model has dropout, CPU and CUDA random states are restored
+for the recomputation, so dropout draws the same masks twice.
 
 `offload_to_cpu=True` keeps those inputs (one `[batch, seq, hidden]` tensor a layer, 2.25 GiB for 36 layers
 of Qwen3-8B at 4 x 2048 tokens in bf16) in pinned CPU memory instead of on the GPU. Copies run on a side
@@ -131,6 +131,7 @@ class _CheckpointedLayer(torch.autograd.Function):
         ctx.rng = None
         if preserve_rng_state:
             ctx.rng = torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in _cuda_devices(args)]
+        ctx.autocast = _autocast_states()
         with torch.no_grad():
             outputs = run(*args)
         ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
@@ -146,6 +147,10 @@ class _CheckpointedLayer(torch.autograd.Function):
         with contextlib.ExitStack() as stack:
             stack.enter_context(recomputation_for_backward())
             stack.enter_context(torch.enable_grad())
+            for device_type, enabled, dtype, cache_enabled in ctx.autocast:  # the backward runs outside autocast
+                stack.enter_context(
+                    torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+                )
             if ctx.rng is not None:
                 cpu_state, cuda_states = ctx.rng
                 stack.enter_context(torch.random.fork_rng(devices=[d for d, _ in cuda_states]))
@@ -162,6 +167,15 @@ class _CheckpointedLayer(torch.autograd.Function):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = [a.grad if torch.is_tensor(a) else None for a in args]
         return (None, None, *input_grads)
+
+
+def _autocast_states() -> list[tuple]:
+    """The autocast settings in force, to recompute a layer under the ones its forward ran with."""
+    cache_enabled = torch.is_autocast_cache_enabled()
+    return [
+        (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type), cache_enabled)
+        for device_type in ("cuda", "cpu")
+    ]
 
 
 def _cuda_devices(args) -> list[int]:
