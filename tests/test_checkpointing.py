@@ -193,3 +193,24 @@ def test_recomputation_skips_the_down_projection(cuda_graphs, device, monkeypatc
 @pytest.mark.gpu
 def test_cuda_graphs_with_offloaded_inputs_on_gpu():
     _compare(_lora_model("cuda"), "cuda", cuda_graphs=True, offload_to_cpu=True, tol=1e-4, steps=4)
+
+
+def test_graphed_shapes_are_capped(device, monkeypatch):
+    """Graphs are kept for the first MAX_GRAPHED_SHAPES shapes seen twice; other shapes run eagerly, with the
+    same results."""
+    import unsloth_lite.training.checkpointing as checkpointing
+
+    monkeypatch.setattr(checkpointing, "MAX_GRAPHED_SHAPES", 2)
+    model = tiny_model("qwen3", device)
+    reference = copy.deepcopy(model)
+    enable_gradient_checkpointing(model, cuda_graphs=True)
+    for length in (5, 7, 9, 5, 7, 9, 5, 9):
+        input_ids, labels = batch(device, size=(2, length))
+        expected_loss, expected = _loss_and_grads(reference, input_ids, labels)
+        loss, grads = _loss_and_grads(model, input_ids, labels)
+        assert_close(loss, expected_loss, 1e-5, f"length {length} loss")
+        for name, grad in grads.items():
+            assert_close(grad, expected[name], 1e-5, f"length {length} {name}")
+    for layer in model.model.layers:
+        graphed = [sig for sig, g in layer.__dict__["_unsloth_lite_graphs"].items() if not isinstance(g, str)]
+        assert [sig[0][1] for sig in graphed] == [(2, 5, 48), (2, 7, 48)]  # hidden states' shapes

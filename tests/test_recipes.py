@@ -224,6 +224,9 @@ BAD_FILES = {
         lambda t: {**BASE, "checkpointing": {"offload_to_cpu": True}},
         r"^checkpointing: its options need training\.gradient_checkpointing: true$",
     ),
+    "pad_to_multiple_of out of range": (
+        lambda t: with_("data", "pad_to_multiple_of", 0), r"^data\.pad_to_multiple_of: must be >= 1, got 0$"
+    ),
     "unknown checkpointing key": (
         lambda t: {**BASE, "checkpointing": {"offload": True}}, r"unknown key 'checkpointing\.offload'"
     ),

@@ -128,3 +128,13 @@ def test_trainer_checkpointing_options_are_checked(tokenizer, tmp_path):
         layer.self_attn.attention_dropout = 0.1
     with pytest.raises(ValueError, match="without dropout"):
         unsloth_lite.Trainer(model=model, args=gc, checkpointing={"cuda_graphs": True})
+
+
+def test_padding_collator_pads_to_a_multiple():
+    features = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8] * 9, "labels": [8] * 9}]
+    out = PaddingCollator(pad_token_id=0, pad_to_multiple_of=4)(features)
+    assert out["input_ids"].shape == (2, 12)
+    assert out["input_ids"][0].tolist() == [5, 6, 7] + [0] * 9
+    assert out["labels"][0].tolist() == [-100, 6, 7] + [-100] * 9
+    assert out["attention_mask"].sum(1).tolist() == [3, 9]
+    assert PaddingCollator(pad_token_id=0)(features)["input_ids"].shape == (2, 9)

@@ -234,7 +234,8 @@ def train(recipe: Recipe, merge: bool = False) -> int:
         callbacks.append(answer_accuracy_callback(tokenizer, held_out))
     trainer = Trainer(
         model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-        data_collator=PaddingCollator(tokenizer.pad_token_id), processing_class=tokenizer, callbacks=callbacks,
+        data_collator=PaddingCollator(tokenizer.pad_token_id, recipe.data.pad_to_multiple_of),
+        processing_class=tokenizer, callbacks=callbacks,
         checkpointing=dataclasses.asdict(recipe.checkpointing) if args.gradient_checkpointing else None,
     )
     if torch.cuda.is_available():

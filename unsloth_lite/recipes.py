@@ -86,13 +86,15 @@ class DataSection:
     chat_template: str | None = None
     train_on_responses_only: bool = True
     text_field: str = "text"
+    pad_to_multiple_of: int = 1
 
 
 @dataclass
 class CheckpointingSection:
     """Options of `unsloth_lite.training.checkpointing` for the layers `training.gradient_checkpointing`
     checkpoints: the saved layer inputs in pinned CPU memory; each layer replayed as CUDA graphs (pays off
-    where batch shapes repeat; a new shape is captured on its second use)."""
+    where batch shapes repeat, as `data.pad_to_multiple_of` makes them; a new shape is captured on its second
+    use, up to `unsloth_lite.training.checkpointing.MAX_GRAPHED_SHAPES` shapes)."""
 
     offload_to_cpu: bool = False
     cuda_graphs: bool = False
@@ -386,6 +388,8 @@ def _validate_data(data: DataSection) -> None:
     for key in ("split", "text_field"):
         if not getattr(data, key):
             raise RecipeError(f"data.{key}: must not be empty")
+    if data.pad_to_multiple_of < 1:
+        raise RecipeError(f"data.pad_to_multiple_of: must be >= 1, got {data.pad_to_multiple_of}")
     path = data.path
     if path.startswith("builtin:"):
         _choice("data.path", path, BUILTIN_DATASETS)

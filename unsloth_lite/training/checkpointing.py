@@ -27,8 +27,8 @@ ids) are copied into the layer's static buffers before each forward replay. Grap
 memory pool: each graph's temporaries are dead once it has run, and what a graph returns is copied out
 before the next replay, so any order of replays is safe. It needs layers without dropout (a replayed
 recomputation could not repeat the forward's masks), shapes that repeat (a pair of graphs per shape is
-kept), and each forward's backward before the layer's next forward (otherwise that call runs eagerly).
-Off CUDA the same code runs the functions eagerly.
+kept, for the first MAX_GRAPHED_SHAPES shapes seen twice), and each forward's backward before the layer's
+next forward (otherwise that call runs eagerly). Off CUDA the same code runs the functions eagerly.
 
 Enabled with `enable_gradient_checkpointing(model, offload_to_cpu=..., cuda_graphs=...)`; every layer that
 Hugging Face's gradient checkpointing covers (`GradientCheckpointingLayer`) then goes through
@@ -47,6 +47,11 @@ import torch
 import torch.utils.checkpoint
 
 from unsloth_lite.models.layers import recomputation_for_backward
+
+# Input shapes a layer keeps graphs for: each costs the static buffers of that shape (four `[batch, seq,
+# hidden]` tensors shared by the layers) and the layers' parameter gradients in the pool; other shapes run
+# eagerly.
+MAX_GRAPHED_SHAPES = 4
 
 _LAST_OFFLOADED = threading.local()  # the previous offloaded layer of the forward pass being recorded
 
@@ -256,6 +261,8 @@ class _LayerGraphs:
             store[signature] = "seen"  # the first call runs eagerly: kernels compile, workspaces get allocated
             return None
         if graphs == "seen":
+            if sum(isinstance(g, _LayerGraphs) for g in store.values()) >= MAX_GRAPHED_SHAPES:
+                return None
             graphs = store[signature] = cls(layer, run, args[0])
         return None if graphs.pending_backward else graphs
 

@@ -98,12 +98,16 @@ def tokenize_dataset(
 
 @dataclasses.dataclass
 class PaddingCollator:
-    """Right-pads a batch: input_ids with the pad token, labels with IGNORE_INDEX, and an attention mask."""
+    """Right-pads a batch: input_ids with the pad token, labels with IGNORE_INDEX, and an attention mask; to
+    the batch's longest row rounded up to a multiple of `pad_to_multiple_of` (a few batch shapes that repeat,
+    which CUDA-graphed layers need)."""
 
     pad_token_id: int
+    pad_to_multiple_of: int = 1
 
     def __call__(self, features: list[Mapping]) -> dict[str, torch.Tensor]:
-        length = max(len(f["input_ids"]) for f in features)
+        longest = max(len(f["input_ids"]) for f in features)
+        length = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
         batch = {"input_ids": [], "labels": [], "attention_mask": []}
         for f in features:
             pad = length - len(f["input_ids"])
