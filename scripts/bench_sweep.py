@@ -33,13 +33,17 @@ flce = importlib.import_module("unsloth_lite.kernels.fused_linear_cross_entropy"
 ALL_KERNELS = ("apply_rope", "qk_norm_rope", "fused_linear_cross_entropy")
 
 
-def _qk_inputs(batch, n_q, n_k, seq, head_dim, rotary_dim, device, dtype):
+def _qk_inputs(shape, device, dtype):
+    """((q, k, cos, sin, weight), bytes of q and k, a label) for one (batch, n_q, n_k, seq, D, R) shape."""
+    batch, n_q, n_k, seq, head_dim, rotary_dim = shape
     q = torch.randn(batch, seq, n_q, head_dim, device=device, dtype=dtype).transpose(1, 2)
     k = torch.randn(batch, seq, n_k, head_dim, device=device, dtype=dtype).transpose(1, 2)
     angles = torch.rand(batch, seq, rotary_dim // 2, device=device) * 100
     angles = torch.cat([angles, angles], dim=-1)
     weight = 1 + 0.1 * torch.randn(head_dim, device=device, dtype=dtype)
-    return q, k, angles.cos().to(dtype), angles.sin().to(dtype), weight
+    size = (q.numel() + k.numel()) * q.element_size()
+    label = f"q [{batch},{n_q},{seq},{head_dim}] R={rotary_dim}"
+    return (q, k, angles.cos().to(dtype), angles.sin().to(dtype), weight), size, label
 
 
 def _with(module, name, function, timed):
@@ -78,11 +82,9 @@ def _sweep(kernel, label, direction, module, name, default, run, n_bytes, grid, 
 
 
 def rope_rows(shape, grid, device, dtype, copy_gbps):
-    batch, n_q, n_k, seq, head_dim, rotary_dim = shape
-    q, k, cos, sin, _ = _qk_inputs(batch, n_q, n_k, seq, head_dim, rotary_dim, device, dtype)
+    head_dim, rotary_dim = shape[4:]
+    (q, k, cos, sin, _), size, label = _qk_inputs(shape, device, dtype)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    size = (q.numel() + k.numel()) * q.element_size()
-    label = f"q [{batch},{n_q},{seq},{head_dim}] R={rotary_dim}"
     common = (grid, device, copy_gbps)
     return _sweep(
         "apply_rope", label, "out of place", rope, "rope_launch_config", rope.rope_launch_config(head_dim, rotary_dim),
@@ -96,11 +98,9 @@ def rope_rows(shape, grid, device, dtype, copy_gbps):
 
 
 def qk_rows(shape, grid, device, dtype, copy_gbps):
-    batch, n_q, n_k, seq, head_dim, rotary_dim = shape
-    q, k, cos, sin, weight = _qk_inputs(batch, n_q, n_k, seq, head_dim, rotary_dim, device, dtype)
+    head_dim, rotary_dim = shape[4:]
+    (q, k, cos, sin, weight), size, label = _qk_inputs(shape, device, dtype)
     dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
-    size = (q.numel() + k.numel()) * q.element_size()
-    label = f"q [{batch},{n_q},{seq},{head_dim}] R={rotary_dim}"
     common = (grid, device, copy_gbps)
     return _sweep(
         "qk_norm_rope", label, "forward", qk, "forward_launch_config", qk.forward_launch_config(head_dim, rotary_dim),

@@ -70,12 +70,12 @@ class Trainer(transformers.Trainer):
     def _route_checkpointing(self) -> None:
         """Points the layers Hugging Face's checkpointing covers (enabled by `train()`) to ours."""
         self._checkpointing_routed = True
-        checkpointed = [layer for layer in checkpointing_layers(self.model) if layer.gradient_checkpointing]
+        checkpointed = {id(layer) for layer in checkpointing_layers(self.model) if layer.gradient_checkpointing}
         if not checkpointed:
             return
         enable_gradient_checkpointing(self.model, **self._checkpointing)
         for layer in checkpointing_layers(self.model):
-            layer.gradient_checkpointing = any(layer is c for c in checkpointed)  # every_n_layers kept
+            layer.gradient_checkpointing = id(layer) in checkpointed  # every_n_layers kept
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         wants_logits = not prediction_loss_only and (
