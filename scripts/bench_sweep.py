@@ -103,10 +103,10 @@ def qk_rows(shape, grid, device, dtype, copy_gbps):
     dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
     common = (grid, device, copy_gbps)
     return _sweep(
-        "qk_norm_rope", label, "forward", qk, "forward_launch_config", qk.forward_launch_config(head_dim, rotary_dim),
+        "qk_norm_rope", label, "forward", qk, "launch_config", qk.launch_config(head_dim, rotary_dim),
         lambda: qk._launch_forward(q, k, weight, weight, cos, sin, 1e-6, 0.0), 2 * size, *common,
     ) + _sweep(
-        "qk_norm_rope", label, "backward", qk, "backward_launch_config", qk.backward_launch_config(head_dim),
+        "qk_norm_rope", label, "backward", qk, "launch_config", qk.launch_config(head_dim, rotary_dim),
         lambda: qk._launch_backward(dq_out, dk_out, q, k, weight, weight, cos, sin, 1e-6, 0.0, False),
         3 * size, *common,
     )
@@ -151,10 +151,16 @@ def _fixed_chunk_rows(height: int):
     return chunk_rows
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernels", default=",".join(ALL_KERNELS), help="comma-separated subset")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, two configurations (CPU smoke run)")
+    parser.add_argument("--block-rows", default="1,2,4,8,16,32", help="head vectors a program, comma-separated")
+    parser.add_argument("--warps", default="1,2,4,8", help="warps a program, comma-separated")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     device = bench_device(args.tiny)
@@ -171,7 +177,7 @@ def main(argv=None) -> int:
         flce_shapes, heights = [(40, 32, 300)], [8, 16]
     else:
         qk_shapes = [(8, 32, 8, 2048, 128, 128), (4, 24, 4, 2048, 256, 64)]
-        grid = list(itertools.product([1, 2, 4, 8, 16, 32], [1, 2, 4, 8]))
+        grid = list(itertools.product(_ints(args.block_rows), _ints(args.warps)))
         flce_shapes, heights = [(16384, 4096, 151936), (16384, 5120, 248320)], [256, 512, 768, 1024]
     env = environment(device)
     copy_gbps = copy_bandwidth_gbps(device, gib=0.01 if args.tiny else 4.0)

@@ -144,7 +144,10 @@ def tiny_qwen3_5(device, dtype=torch.float32):
 
 
 def test_patched_qwen3_5_matches_unpatched(device):
-    patched = assert_patched_matches(tiny_qwen3_5(device), 1e-5, 1e-4, device)
+    """In float64, as the padded-batch test below: dt_bias's gradient cancels to ~1e-6 of its terms, where
+    float32's rounding of two summation orders (e.g. the norm's row sums taken in another order) alone
+    differs by 2e-4."""
+    patched = assert_patched_matches(tiny_qwen3_5(device, torch.float64), 1e-5, 1e-4, device)
     assert patched.model.layers[1].mlp.__dict__.get("_unsloth_lite_patched")
 
 

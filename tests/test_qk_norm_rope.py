@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 from helpers import (
@@ -69,6 +71,16 @@ def test_qk_norm_rope_matches_reference(dtype, case, offset, device):
     if case[3] > 1:
         assert not result.inputs[0].is_contiguous()  # transposed views of [B, S, H, D]
     _assert_memory_order_kept(result)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=case_id)
+def test_qk_norm_rope_row_blocks_straddling_tokens(case, monkeypatch, device):
+    """Blocks of 8 head vectors over tokens of 6 and 3 (or 4 and 2) heads: blocks straddle tokens, and the
+    last one of q and of k may be part-full."""
+    module = importlib.import_module("unsloth_lite.kernels.qk_norm_rope")
+    original = module.launch_config
+    monkeypatch.setattr(module, "launch_config", lambda *a: dict(original(*a), BLOCK_R=8))
+    _check(_inputs(case), torch.float32, device, offset=1.0)
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=case_id)

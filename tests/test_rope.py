@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unsloth_lite.kernels import apply_rope
+from unsloth_lite.kernels import rope as rope_module
 from unsloth_lite.kernels.rope import apply_rope_reference
 
 # (batch, q_heads, kv_heads, seq, head_dim, rotary_dim)
@@ -292,9 +293,27 @@ def _projected_qk(batch, seq, n_q, n_k, head_dim, device, dtype):
     return proj_q, proj_k, q, k
 
 
+def _blocks_of_four(monkeypatch):
+    """Blocks of 4 head vectors: with 6, 3 or 1 heads a token they straddle tokens and may end part-full."""
+    original = rope_module.rope_launch_config
+    monkeypatch.setattr(rope_module, "rope_launch_config", lambda *a, **kw: dict(original(*a, **kw), BLOCK_R=4))
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5]], ids=case_id)
+def test_apply_rope_row_blocks_straddling_tokens(case, monkeypatch, device):
+    _blocks_of_four(monkeypatch)
+    batch, n_q, n_k, seq, head_dim, rotary_dim = case
+    q, k = make_qk(batch, n_q, n_k, seq, head_dim, layout="bshd")
+    cos, sin = make_cos_sin(batch, seq, rotary_dim, "bsr")
+    _check(q.requires_grad_(), k.requires_grad_(), cos, sin, torch.float32, device)
+
+
+@pytest.mark.parametrize("blocks_of_four", [False, True], ids=["default-blocks", "blocks-of-four"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize("head_dim, rotary_dim", [(12, 12), (24, 6)])
-def test_apply_rope_inplace_matches_reference(dtype, head_dim, rotary_dim, device):
+def test_apply_rope_inplace_matches_reference(dtype, head_dim, rotary_dim, blocks_of_four, monkeypatch, device):
+    if blocks_of_four:
+        _blocks_of_four(monkeypatch)
     batch, seq, n_q, n_k = 2, 5, 6, 2
     proj_q, proj_k, q, k = _projected_qk(batch, seq, n_q, n_k, head_dim, device, dtype)
     cos, sin = make_cos_sin(batch, seq, rotary_dim, device=device, dtype=dtype)

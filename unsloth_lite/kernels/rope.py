@@ -1,6 +1,6 @@
 """Rotary position embedding (rotate-half convention, Hugging Face layout): one Triton pass each way.
 
-Each head vector x of length D is split into three segments: lo = x[:R/2], hi = x[R/2:R] and, for partial
+Each head vector x of length D has three parts: lo = x[:R/2], hi = x[R/2:R] and, for partial
 rotary (R < D, Qwen3.5 rotates the first quarter), rest = x[R:], which passes through. With c, s the cos and
 sin rows of the token (c = cat(c_lo, c_hi), s = cat(s_lo, s_hi)) and rotate_half(x) = cat(-hi, lo):
 
@@ -15,8 +15,8 @@ The map is linear in x, so the backward applies its transpose (rotate_half trans
     dx_hi = dy_hi · c_hi - dy_lo · s_lo
     dx_rest = dy_rest
 
-Both directions are `out_lo = a_lo · c_lo + a_hi · m_lo`, `out_hi = a_hi · c_hi + a_lo · m_hi` with
-(m_lo, m_hi) = (-s_lo, s_hi) forward and (s_hi, -s_lo) backward: one kernel, a constexpr picks the direction.
+With p = partner(a) (hi for a lo element, lo for a hi one) and σ = -1 on lo, +1 on hi, both directions are
+one `rotate`: forward a·c + σ·p·s, backward a·c - σ·partner(a·s); a constexpr picks the direction.
 Nothing is saved for the backward but cos and sin.
 
 q `[B, Hq, S, D]` and k `[B, Hkv, S, D]` usually arrive as transposed views of the projection output
@@ -25,6 +25,12 @@ outputs keep the inputs' memory order. The head vectors of q, then of k, are num
 order, which is memory order for the usual `[B, S, H, D]` storage; a program takes a block of consecutive
 head vectors of one of them, so q and k share one launch, and cos/sin rows are gathered per head vector
 (from cache: a token's heads share them).
+
+Layout. A block is one `[BLOCK_R, BLOCK_C, BLOCK_HALF]` tile: each vector cut into chunks of R/2 columns,
+chunk 0 = lo, chunk 1 = hi, the rest pass through. Every element is loaded once, with contiguous vector
+loads, and the partners are picked out by sums over the chunk axis, inside the tile's own layout: no second
+load at permuted columns and no sum that has to move between layouts (what made the earlier lo/hi/rest
+segments slow at Qwen3.5's D = 256 with 64 rotary dims). In place, the tile covers the rotary chunks alone.
 """
 
 from __future__ import annotations
@@ -42,45 +48,61 @@ from unsloth_lite.kernels.utils import (
     empty_strided,
 )
 
+# Elements of head vectors a program takes (the best of a sweep on an H200 at the K1 shapes).
 TILE_ELEMENTS = 1024
 
 
 @triton.jit
-def load_segment(ptr, row_offsets, mask_rows, col_stride, first_col, n_cols, BLOCK: tl.constexpr, ACC: tl.constexpr):
-    """Columns [first_col, first_col + n_cols) of the rows at `row_offsets` (a [rows, 1] tensor)."""
-    cols = tl.arange(0, BLOCK)[None, :]
-    mask = mask_rows & (cols < n_cols)
-    return tl.load(ptr + row_offsets + (cols + first_col) * col_stride, mask=mask, other=0.0).to(ACC)
-
-
-@triton.jit
-def store_segment(ptr, row_offsets, mask_rows, col_stride, first_col, n_cols, value, BLOCK: tl.constexpr):
-    cols = tl.arange(0, BLOCK)[None, :]
-    mask = mask_rows & (cols < n_cols)
-    tl.store(ptr + row_offsets + (cols + first_col) * col_stride, value.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def head_rows(first_row, n_rows, n_heads, seq_len, BLOCK_R: tl.constexpr):
-    """Rows first_row.. of the (batch, seq, head)-ordered head vectors: (mask, batch, position, head), [BLOCK_R, 1]."""
-    rows = first_row + tl.arange(0, BLOCK_R)[:, None]
+    """Rows first_row.. of the (batch, seq, head)-ordered head vectors: (mask, batch, position, head), each
+    `[BLOCK_R, 1, 1]`."""
+    rows = first_row + tl.arange(0, BLOCK_R)[:, None, None]
     token = rows // n_heads
     return rows < n_rows, (token // seq_len).to(tl.int64), (token % seq_len).to(tl.int64), (rows % n_heads).to(tl.int64)
 
 
 @triton.jit
-def load_rotation(
-    cos_ptr, cos_rows, cos_col_stride, sin_ptr, sin_rows, sin_col_stride, mask_rows, half,
-    BLOCK_HALF: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr,
+def chunk_columns(half, n_cols, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """A head vector's first n_cols columns as chunks of `half` (chunk 0 = lo, 1 = hi, the rest pass through):
+    (chunk `[1, BLOCK_C, 1]`, column `[1, BLOCK_C, BLOCK_HALF]`, its mask)."""
+    chunk = tl.arange(0, BLOCK_C)[None, :, None]
+    offset = tl.arange(0, BLOCK_HALF)[None, None, :]
+    cols = chunk * half + offset
+    return chunk, cols, (offset < half) & (cols < n_cols)
+
+
+@triton.jit
+def load_chunks(ptr, row_offsets, mask_rows, col_stride, cols, mask_cols, ACC: tl.constexpr):
+    return tl.load(ptr + row_offsets + cols * col_stride, mask=mask_rows & mask_cols, other=0.0).to(ACC)
+
+
+@triton.jit
+def load_cos_sin(
+    cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols,
+    ACC: tl.constexpr,
 ):
-    """(c_lo, c_hi, m_lo, m_hi) of each row's token, [BLOCK_R, BLOCK_HALF]; see the module docstring."""
-    c_lo = load_segment(cos_ptr, cos_rows, mask_rows, cos_col_stride, 0, half, BLOCK_HALF, ACC)
-    c_hi = load_segment(cos_ptr, cos_rows, mask_rows, cos_col_stride, half, half, BLOCK_HALF, ACC)
-    s_lo = load_segment(sin_ptr, sin_rows, mask_rows, sin_col_stride, 0, half, BLOCK_HALF, ACC)
-    s_hi = load_segment(sin_ptr, sin_rows, mask_rows, sin_col_stride, half, half, BLOCK_HALF, ACC)
+    """cos and sin of each row's token at the rotary columns (zero elsewhere), `[BLOCK_R, BLOCK_C, BLOCK_HALF]`
+    (gathered per row: the rows of one token hit the same cache lines)."""
+    mask = mask_rows & mask_cols & (chunk < 2)
+    c = tl.load(cos_ptr + b * cos_sb + s * cos_ss + cols * cos_sr, mask=mask, other=0.0).to(ACC)
+    sn = tl.load(sin_ptr + b * sin_sb + s * sin_ss + cols * sin_sr, mask=mask, other=0.0).to(ACC)
+    return c, sn
+
+
+@triton.jit
+def rotate(a, chunk, c, sn, BACKWARD: tl.constexpr):
+    """The rotation (or, BACKWARD, its transpose) of chunk tiles `a`; chunks past the rotary ones pass through.
+    The partner of a lo element is the hi element at the same offset and vice versa; chunk sums pick them out
+    without leaving the tile's layout. Forward: a·c + partner(a)·s·(-1, +1); backward: a·c - partner(a·s)·(-1, +1)."""
+    source = a * sn if BACKWARD else a
+    lo = tl.sum(tl.where(chunk == 0, source, 0.0), axis=1)[:, None, :]
+    hi = tl.sum(tl.where(chunk == 1, source, 0.0), axis=1)[:, None, :]
+    signed_partner = tl.where(chunk == 0, -hi, lo)
     if BACKWARD:
-        return c_lo, c_hi, s_hi, -s_lo
-    return c_lo, c_hi, -s_lo, s_hi
+        rotated = a * c - signed_partner
+    else:
+        rotated = a * c + signed_partner * sn
+    return tl.where(chunk < 2, rotated, a)
 
 
 @triton.jit
@@ -89,24 +111,19 @@ def _rope_rows(
     out_ptr, out_sb, out_sh, out_ss, out_sd,
     cos_ptr, cos_sb, cos_ss, cos_sr,
     sin_ptr, sin_sb, sin_ss, sin_sr,
-    first_row, n_rows, n_heads, seq_len, half, n_pass,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr,
+    first_row, n_rows, n_heads, seq_len, half, n_cols,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BACKWARD: tl.constexpr, ACC: tl.constexpr,
 ):
     mask_rows, b, s, head = head_rows(first_row, n_rows, n_heads, seq_len, BLOCK_R)
-    x_rows = b * x_sb + s * x_ss + head * x_sh
-    out_rows = b * out_sb + s * out_ss + head * out_sh
-    lo = load_segment(x_ptr, x_rows, mask_rows, x_sd, 0, half, BLOCK_HALF, ACC)
-    hi = load_segment(x_ptr, x_rows, mask_rows, x_sd, half, half, BLOCK_HALF, ACC)
-    if HAS_PASS:
-        rest = load_segment(x_ptr, x_rows, mask_rows, x_sd, 2 * half, n_pass, BLOCK_PASS, ACC)
-        store_segment(out_ptr, out_rows, mask_rows, out_sd, 2 * half, n_pass, rest, BLOCK_PASS)
-    c_lo, c_hi, m_lo, m_hi = load_rotation(
-        cos_ptr, b * cos_sb + s * cos_ss, cos_sr, sin_ptr, b * sin_sb + s * sin_ss, sin_sr, mask_rows, half,
-        BLOCK_HALF, BACKWARD, ACC,
+    chunk, cols, mask_cols = chunk_columns(half, n_cols, BLOCK_C, BLOCK_HALF)
+    x = load_chunks(x_ptr, b * x_sb + s * x_ss + head * x_sh, mask_rows, x_sd, cols, mask_cols, ACC)
+    c, sn = load_cos_sin(
+        cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols, ACC
     )
-    store_segment(out_ptr, out_rows, mask_rows, out_sd, 0, half, lo * c_lo + hi * m_lo, BLOCK_HALF)
-    store_segment(out_ptr, out_rows, mask_rows, out_sd, half, half, hi * c_hi + lo * m_hi, BLOCK_HALF)
+    y = rotate(x, chunk, c, sn, BACKWARD)
+    out = out_ptr + b * out_sb + s * out_ss + head * out_sh + cols * out_sd
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask_rows & mask_cols)
 
 
 @triton.jit
@@ -117,9 +134,9 @@ def _rope_kernel(
     ko_ptr, ko_sb, ko_sh, ko_ss, ko_sd,
     cos_ptr, cos_sb, cos_ss, cos_sr,
     sin_ptr, sin_sb, sin_ss, sin_sr,
-    seq_len, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, half, n_pass,
-    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    HAS_PASS: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr,
+    seq_len, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, half, n_cols,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BACKWARD: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # Two calls rather than selected pointers, so each keeps its compile-time stride specialisation.
@@ -127,33 +144,30 @@ def _rope_kernel(
         _rope_rows(
             q_ptr, q_sb, q_sh, q_ss, q_sd, qo_ptr, qo_sb, qo_sh, qo_ss, qo_sd,
             cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
-            pid * BLOCK_R, n_q_rows, n_q_heads, seq_len, half, n_pass,
-            BLOCK_R, BLOCK_HALF, BLOCK_PASS, HAS_PASS, BACKWARD, ACC,
+            pid * BLOCK_R, n_q_rows, n_q_heads, seq_len, half, n_cols,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, BACKWARD, ACC,
         )
     else:
         _rope_rows(
             k_ptr, k_sb, k_sh, k_ss, k_sd, ko_ptr, ko_sb, ko_sh, ko_ss, ko_sd,
             cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
-            (pid - n_q_programs) * BLOCK_R, n_k_rows, n_k_heads, seq_len, half, n_pass,
-            BLOCK_R, BLOCK_HALF, BLOCK_PASS, HAS_PASS, BACKWARD, ACC,
+            (pid - n_q_programs) * BLOCK_R, n_k_rows, n_k_heads, seq_len, half, n_cols,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, BACKWARD, ACC,
         )
 
 
-def rope_launch_config(head_dim: int, rotary_dim: int, copy_pass: bool = True) -> dict:
-    """A program takes BLOCK_R head vectors. Tile sizes and warps are the best of a sweep on an H200 at the K1
-    shapes: full rotary at D = 128 (8 vectors, 2 warps); D = 256 with 64 rotary dims out of place (about
-    2048 elements, 2 warps); the same in place, where only the 64 rotary dims are touched (16 vectors,
-    4 warps: with 32-wide halves fewer warps leave too few loads in flight)."""
+def chunk_sizes(n_cols: int, rotary_dim: int) -> dict:
+    """BLOCK_C chunks of BLOCK_HALF columns covering head vectors of n_cols columns."""
     half = rotary_dim // 2
-    n_pass = head_dim - rotary_dim if copy_pass else 0
-    block_half = triton.next_power_of_2(half)
-    block_pass = triton.next_power_of_2(n_pass) if n_pass else 1
-    row = 2 * block_half + (block_pass if n_pass else 0)
-    rows_per_tile = max(1, (2 * TILE_ELEMENTS if n_pass else TILE_ELEMENTS) // row)
-    return dict(
-        BLOCK_R=1 << (rows_per_tile.bit_length() - 1), BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-        HAS_PASS=n_pass > 0, num_warps=4 if block_half < 64 and not n_pass else 2,
-    )
+    return dict(BLOCK_C=triton.next_power_of_2(triton.cdiv(n_cols, half)), BLOCK_HALF=triton.next_power_of_2(half))
+
+
+def rope_launch_config(head_dim: int, rotary_dim: int, copy_pass: bool = True) -> dict:
+    """Tiles of whole head vectors out of place, of their rotary part alone in place: BLOCK_R vectors of about
+    TILE_ELEMENTS, one warp."""
+    sizes = chunk_sizes(head_dim if copy_pass else rotary_dim, rotary_dim)
+    rows = max(1, TILE_ELEMENTS // (sizes["BLOCK_C"] * sizes["BLOCK_HALF"]))
+    return dict(sizes, BLOCK_R=1 << (rows.bit_length() - 1), num_warps=1)
 
 
 def cos_sin_strides(t: torch.Tensor, batch: int) -> tuple[int, int, int]:
@@ -200,6 +214,7 @@ def _launch_rope(q, k, q_out, k_out, cos, sin, backward: bool, copy_pass: bool =
     config = rope_launch_config(head_dim, rotary_dim, copy_pass=copy_pass)
     n_q_rows, n_k_rows = batch * seq * n_q_heads, batch * seq * n_k_heads
     n_q_programs = triton.cdiv(n_q_rows, config["BLOCK_R"])
+    n_cols = head_dim if copy_pass else rotary_dim
     _rope_kernel[(n_q_programs + triton.cdiv(n_k_rows, config["BLOCK_R"]),)](
         q, *q.stride(),
         k, *k.stride(),
@@ -207,7 +222,7 @@ def _launch_rope(q, k, q_out, k_out, cos, sin, backward: bool, copy_pass: bool =
         k_out, *k_out.stride(),
         cos, *cos_sin_strides(cos, batch),
         sin, *cos_sin_strides(sin, batch),
-        seq, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rotary_dim // 2, head_dim - rotary_dim,
+        seq, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rotary_dim // 2, n_cols,
         BACKWARD=backward, ACC=accumulator_dtype(q.dtype), **config,
     )
 
