@@ -44,7 +44,9 @@ adapters are loaded; `peak_gib`, `torch.cuda.max_memory_allocated()` from then t
 (the peak statistics reset after loading; Unsloth keeps its checkpointed activations in pinned CPU memory,
 which this leaves out); `peak_reserved_gib`, `torch.cuda.max_memory_reserved()` over the same span (what the
 caching allocator held, its cached free blocks and CUDA graph pools included; in a worker the second batch
-size's figure includes blocks still cached from the first); `first_loss` and `loss_rel_diff` (to hf's first loss).
+size's figure includes blocks still cached from the first); in the JSON, `reserved_default_pool_gib` and
+`reserved_private_pools_gib` split what is held after the last timed step between the allocator's default pool
+and private pools (CUDA graphs' temporaries); `first_loss` and `loss_rel_diff` (to hf's first loss).
 `MFU` = 4 x N x tokens/s / peak, with N all parameters of the model (embeddings and lm_head included, 8.19B
 for W1; 4N: forward and input-gradient backward of a frozen base), peak = the bf16 8192^3 matmul rate measured
 by the parent in the same run. `HFU` = executed FLOPs per token x tokens/s / peak, with, per token,
@@ -407,6 +409,7 @@ def measure(args, model, optimizer, device, batch: int, seq: int, vocab: int, wa
         out["peak_gib"] = max(peak_warmup, peak_measured) / 2**30
         out["peak_measured_gib"] = peak_measured / 2**30
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        out.update(_reserved_by_pool(device))
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as profiler
@@ -627,11 +630,24 @@ def summarise(results: list[dict], c: dict, peak_tflops: float) -> list[dict]:
             if r["batch"] in reference:
                 ref = reference[r["batch"]]
                 row["loss_rel_diff"] = float(f"{abs(r['first_loss'] - ref) / abs(ref):.2e}")
-        for key in ("load_gib", "peak_gib", "peak_measured_gib", "peak_reserved_gib"):
+        for key in ("load_gib", "peak_gib", "peak_measured_gib", "peak_reserved_gib", "reserved_default_pool_gib",
+                    "reserved_private_pools_gib"):
             if key in row:
                 row[key] = round(row[key], 2)
         rows.append(row)
     return rows
+
+
+def _reserved_by_pool(device) -> dict:
+    """Memory the caching allocator holds now, in GiB: its default pool, and private pools (CUDA graphs')."""
+    reserved = {"reserved_default_pool_gib": 0.0, "reserved_private_pools_gib": 0.0}
+    for segment in torch.cuda.memory_snapshot():
+        if segment.get("device", device.index or 0) != (device.index or 0):
+            continue
+        default_pool = tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0)
+        key = "reserved_default_pool_gib" if default_pool else "reserved_private_pools_gib"
+        reserved[key] += segment["total_size"] / 2**30
+    return reserved
 
 
 def parse_args(argv=None):
