@@ -49,7 +49,9 @@ from unsloth_lite.kernels.utils import (
 
 # Head vectors a program, one warp, both directions: the best one-warp configuration of a sweep on an H200 at
 # Qwen3's D = 128 and at Qwen3.5's D = 256 with a 64-wide rotary part. Two or four warps beat it by up to 7%
-# at single tile sizes and run 3x slower at their neighbours, so they are not used.
+# at single tile sizes and run 3x slower at their neighbours: where the rows don't fill the warps' threads,
+# Triton 3.6 lays the extra warps along the chunk axis, and the partner and row sums then cross warps
+# through shared memory.
 HEAD_VECTORS_PER_PROGRAM = 4
 
 
