@@ -9,7 +9,10 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
+import os
+import pathlib
 import platform
+import subprocess
 import sys
 import time
 
@@ -82,9 +85,24 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def source_revision() -> str:
+    """The checkout's commit (with "+changes" when the tracked files differ from it), else
+    $UNSLOTH_LITE_REVISION (for copies of the tree without .git), else "unknown"."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root, capture_output=True).returncode != 0
+        return commit + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("UNSLOTH_LITE_REVISION", "unknown")
+
+
 def environment(device: torch.device, packages=("torch", "triton", "transformers", "liger-kernel")) -> dict:
     env = {
         "date": datetime.date.today().isoformat(),
+        "revision": source_revision(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "python": platform.python_version(),
     }
