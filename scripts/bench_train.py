@@ -50,13 +50,16 @@ and private pools (CUDA graphs' temporaries); `first_loss` and `loss_rel_diff` (
 `MFU` = 4 x N x tokens/s / peak, with N all parameters of the model (embeddings and lm_head included, 8.19B
 for W1; 4N: forward and input-gradient backward of a frozen base), peak = the bf16 8192^3 matmul rate measured
 by the parent in the same run. `HFU` = executed FLOPs per token x tokens/s / peak, with, per token,
-    6 x P_dec                 decoder linears: forward, recomputed forward (checkpointing), input-gradient backward
+    6 x P_dec - 2 x P_skip    decoder linears: forward, recomputed forward (checkpointing), input-gradient backward;
+                              P_skip the parameters of the projections whose product the variant's recomputation
+                              skips (ours: the MLP's down projection, 36 x 50.3M for W1)
   + 4 x H x V                 lm_head: forward and input-gradient backward (not checkpointed)
   + 9 x S x n_heads x d x L   causal attention: QK^T and PV over S/2 keys on average is 2 x S x n_heads x d
                               FLOPs per layer forward; forward + recomputed forward + backward (5 matmuls, the
                               flash backward recomputes QK^T: 2.5 x forward) = 4.5 x forward
 where P_dec is the decoder linears' parameter count (6.95B), H the hidden size, V the vocabulary, S the sequence
-length, d the head dim, L the layers: 46.9 GFLOP/token for W1 at S = 2048, all computed from the config.
+length, d the head dim, L the layers: 46.9 GFLOP/token for W1 at S = 2048 (43.3 for unsloth_lite), all
+computed from the config.
 LoRA's own FLOPs (0.35 GFLOP/token at r=16) are left out, as in BENCHMARKS.md.
 
 `--max-seq`: for hf and unsloth_lite, the longest sequence (batch 1, a multiple of 256, at most the model's
@@ -138,9 +141,25 @@ def total_params(c: dict) -> int:
     return decoder_linear_params(c) + embeddings + norms
 
 
-def flops_per_token(c: dict, seq: int) -> dict:
-    """Executed FLOPs per token of one training step with gradient checkpointing and a frozen base (docstring)."""
-    decoder = 6 * decoder_linear_params(c)
+# Projections whose product a variant's recomputation skips: ours skips the MLP's down projection.
+RECOMPUTE_SKIPPED = {
+    "unsloth_lite": ("down",), "unsloth_lite_ckpt": ("down",), "unsloth_lite_offload": ("down",),
+    "unsloth_lite_graphs": ("down",),
+}
+
+
+def projection_params(c: dict, name: str) -> int:
+    """Parameters of one layer's `down` or `o` projection."""
+    if name == "down":
+        return c["hidden_size"] * c["intermediate_size"]
+    return c["num_attention_heads"] * c["head_dim"] * c["hidden_size"]
+
+
+def flops_per_token(c: dict, seq: int, skipped: tuple[str, ...] = ()) -> dict:
+    """Executed FLOPs per token of one training step with gradient checkpointing and a frozen base (docstring),
+    less the recomputation's `skipped` projections."""
+    skipped_params = sum(projection_params(c, name) for name in skipped) * c["num_hidden_layers"]
+    decoder = 6 * decoder_linear_params(c) - 2 * skipped_params
     lm_head = 4 * c["hidden_size"] * c["vocab_size"]
     attention = 9 * seq * c["num_attention_heads"] * c["head_dim"] * c["num_hidden_layers"]
     return dict(decoder=decoder, lm_head=lm_head, attention=attention, total=decoder + lm_head + attention)
@@ -618,7 +637,7 @@ def summarise(results: list[dict], c: dict, peak_tflops: float) -> list[dict]:
         row = dict(r)
         if "step_s" in r:
             tokens_per_s = r["batch"] * r["seq"] / r["step_s"]
-            flops = flops_per_token(c, r["seq"])["total"]
+            flops = flops_per_token(c, r["seq"], RECOMPUTE_SKIPPED.get(r["variant"], ()))["total"]
             row.update(
                 tokens_per_s=round(tokens_per_s, 1),
                 step_ms=round(1e3 * r["step_s"], 1),
