@@ -37,6 +37,7 @@ from unsloth_lite.kernels.rope import (
     load_cos_sin,
     rope_reference,
     rotate,
+    store_chunks,
 )
 from unsloth_lite.kernels.utils import (
     accumulator_dtype,
@@ -81,8 +82,7 @@ def _norm_rope_forward_rows(
         cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols, ACC
     )
     y = rotate(x * _inverse_rms(x, head_dim, eps) * w, chunk, c, sn, False)
-    out = out_ptr + b * out_sb + s * out_ss + head * out_sh + cols * out_sd
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask_rows & mask_cols)
+    store_chunks(out_ptr, b * out_sb + s * out_ss + head * out_sh, mask_rows, out_sd, cols, mask_cols, y)
 
 
 @triton.jit
@@ -110,8 +110,7 @@ def _norm_rope_backward_block(
     gw = g * w
     mean_dot = (tl.sum(tl.sum(gw * x_hat, axis=2), axis=1) / head_dim)[:, None, None]
     dx = rstd * (gw - x_hat * mean_dot)
-    out = dx_ptr + b * dx_sb + s * dx_ss + head * dx_sh + cols * dx_sd
-    tl.store(out, dx.to(dx_ptr.dtype.element_ty), mask=mask_rows & mask_cols)
+    store_chunks(dx_ptr, b * dx_sb + s * dx_ss + head * dx_sh, mask_rows, dx_sd, cols, mask_cols, dx)
     return tl.sum(g * x_hat, axis=0, keep_dims=True)
 
 

@@ -78,6 +78,11 @@ def load_chunks(ptr, row_offsets, mask_rows, col_stride, cols, mask_cols, ACC: t
 
 
 @triton.jit
+def store_chunks(ptr, row_offsets, mask_rows, col_stride, cols, mask_cols, value):
+    tl.store(ptr + row_offsets + cols * col_stride, value.to(ptr.dtype.element_ty), mask=mask_rows & mask_cols)
+
+
+@triton.jit
 def load_cos_sin(
     cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols,
     ACC: tl.constexpr,
@@ -123,8 +128,7 @@ def _rope_rows(
         cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols, ACC
     )
     y = rotate(x, chunk, c, sn, BACKWARD)
-    out = out_ptr + b * out_sb + s * out_ss + head * out_sh + cols * out_sd
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask_rows & mask_cols)
+    store_chunks(out_ptr, b * out_sb + s * out_ss + head * out_sh, mask_rows, out_sd, cols, mask_cols, y)
 
 
 @triton.jit
