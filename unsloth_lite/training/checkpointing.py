@@ -395,17 +395,21 @@ def start_forward_pass() -> None:
     _LAST_OFFLOADED.value = None
 
 
+def _base_model(model) -> torch.nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def checkpointing_layers(model) -> list[torch.nn.Module]:
     """The decoder layers that Hugging Face's gradient checkpointing covers, of a model PEFT-wrapped or not."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return [m for m in base.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return [m for m in _base_model(model).modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def check_checkpointing_options(model, offload_to_cpu: bool = False, cuda_graphs: bool = False) -> list[str]:
-    """Raises ValueError for options the model can't take; returns the names of its modules with dropout."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+def check_checkpointing_options(model, cuda_graphs: bool = False) -> list[str]:
+    """Raises ValueError for options the model can't take (offloading suits every model; CUDA graphs don't
+    suit dropout); returns the names of its modules with dropout."""
+    base = _base_model(model)
     if not checkpointing_layers(model):
         raise ValueError(f"{type(base).__name__} has no decoder layers that support gradient checkpointing")
     random = [name for name, m in base.named_modules() if _draws_random_numbers(m)]
@@ -419,8 +423,8 @@ def enable_gradient_checkpointing(model, offload_to_cpu: bool = False, cuda_grap
     through `checkpoint_layer`; returns the model. Frozen embeddings get an output that requires grad, so
     that the first layer's input carries gradients into the checkpointed layers. `unsloth_lite.Trainer` does
     this itself when `TrainingArguments.gradient_checkpointing` is on (options: its `checkpointing=`)."""
-    random = check_checkpointing_options(model, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    random = check_checkpointing_options(model, cuda_graphs=cuda_graphs)
+    base = _base_model(model)
     function = functools.partial(
         checkpoint_layer, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, preserve_rng_state=bool(random)
     )

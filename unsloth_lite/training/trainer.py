@@ -54,7 +54,7 @@ class Trainer(transformers.Trainer):
                                  "(expected offload_to_cpu, cuda_graphs)")
             if not self.args.gradient_checkpointing:
                 raise ValueError("checkpointing options need TrainingArguments(gradient_checkpointing=True)")
-            check_checkpointing_options(self.model, **self._checkpointing)
+            check_checkpointing_options(self.model, cuda_graphs=self._checkpointing.get("cuda_graphs", False))
         if self.args.gradient_checkpointing and hasattr(self.model, "enable_input_require_grads"):
             # Frozen embeddings (LoRA) would hand the first checkpointed layer inputs without grad.
             self.model.enable_input_require_grads()
