@@ -23,12 +23,13 @@ batch size in turn (peak statistics reset in between) and prints one JSON line f
 - `unsloth`: `FastLanguageModel.from_pretrained` / `get_peft_model(use_gradient_checkpointing="unsloth")`,
   imported first, from `--unsloth-site` (prepended to the worker's PYTHONPATH).
 - `unsloth_lite`: `unsloth_lite.load_model` + `add_lora` + `unsloth_lite.training.checkpointing.
-  enable_gradient_checkpointing(model, offload_to_cpu=True, cuda_graphs=True)`: the saved layer inputs in
-  pinned CPU memory, each layer's forward and recompute-and-backward replayed as CUDA graphs (captured in
-  the second step: keep `--warmup` at 2 or more).
+  enable_gradient_checkpointing(model, offload_to_cpu=True, cuda_graphs=True)`: the saved layer inputs and
+  residuals after attention in pinned CPU memory, each layer's forward and recompute-and-backward replayed as
+  CUDA graphs (captured in the second step: keep `--warmup` at 2 or more).
 - only when named in `--variants`: `unsloth_lite_hf_ckpt` (the same with Hugging Face's checkpointing, as
   for `hf`), `unsloth_lite_ckpt` (`enable_gradient_checkpointing` without offload or graphs),
-  `unsloth_lite_offload` (offload only), `unsloth_lite_graphs` (graphs only).
+  `unsloth_lite_offload` (offload only), `unsloth_lite_graphs` (graphs only), `unsloth_lite_inputs_only`
+  (graphs and offload, `keep_residual=False`: the recomputation runs the attention's output projection).
 
 One step: forward with labels = input ids (the loss), backward, `optimizer.step()`, `zero_grad(set_to_none=True)`
 on a random token batch `[batch, seq]`; batch i comes from seed 1234 + i, so every variant sees the same batches
@@ -52,14 +53,15 @@ for W1; 4N: forward and input-gradient backward of a frozen base), peak = the bf
 by the parent in the same run. `HFU` = executed FLOPs per token x tokens/s / peak, with, per token,
     6 x P_dec - 2 x P_skip    decoder linears: forward, recomputed forward (checkpointing), input-gradient backward;
                               P_skip the parameters of the projections whose product the variant's recomputation
-                              skips (ours: the MLP's down projection, 36 x 50.3M for W1)
+                              skips (ours: the MLP's down projection, and with the offload the attention's output
+                              projection, 36 x 50.3M and 36 x 16.8M for W1)
   + 4 x H x V                 lm_head: forward and input-gradient backward (not checkpointed)
   + 9 x S x n_heads x d x L   causal attention: QK^T and PV over S/2 keys on average is 2 x S x n_heads x d
                               FLOPs per layer forward; forward + recomputed forward + backward (5 matmuls, the
                               flash backward recomputes QK^T: 2.5 x forward) = 4.5 x forward
 where P_dec is the decoder linears' parameter count (6.95B), H the hidden size, V the vocabulary, S the sequence
-length, d the head dim, L the layers: 46.9 GFLOP/token for W1 at S = 2048 (43.3 for unsloth_lite), all
-computed from the config.
+length, d the head dim, L the layers: 46.9 GFLOP/token for W1 at S = 2048 (42.0 for unsloth_lite, which skips
+both projections), all computed from the config.
 LoRA's own FLOPs (0.35 GFLOP/token at r=16) are left out, as in BENCHMARKS.md.
 
 `--max-seq`: for hf and unsloth_lite, the longest sequence (batch 1, a multiple of 256, at most the model's
@@ -97,7 +99,8 @@ RESULT_PREFIX = "BENCH_TRAIN_RESULT "
 MARKER = "bench_train_checkpoint.json"
 DEFAULT_VARIANTS = ("hf", "hf_liger", "unsloth", "unsloth_lite")
 ALL_VARIANTS = (
-    *DEFAULT_VARIANTS, "unsloth_lite_hf_ckpt", "unsloth_lite_ckpt", "unsloth_lite_offload", "unsloth_lite_graphs"
+    *DEFAULT_VARIANTS, "unsloth_lite_hf_ckpt", "unsloth_lite_ckpt", "unsloth_lite_offload", "unsloth_lite_graphs",
+    "unsloth_lite_inputs_only",
 )
 TINY_VARIANTS = ("hf", "unsloth_lite")
 MAX_SEQ_VARIANTS = ("hf", "unsloth_lite")
@@ -141,10 +144,11 @@ def total_params(c: dict) -> int:
     return decoder_linear_params(c) + embeddings + norms
 
 
-# Projections whose product a variant's recomputation skips: ours skips the MLP's down projection.
+# Projections whose product a variant's recomputation skips: ours always skips the MLP's down projection, and
+# with the offload (which keeps the residual after attention) the attention's output projection too.
 RECOMPUTE_SKIPPED = {
-    "unsloth_lite": ("down",), "unsloth_lite_ckpt": ("down",), "unsloth_lite_offload": ("down",),
-    "unsloth_lite_graphs": ("down",),
+    "unsloth_lite": ("down", "o"), "unsloth_lite_ckpt": ("down",), "unsloth_lite_offload": ("down", "o"),
+    "unsloth_lite_graphs": ("down",), "unsloth_lite_inputs_only": ("down",),
 }
 
 
@@ -268,8 +272,8 @@ def load_hf(path, device, dtype, seq, liger=False):
 
 def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf"):
     """`checkpointing`: "hf" (Hugging Face's non-reentrant), "ours" (`enable_gradient_checkpointing`),
-    "offload" (the same with the saved layer inputs in pinned CPU memory), "graphs" (with CUDA graphs) or
-    "graphs_offload" (both)."""
+    "offload" (the same with the saved layer inputs in pinned CPU memory), "graphs" (with CUDA graphs),
+    "graphs_offload" (both) or "graphs_offload_inputs_only" (both, `keep_residual=False`)."""
     import unsloth_lite
     from unsloth_lite.training.checkpointing import enable_gradient_checkpointing
 
@@ -281,7 +285,8 @@ def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf"):
     model = unsloth_lite.add_lora(model, r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=TARGET_MODULES)
     if checkpointing != "hf":
         enable_gradient_checkpointing(
-            model, offload_to_cpu="offload" in checkpointing, cuda_graphs="graphs" in checkpointing
+            model, offload_to_cpu="offload" in checkpointing, cuda_graphs="graphs" in checkpointing,
+            keep_residual=False if "inputs_only" in checkpointing else None,
         )
     return model, {}
 
@@ -318,6 +323,9 @@ LOADERS = {
     "unsloth_lite_ckpt": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "ours"),
     "unsloth_lite_offload": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "offload"),
     "unsloth_lite_graphs": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "graphs"),
+    "unsloth_lite_inputs_only": lambda path, device, dtype, seq: load_unsloth_lite(
+        path, device, dtype, seq, "graphs_offload_inputs_only"
+    ),
 }
 
 

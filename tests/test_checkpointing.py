@@ -24,12 +24,14 @@ def _loss_and_grads(model, input_ids, labels, seed=0):
     return loss.detach(), grads
 
 
-def _compare(model, device, offload_to_cpu=False, cuda_graphs=False, tol=1e-5, steps=3):
+def _compare(model, device, offload_to_cpu=False, cuda_graphs=False, tol=1e-5, steps=3, keep_residual=None):
     reference = copy.deepcopy(model)
     hf_checkpointed = copy.deepcopy(model)
     hf_checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_checkpointed.enable_input_require_grads()
-    enable_gradient_checkpointing(model, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs)
+    enable_gradient_checkpointing(
+        model, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, keep_residual=keep_residual
+    )
     # Several steps on fresh batches: state left by one (offloaded buffers, a graph's static inputs) must not
     # leak into the next; with cuda_graphs the first step runs eagerly, the second captures, the third replays.
     for step in range(steps):
@@ -160,34 +162,62 @@ def test_cuda_graphs_on_gpu():
         assert _graphed_layer_count(model) == 2
 
 
+@pytest.mark.parametrize("keep_residual", [False, True], ids=["inputs", "inputs-and-residual"])
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
-def test_recomputation_skips_the_down_projection(cuda_graphs, device, monkeypatch):
+def test_recomputation_skips_the_projections_it_does_not_read(cuda_graphs, keep_residual, device, monkeypatch):
     """The down projection's product runs in each layer's forward but not in its recomputation (the backward
-    never reads it); the gradients stay exact (test_lora_on_patched_model, test_graphed_layers)."""
+    never reads it); with the residual after attention kept, neither does the output projection's. The
+    gradients stay exact (test_lora_on_patched_model, test_graphed_layers, test_kept_residual)."""
     import unsloth_lite.kernels.lora as lora_module
 
     model = _lora_model(device)
-    enable_gradient_checkpointing(model, cuda_graphs=cuda_graphs)
+    enable_gradient_checkpointing(model, cuda_graphs=cuda_graphs, keep_residual=keep_residual)
     intermediate = model.config.intermediate_size
-    calls = {"down": 0, "other": 0}
+    calls = {"down": 0, "o": 0, "other": 0}
     project_all = lora_module._project_all
 
     def counting(x2d, projections, adapters):
-        calls["down" if x2d.shape[-1] == intermediate else "other"] += 1
+        single = "down" if x2d.shape[-1] == intermediate else "o"
+        calls[single if len(projections) == 1 else "other"] += 1
         return project_all(x2d, projections, adapters)
 
     monkeypatch.setattr(lora_module, "_project_all", counting)
     layers = model.config.num_hidden_layers
-    # A layer's forward runs q/k/v, o, gate/up and down; its recomputation the same but down. With graphs on
-    # CUDA: step 0 runs eagerly, step 1 captures (each graph's function runs twice: warm-up and capture),
-    # step 2 replays (no Python runs). Off CUDA every step runs the functions.
-    expected = [(layers, 6 * layers)] * 3
+    # A layer's forward runs q/k/v, o, gate/up and down; its recomputation the same but down (and o). With
+    # graphs on CUDA: step 0 runs eagerly, step 1 captures (each graph's function runs twice: warm-up and
+    # capture), step 2 replays (no Python runs). Off CUDA every step runs the functions.
+    o_calls = layers if keep_residual else 2 * layers
+    expected = [(layers, o_calls, 4 * layers)] * 3
     if cuda_graphs and torch.device(device).type == "cuda":
-        expected = [(layers, 6 * layers), (2 * layers, 12 * layers), (0, 0)]
-    for step, (down, other) in enumerate(expected):
-        calls.update(down=0, other=0)
+        expected = [(layers, o_calls, 4 * layers), (2 * layers, 2 * o_calls, 8 * layers), (0, 0, 0)]
+    for step, (down, o, other) in enumerate(expected):
+        calls.update(down=0, o=0, other=0)
         _loss_and_grads(model, *batch(device))
-        assert calls == {"down": down, "other": other}, f"step {step}"
+        assert calls == {"down": down, "o": o, "other": other}, f"step {step}"
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_kept_residual(cuda_graphs, device):
+    """The residual after attention kept with each layer's input (what offloading does by default): the
+    recomputation takes it in place of residual + attention output, with the same gradients. Qwen3.5's
+    layers run Hugging Face's attention and DeltaNet forwards: the residual is still substituted."""
+    from test_patch_model import tiny_qwen3_5
+
+    models = [(tiny_model("qwen3", device), 1e-5), (_lora_model(device), 1e-4)]
+    if not cuda_graphs:
+        models.append((patch_model(tiny_qwen3_5(device, torch.float64)), 1e-9))
+    for model, tol in models:
+        _compare(model, device, cuda_graphs=cuda_graphs, keep_residual=True, tol=tol)
+        hooked = [m for m in model.modules() if "_unsloth_lite_residual_hook" in m.__dict__]
+        assert len(hooked) == model.config.num_hidden_layers
+
+
+def test_kept_residual_hooks_come_off(device):
+    model = tiny_model("qwen3", device)
+    enable_gradient_checkpointing(model, keep_residual=True)
+    enable_gradient_checkpointing(model, keep_residual=False)
+    assert not [m for m in model.modules() if "_unsloth_lite_residual_hook" in m.__dict__]
+    assert not any(m._forward_pre_hooks for m in model.modules() if m.__class__.__name__.endswith("RMSNorm"))
 
 
 @pytest.mark.gpu

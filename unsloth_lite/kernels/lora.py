@@ -18,7 +18,8 @@ The MLP, with projections gate (g), up (u) and down (d) and h = silu(g) ⊙ u:
     dx = gate's and up's dx as above, summed.
 
 A caller that needs the gradient of `out` but not its value (a checkpoint's recomputation) skips
-W_d's product: the backward reads only t_d = h A_dᵀ of the down projection's forward.
+W_d's product: the backward reads only t_d = h A_dᵀ of the down projection's forward. The same holds for any
+projection: its backward reads x and t, never y.
 
 Saved: the layer input, the pre-activations g and u, and the rank-r products t. h (the largest activation
 after g and u) is not saved: the backward recomputes it from g and u. dg and du are written over g and u,
@@ -146,10 +147,14 @@ class LoRAProjectionsFunction(torch.autograd.Function):
     """Several projections of one input (q, k, v; or o alone): one saved input, one dx accumulation."""
 
     @staticmethod
-    def forward(ctx, x, projections, *adapter_weights):
+    def forward(ctx, x, projections, output_needed, *adapter_weights):
         x2d = x.reshape(-1, x.shape[-1])
         adapters = _Adapters(projections, x2d.dtype)
-        outputs, t = _project_all(x2d, projections, adapters)
+        if output_needed:
+            outputs, t = _project_all(x2d, projections, adapters)
+        else:  # the backward only needs t (module docstring)
+            t = torch.matmul(x2d, adapters.a.t())
+            outputs = [x2d.new_empty((x2d.shape[0], p.out_features)) for p in projections]
         ctx.projections, ctx.adapters = projections, adapters
         ctx.input_shape = x.shape
         ctx.save_for_backward(x2d, t)
@@ -160,7 +165,7 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         x2d, t = ctx.saved_tensors
         grads = [dy.reshape(-1, p.out_features) for dy, p in zip(grads, ctx.projections, strict=True)]
         dx, adapter_grads = _project_all_backward(grads, x2d, t, ctx.projections, ctx.adapters)
-        return (dx.view(ctx.input_shape), None, *adapter_grads)
+        return (dx.view(ctx.input_shape), None, None, *adapter_grads)
 
 
 class LoRAMLPFunction(torch.autograd.Function):
@@ -201,9 +206,13 @@ class LoRAMLPFunction(torch.autograd.Function):
         return (dx.view(ctx.input_shape), None, None, *gate_up_grads, *down_grads)
 
 
-def lora_projections(x: torch.Tensor, projections: tuple[LoRAProjection, ...]) -> tuple[torch.Tensor, ...]:
-    """`x Wᵢᵀ + bᵢ + sᵢ (x Aᵢᵀ) Bᵢᵀ` for each projection; gradients for x and every A, B."""
-    return LoRAProjectionsFunction.apply(x, projections, *_adapter_args(projections))
+def lora_projections(
+    x: torch.Tensor, projections: tuple[LoRAProjection, ...], output_needed: bool = True
+) -> tuple[torch.Tensor, ...]:
+    """`x Wᵢᵀ + bᵢ + sᵢ (x Aᵢᵀ) Bᵢᵀ` for each projection; gradients for x and every A, B.
+    `output_needed=False` skips the products and returns uninitialised memory of the outputs' shapes (as
+    `lora_mlp`'s)."""
+    return LoRAProjectionsFunction.apply(x, projections, output_needed, *_adapter_args(projections))
 
 
 def lora_mlp(

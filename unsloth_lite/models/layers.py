@@ -45,17 +45,20 @@ _RECOMPUTATION = threading.local()
 
 
 @contextlib.contextmanager
-def recomputation_for_backward():
+def recomputation_for_backward(attention_output_unused: bool = False):
     """Marks a decoder layer's forward as the recomputation of a gradient checkpoint (in this thread): its
     outputs are then only the roots of a backward, which needs their gradients, not their values. The MLP's
     output, which a decoder layer only adds to the residual stream, is then left uncomputed (the down
-    projection is the one product of the layer's forward whose result its backward never reads)."""
-    previous = getattr(_RECOMPUTATION, "active", False)
-    _RECOMPUTATION.active = True
+    projection is the one product of the layer's forward whose result its backward never reads).
+    `attention_output_unused=True` (the checkpoint kept the residual stream after attention, so the
+    recomputation takes that instead of residual + attention output) leaves the attention's output
+    projection uncomputed too."""
+    previous = getattr(_RECOMPUTATION, "active", False), getattr(_RECOMPUTATION, "attention_output_unused", False)
+    _RECOMPUTATION.active, _RECOMPUTATION.attention_output_unused = True, attention_output_unused
     try:
         yield
     finally:
-        _RECOMPUTATION.active = previous
+        _RECOMPUTATION.active, _RECOMPUTATION.attention_output_unused = previous
 
 
 _WARNED: set[str] = set()
@@ -167,7 +170,8 @@ def _attend(self, query, key, value, attention_mask, cache, kwargs, input_shape)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     projection = _lora_projections(self, ("o_proj",), attn_output)
     if projection is not None:
-        return lora_projections(attn_output, projection)[0], attn_weights
+        output_needed = not getattr(_RECOMPUTATION, "attention_output_unused", False)
+        return lora_projections(attn_output, projection, output_needed=output_needed)[0], attn_weights
     return self.o_proj(attn_output), attn_weights
 
 

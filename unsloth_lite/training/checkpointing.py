@@ -10,10 +10,19 @@ the patched layers skip what only the layer's output needs (the MLP's down proje
 autocast settings of the forward. Where the model has dropout, CPU and CUDA random states are restored
 for the recomputation, so dropout draws the same masks twice.
 
-`offload_to_cpu=True` keeps those inputs (one `[batch, seq, hidden]` tensor a layer, 2.25 GiB for 36 layers
-of Qwen3-8B at 4 x 2048 tokens in bf16) in pinned CPU memory instead of on the GPU. Copies run on a side
+`keep_residual=True` (the default with the offload) also keeps the residual stream after attention, the input
+of each layer's post-attention norm, recorded by a forward pre-hook on that norm. The recomputation takes it
+in place of residual + attention output (the gradient still flows into both), so the attention's output
+projection is left uncomputed too, under `recomputation_for_backward(attention_output_unused=True)`: the
+backward reads only its input and rank-r product. It costs one more `[batch, seq, hidden]` tensor a layer,
+in CPU memory with the offload, and saves the recomputation the output projection's dequantisation and
+`[tokens, hidden] x [hidden, hidden]` product.
+
+`offload_to_cpu=True` keeps those tensors (the input, one `[batch, seq, hidden]` tensor a layer, is 2.25 GiB
+for 36 layers of Qwen3-8B at 4 x 2048 tokens in bf16; the residual as much again) in pinned CPU memory
+instead of on the GPU. Copies run on a side
 stream: device to host right after each layer's forward, host to device one layer ahead in the backward
-(while layer i back-propagates, layer i-1's input comes back), so they overlap the layers' compute. Stream
+(while layer i back-propagates, layer i-1's tensors come back), so they overlap the layers' compute. Stream
 safety: the GPU input is marked as used by the side stream until its copy is done, and the side stream's
 copy back is awaited (an event) before the layer uses it.
 
@@ -21,8 +30,9 @@ copy back is awaited (an event) before the layer uses it.
 recompute-and-backward are captured once per input shape as two CUDA graphs (both in the forward of the
 second call with that shape; the first runs eagerly and compiles every kernel), then replayed. The graphs
 read and write static buffers that all layers share: the input (copied in before each replay, from the
-forward's argument or from the checkpoint, which is kept as without graphs, offloaded or not), the output
-and the gradients (copied out right after). Tensors among the layer's keyword arguments (cos/sin, position
+forward's argument or from the checkpoint, which is kept as without graphs, offloaded or not), the kept
+residual (copied out after the forward's replay, back in before the backward's), the output and the
+gradients (copied out right after). Tensors among the layer's keyword arguments (cos/sin, position
 ids) are copied into the layer's static buffers before each forward replay. Graphs of all layers share one
 memory pool: each graph's temporaries are dead once it has run, and what a graph returns is copied out
 before the next replay, so any order of replays is safe. It needs layers without dropout (a replayed
@@ -69,88 +79,151 @@ def _graph_pool(device_index: int):
         return torch.cuda.graph_pool_handle()
 
 
-class _OffloadedInput:
-    """A layer input held in pinned CPU memory, fetched back to its device when the backward needs it."""
+class _OffloadedTensors:
+    """A checkpoint's tensors held in pinned CPU memory, fetched back to their device when its backward needs
+    them."""
 
-    def __init__(self, tensor: torch.Tensor, previous: _OffloadedInput | None):
-        self.device = tensor.device
-        self.stream = _side_stream(tensor.device.index or 0)
-        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the input is computed
+    def __init__(self, tensors: list[torch.Tensor], previous: _OffloadedTensors | None):
+        self.device = tensors[0].device
+        self.stream = _side_stream(self.device.index or 0)
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the tensors are computed
         with torch.cuda.stream(self.stream):
-            self.host.copy_(tensor, non_blocking=True)
-        tensor.record_stream(self.stream)  # its memory is not reused before the copy has read it
-        self.previous = previous  # the layer before, whose input the backward fetches next
-        self.fetched: torch.Tensor | None = None
+            for host, tensor in zip(self.host, tensors, strict=True):
+                host.copy_(tensor, non_blocking=True)
+        for tensor in tensors:
+            tensor.record_stream(self.stream)  # its memory is not reused before the copy has read it
+        self.previous = previous  # the checkpoint before, whose tensors the backward fetches next
+        self.fetched: list[torch.Tensor] | None = None
         self.ready: torch.cuda.Event | None = None
 
     def prefetch(self) -> None:
         if self.fetched is not None or self.host is None:
             return
         with torch.cuda.stream(self.stream):
-            self.fetched = self.host.to(self.device, non_blocking=True)
+            self.fetched = [host.to(self.device, non_blocking=True) for host in self.host]
             self.ready = torch.cuda.Event()
             self.ready.record(self.stream)
 
-    def take(self) -> torch.Tensor:
-        """The input back on its device, usable on the current stream; starts fetching the layer before."""
+    def take(self) -> list[torch.Tensor]:
+        """The tensors back on their device, usable on the current stream; starts fetching the checkpoint
+        before."""
         self.prefetch()
         current = torch.cuda.current_stream(self.device)
         current.wait_event(self.ready)
-        tensor = self.fetched
-        tensor.record_stream(current)
+        tensors = self.fetched
+        for tensor in tensors:
+            tensor.record_stream(current)
         self.fetched = self.host = self.ready = None
         if self.previous is not None:
             self.previous.prefetch()
             self.previous = None
-        return tensor
+        return tensors
 
 
-def _save_inputs(ctx, tensors, offload_to_cpu: bool) -> None:
-    """Keeps a checkpoint's input tensors for its backward: on their device, or (`offload_to_cpu`, for those
-    on a GPU that need gradients) in pinned CPU memory, linked to the previous offloaded layer of the pass."""
-    ctx.offloaded = {}
-    kept = []
-    for i, tensor in enumerate(tensors):
-        if offload_to_cpu and tensor.is_cuda and tensor.requires_grad:
-            previous = getattr(_LAST_OFFLOADED, "value", None)
-            ctx.offloaded[i] = _LAST_OFFLOADED.value = _OffloadedInput(tensor, previous)
-        else:
-            kept.append(tensor)
-    ctx.save_for_backward(*kept)
+def _save_inputs(ctx, tensors, offload: list[bool]) -> None:
+    """Keeps a checkpoint's tensors for its backward: on their device, or (those `offload` marks, on one GPU)
+    in pinned CPU memory, as one group linked to the previous offloaded checkpoint of the pass."""
+    device = next((t.device for t, moved in zip(tensors, offload, strict=True) if moved), None)
+    ctx.offloaded = [moved and t.device == device for t, moved in zip(tensors, offload, strict=True)]
+    ctx.offload_group = None
+    if any(ctx.offloaded):
+        previous = getattr(_LAST_OFFLOADED, "value", None)
+        moved = [t for t, flag in zip(tensors, ctx.offloaded, strict=True) if flag]
+        ctx.offload_group = _LAST_OFFLOADED.value = _OffloadedTensors(moved, previous)
+    ctx.save_for_backward(*[t for t, flag in zip(tensors, ctx.offloaded, strict=True) if not flag])
 
 
 def _saved_inputs(ctx) -> list[torch.Tensor]:
+    fetched = iter(ctx.offload_group.take() if ctx.offload_group is not None else ())
     kept = iter(ctx.saved_tensors)
-    return [
-        ctx.offloaded[i].take() if i in ctx.offloaded else next(kept)
-        for i in range(len(ctx.offloaded) + len(ctx.saved_tensors))
-    ]
+    return [next(fetched) if flag else next(kept) for flag in ctx.offloaded]
+
+
+_RESIDUAL = threading.local()  # the residual stream after attention: `sink` records it, `value` replaces it
+
+
+@contextlib.contextmanager
+def _recording_residual(enabled: bool):
+    """Collects the inputs of the post-attention norms that run inside (one per decoder layer)."""
+    previous = getattr(_RESIDUAL, "sink", None)
+    _RESIDUAL.sink = sink = [] if enabled else None
+    try:
+        yield sink if enabled else []
+    finally:
+        _RESIDUAL.sink = previous
+
+
+@contextlib.contextmanager
+def _substituting_residual(value: torch.Tensor | None):
+    previous = getattr(_RESIDUAL, "value", None)
+    _RESIDUAL.value = value
+    try:
+        yield
+    finally:
+        _RESIDUAL.value = previous
+
+
+class _Substituted(torch.autograd.Function):
+    """`saved` in place of `computed`, which it equals, with the gradient going to `computed`."""
+
+    @staticmethod
+    def forward(ctx, computed, saved):
+        return saved.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _residual_hook(module, args):
+    """Forward pre-hook of a decoder layer's post-attention norm (see `enable_gradient_checkpointing`)."""
+    sink = getattr(_RESIDUAL, "sink", None)
+    if sink is not None:
+        sink.append(args[0])
+        return None
+    saved = getattr(_RESIDUAL, "value", None)
+    if saved is not None:
+        return (_Substituted.apply(args[0], saved), *args[1:])
+    return None
+
+
+def _offload_flags(inputs, residual, offload_to_cpu: bool) -> list[bool]:
+    """Which of a checkpoint's saved tensors go to CPU memory: the inputs that need gradients (others, like
+    masks, are small or shared) and the kept residual."""
+    flags = [offload_to_cpu and t.is_cuda and t.requires_grad for t in inputs]
+    return flags + ([offload_to_cpu and residual.is_cuda] if residual is not None else [])
 
 
 class _CheckpointedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, options, *args):
-        offload_to_cpu, preserve_rng_state = options
+        offload_to_cpu, preserve_rng_state, keep_residual = options
         ctx.run = run
         ctx.rng = None
         if preserve_rng_state:
             ctx.rng = torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in _cuda_devices(args)]
         ctx.autocast = _autocast_states()
-        with torch.no_grad():
+        with torch.no_grad(), _recording_residual(keep_residual) as residuals:
             outputs = run(*args)
         ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
-        _save_inputs(ctx, [args[i] for i in ctx.tensor_positions], offload_to_cpu)
+        inputs = [args[i] for i in ctx.tensor_positions]
+        residual = residuals[0] if len(residuals) == 1 else None
+        ctx.has_residual = residual is not None
+        _save_inputs(ctx, inputs + [residual] * ctx.has_residual, _offload_flags(inputs, residual, offload_to_cpu))
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         args = list(ctx.others)
-        for i, tensor in zip(ctx.tensor_positions, _saved_inputs(ctx), strict=True):
+        saved = _saved_inputs(ctx)
+        residual = saved.pop() if ctx.has_residual else None
+        for i, tensor in zip(ctx.tensor_positions, saved, strict=True):
             args[i] = tensor.detach().requires_grad_(ctx.needs_input_grad[2 + i])
         with contextlib.ExitStack() as stack:
-            stack.enter_context(recomputation_for_backward())
+            stack.enter_context(recomputation_for_backward(attention_output_unused=ctx.has_residual))
+            stack.enter_context(_substituting_residual(residual))
             stack.enter_context(torch.enable_grad())
             for device_type, enabled, dtype, cache_enabled in ctx.autocast:  # the backward runs outside autocast
                 stack.enter_context(
@@ -188,18 +261,20 @@ def _cuda_devices(args) -> list[int]:
 
 
 def checkpoint_layer(
-    run, *args, offload_to_cpu: bool = False, cuda_graphs: bool = False, preserve_rng_state: bool = True
+    run, *args, offload_to_cpu: bool = False, cuda_graphs: bool = False, preserve_rng_state: bool = True,
+    keep_residual: bool = False,
 ):
     """`run(*args)` checkpointed (module docstring): the signature of Hugging Face's
     `_gradient_checkpointing_func(function, *args)`. `preserve_rng_state=False` skips saving and restoring
-    the random states, for layers that draw no random numbers."""
+    the random states, for layers that draw no random numbers. `keep_residual=True` also keeps what the
+    layer's post-attention norm receives, where `enable_gradient_checkpointing` hooked it."""
     if not any(torch.is_tensor(a) and a.requires_grad for a in args):
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
     if cuda_graphs:
-        graphs = _LayerGraphs.for_call(run, args)
+        graphs = _LayerGraphs.for_call(run, args, keep_residual)
         if graphs is not None:
             return _GraphedLayer.apply(graphs, run, offload_to_cpu, args[0], *graphs.params)
-    return _CheckpointedLayer.apply(run, (offload_to_cpu, preserve_rng_state), *args)
+    return _CheckpointedLayer.apply(run, (offload_to_cpu, preserve_rng_state, keep_residual), *args)
 
 
 _SIMPLE = (type(None), bool, int, float, str)
@@ -243,7 +318,7 @@ class _LayerGraphs:
     _SHARED: dict = {}
 
     @classmethod
-    def for_call(cls, run, args) -> _LayerGraphs | None:
+    def for_call(cls, run, args, keep_residual: bool) -> _LayerGraphs | None:
         """The graphs of this call's layer and signature; None where the call must run eagerly (the first
         call of a signature, an unsupported argument, or a backward still pending)."""
         layer = _layer_of(run)
@@ -254,7 +329,9 @@ class _LayerGraphs:
             tensors = value if _is_tensor_pair(value) else (value,) if torch.is_tensor(value) else ()
             if any(t.requires_grad for t in tensors) or not (tensors or isinstance(value, _SIMPLE)):
                 return None
-        signature = (_describe(args[0]), tuple(sorted((k, _describe(v)) for k, v in kwargs.items())))
+        signature = (
+            _describe(args[0]), tuple(sorted((k, _describe(v)) for k, v in kwargs.items())), keep_residual
+        )
         store = layer.__dict__.setdefault("_unsloth_lite_graphs", {})
         graphs = store.get(signature)
         if graphs is None:
@@ -263,11 +340,13 @@ class _LayerGraphs:
         if graphs == "seen":
             if sum(isinstance(g, _LayerGraphs) for g in store.values()) >= MAX_GRAPHED_SHAPES:
                 return None
-            graphs = store[signature] = cls(layer, run, args[0])
+            graphs = store[signature] = cls(layer, run, args[0], keep_residual)
         return None if graphs.pending_backward else graphs
 
-    def __init__(self, layer, run, hidden):
+    def __init__(self, layer, run, hidden, keep_residual: bool):
         self.device = hidden.device
+        self.keep_residual = keep_residual
+        self.has_residual = False  # whether the layer's forward recorded the residual (known at capture)
         # (module, name) of each trainable parameter, in `layer.parameters()` order
         self.owners = [
             (module, name) for module in layer.modules() for name, p in module._parameters.items()
@@ -278,15 +357,16 @@ class _LayerGraphs:
         self.function = functools.partial(run.func, *run.args, **self.static_kwargs)
         shared_key = (tuple(hidden.shape), hidden.dtype, hidden.device)
         if shared_key not in self._SHARED:
-            self._SHARED[shared_key] = tuple(torch.empty_like(hidden) for _ in range(4))
-        self.hidden, self.output, self.grad_hidden, self.grad_output = self._SHARED[shared_key]
+            self._SHARED[shared_key] = tuple(torch.empty_like(hidden) for _ in range(5))
+        self.hidden, self.output, self.grad_hidden, self.grad_output, self.residual = self._SHARED[shared_key]
         self.forward_graph = self.backward_graph = None
         self.pending_backward = False
         self.pool = self.stream = None
         if self.device.type == "cuda":
             self.pool, self.stream = _graph_pool(self.device.index or 0), _side_stream(self.device.index or 0)
 
-    def forward(self, run, hidden) -> torch.Tensor:
+    def forward(self, run, hidden) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, the residual the layer's post-attention norm received or None)."""
         self.hidden.copy_(hidden)
         for name, value in run.keywords.items():
             _copy_static(self.static_kwargs[name], value)
@@ -294,10 +374,12 @@ class _LayerGraphs:
             self._capture()
         self.forward_graph()
         self.pending_backward = True
-        return self.output.clone()
+        return self.output.clone(), self.residual.clone() if self.has_residual else None
 
-    def backward(self, hidden, grad_output):
+    def backward(self, hidden, residual, grad_output):
         self.hidden.copy_(hidden)
+        if residual is not None:
+            self.residual.copy_(residual)
         self.grad_output.copy_(grad_output)
         grad_params = self.backward_graph()
         self.pending_backward = False
@@ -307,8 +389,11 @@ class _LayerGraphs:
         """Captures both graphs here, in the forward: a capture of the autograd engine's work from inside a
         backward would make the caller's (legacy default) stream wait on the capturing one, which CUDA forbids."""
         def layer_forward():
-            with torch.no_grad():
+            with torch.no_grad(), _recording_residual(self.keep_residual) as residuals:
                 self.output.copy_(self.function(self.hidden))
+                self.has_residual = len(residuals) == 1
+                if self.has_residual:
+                    self.residual.copy_(residuals[0])
 
         def recompute_and_backward():
             # The recomputation differentiates with respect to fresh leaves that alias the parameters: the
@@ -316,7 +401,13 @@ class _LayerGraphs:
             # bound to the stream they were created on, and gradients flowing into them from the capturing
             # stream would make that stream wait on the capture.
             aliases = [p.detach().requires_grad_() for p in self.params]
-            with _swapped_parameters(self.owners, aliases), recomputation_for_backward(), torch.enable_grad():
+            residual = self.residual if self.has_residual else None
+            with (
+                _swapped_parameters(self.owners, aliases),
+                recomputation_for_backward(attention_output_unused=self.has_residual),
+                _substituting_residual(residual),
+                torch.enable_grad(),
+            ):
                 hidden = self.hidden.detach().requires_grad_()
                 output = self.function(hidden)
                 grads = torch.autograd.grad(output, [hidden, *aliases], self.grad_output, allow_unused=True)
@@ -373,13 +464,16 @@ class _GraphedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graphs, run, offload_to_cpu, hidden, *params):
         ctx.graphs = graphs
-        _save_inputs(ctx, [hidden], offload_to_cpu)
-        return graphs.forward(run, hidden)
+        output, residual = graphs.forward(run, hidden)
+        ctx.has_residual = residual is not None
+        flags = _offload_flags([hidden], residual, offload_to_cpu)
+        _save_inputs(ctx, [hidden] + [residual] * ctx.has_residual, flags)
+        return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        (hidden,) = _saved_inputs(ctx)
-        grad_hidden, *grad_params = ctx.graphs.backward(hidden, grad_output)
+        hidden, *rest = _saved_inputs(ctx)
+        grad_hidden, *grad_params = ctx.graphs.backward(hidden, rest[0] if rest else None, grad_output)
         return (None, None, None, grad_hidden, *grad_params)
 
 
@@ -418,19 +512,31 @@ def check_checkpointing_options(model, cuda_graphs: bool = False) -> list[str]:
     return random
 
 
-def enable_gradient_checkpointing(model, offload_to_cpu: bool = False, cuda_graphs: bool = False):
+def enable_gradient_checkpointing(
+    model, offload_to_cpu: bool = False, cuda_graphs: bool = False, keep_residual: bool | None = None
+):
     """Turns on gradient checkpointing of every decoder layer of a Hugging Face model (PEFT-wrapped or not)
     through `checkpoint_layer`; returns the model. Frozen embeddings get an output that requires grad, so
     that the first layer's input carries gradients into the checkpointed layers. `unsloth_lite.Trainer` does
-    this itself when `TrainingArguments.gradient_checkpointing` is on (options: its `checkpointing=`)."""
+    this itself when `TrainingArguments.gradient_checkpointing` is on (options: its `checkpointing=`).
+    `keep_residual` (default: `offload_to_cpu`) keeps each layer's residual stream after attention with its
+    input (module docstring)."""
     random = check_checkpointing_options(model, cuda_graphs=cuda_graphs)
+    keep_residual = offload_to_cpu if keep_residual is None else keep_residual
     base = _base_model(model)
     function = functools.partial(
-        checkpoint_layer, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, preserve_rng_state=bool(random)
+        checkpoint_layer, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, preserve_rng_state=bool(random),
+        keep_residual=keep_residual,
     )
     for layer in checkpointing_layers(model):
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = function
+        handle = layer.__dict__.pop("_unsloth_lite_residual_hook", None)
+        if handle is not None:
+            handle.remove()
+        norm = getattr(layer, "post_attention_layernorm", None)
+        if keep_residual and isinstance(norm, torch.nn.Module):
+            layer._unsloth_lite_residual_hook = norm.register_forward_pre_hook(_residual_hook)
     if not getattr(base, "_unsloth_lite_pass_hook", False):
         base.register_forward_pre_hook(lambda module, args: start_forward_pass())
         base._unsloth_lite_pass_hook = True
