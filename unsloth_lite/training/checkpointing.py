@@ -178,6 +178,8 @@ class _Substituted(torch.autograd.Function):
 
 def _residual_hook(module, args):
     """Forward pre-hook of a decoder layer's post-attention norm (see `enable_gradient_checkpointing`)."""
+    if not args:  # called with keywords only: nothing recorded, so nothing is substituted either
+        return None
     sink = getattr(_RESIDUAL, "sink", None)
     if sink is not None:
         sink.append(args[0])
