@@ -212,6 +212,28 @@ def test_kept_residual(cuda_graphs, device):
         assert len(hooked) == model.config.num_hidden_layers
 
 
+def test_kept_residual_is_what_the_recomputation_reads(device, monkeypatch):
+    """Each layer's recomputation substitutes the kept residual (a changed one changes the gradients)."""
+    import unsloth_lite.training.checkpointing as checkpointing
+
+    model = _lora_model(device)
+    enable_gradient_checkpointing(model, keep_residual=True)
+    input_ids, labels = batch(device)
+    _, expected = _loss_and_grads(model, input_ids, labels)
+    substituted = checkpointing._Substituted.apply
+    calls = []
+
+    def doubled(computed, saved):
+        calls.append(saved.shape)
+        return substituted(computed, 2 * saved)
+
+    monkeypatch.setattr(checkpointing._Substituted, "apply", doubled)
+    _, grads = _loss_and_grads(model, input_ids, labels)
+    assert len(calls) == model.config.num_hidden_layers
+    changed = [name for name, grad in grads.items() if not torch.allclose(grad, expected[name])]
+    assert any("mlp" in name for name in changed)
+
+
 def test_kept_residual_hooks_come_off(device):
     model = tiny_model("qwen3", device)
     enable_gradient_checkpointing(model, keep_residual=True)
