@@ -234,6 +234,45 @@ def test_kept_residual_is_what_the_recomputation_reads(device, monkeypatch):
     assert any("mlp" in name for name in changed)
 
 
+class _HostGroup:
+    """Stands in for `_OffloadedTensors` off CUDA: keeps copies, and records the order of fetches."""
+
+    fetches: list = []
+
+    def __init__(self, tensors, previous):
+        self.tensors, self.previous = [t.clone() for t in tensors], previous
+        self.prefetched = False
+
+    def prefetch(self):
+        self.prefetched = True
+
+    def take(self):
+        _HostGroup.fetches.append(self.prefetched)
+        if self.previous is not None:
+            self.previous.prefetch()
+        return self.tensors
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_offloaded_groups_keep_order(cuda_graphs, device, monkeypatch):
+    """The offload's bookkeeping off CUDA (copies stand in for the pinned host memory): a checkpoint's input
+    and residual travel as one group, come back in order, and each backward starts fetching the group of the
+    layer before (all but the first-taken group were prefetched)."""
+    import unsloth_lite.training.checkpointing as checkpointing
+
+    monkeypatch.setattr(checkpointing, "_OffloadedTensors", _HostGroup)
+
+    def every_grad_input_and_the_residual(inputs, residual, offload):
+        return [offload and t.requires_grad for t in inputs] + [offload] * (residual is not None)
+
+    monkeypatch.setattr(checkpointing, "_offload_flags", every_grad_input_and_the_residual)
+    _HostGroup.fetches = []
+    model = _lora_model(device)
+    _compare(model, device, offload_to_cpu=True, cuda_graphs=cuda_graphs, tol=1e-4)
+    layers = model.config.num_hidden_layers
+    assert _HostGroup.fetches == ([False] + [True] * (layers - 1)) * 3  # 3 steps, the last layer's group first
+
+
 def test_kept_residual_hooks_come_off(device):
     model = tiny_model("qwen3", device)
     enable_gradient_checkpointing(model, keep_residual=True)
