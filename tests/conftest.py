@@ -71,3 +71,15 @@ def seed(request) -> int:
     print(f"seed {value} for {request.node.nodeid} (replay: UNSLOTH_LITE_TEST_SEED={value})")
     request.node.user_properties.append(("seed", value))
     return value
+
+
+@pytest.fixture
+def torch_delta_rule(monkeypatch):
+    """Qwen3.5's Gated DeltaNet through Hugging Face's PyTorch reference. Where flash-linear-attention is
+    installed, transformers binds its kernels when the model module is imported; they have no float64, which
+    the Qwen3.5 parity tests use."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        bound = getattr(modeling_qwen3_5, name)
+        monkeypatch.setattr(modeling_qwen3_5, name, getattr(bound, "__wrapped__", bound))

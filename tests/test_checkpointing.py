@@ -197,7 +197,7 @@ def test_recomputation_skips_the_projections_it_does_not_read(cuda_graphs, keep_
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
-def test_kept_residual(cuda_graphs, device):
+def test_kept_residual(cuda_graphs, device, torch_delta_rule):
     """The residual after attention kept with each layer's input (what offloading does by default): the
     recomputation takes it in place of residual + attention output, with the same gradients. Qwen3.5's
     layers run Hugging Face's attention and DeltaNet forwards: the residual is still substituted."""

@@ -156,7 +156,7 @@ def tiny_qwen3_5(device, dtype=torch.float32):
     return model.to(device=device, dtype=dtype)
 
 
-def test_patched_qwen3_5_matches_unpatched(device):
+def test_patched_qwen3_5_matches_unpatched(device, torch_delta_rule):
     """In float64, as the padded-batch test below (see `assert_gradients_match` for dt_bias)."""
     patched = assert_patched_matches(tiny_qwen3_5(device, torch.float64), 1e-5, 1e-4, device)
     assert patched.model.layers[1].mlp.__dict__.get("_unsloth_lite_patched")
@@ -178,7 +178,7 @@ def _padded_batch(device, ignore_pads=True, left=False):
 
 @pytest.mark.parametrize("case", ["right_padded", "pad_targets_trained", "left_padded"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_5"])
-def test_padded_batch_loss_and_grads(arch, case, device, monkeypatch):
+def test_padded_batch_loss_and_grads(arch, case, device, monkeypatch, torch_delta_rule):
     """Right padding with ignored pad targets trains without the mask (causal attention suffices); otherwise
     the mask is kept. Either way loss and gradients equal the unpatched model's with its mask. In float64, and
     see `assert_gradients_match` for Qwen3.5's dt_bias."""
