@@ -87,6 +87,17 @@ def test_dequantize_nf4_other_blocksizes(nested, blocksize, device):
     assert_bit_identical(dequantize_nf4(p), bnb_dequantize(p.data, p.quant_state))
 
 
+# Element counts of each residue mod 32 that matters (0, 16, 8, odd): Triton specialises the kernel's sizes on
+# divisibility by 16, so each compiles its own kernel; Triton 3.6 miscompiled n ≡ 16 (mod 32) at blocksize 256
+# with 16-bit outputs (see `_dequantize_nf4_kernel_n_unspecialised`).
+@pytest.mark.parametrize("shape", [(32, 43), (16, 43), (8, 43), (5, 43)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("blocksize", [64, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_dequantize_nf4_size_specialisations(dtype, blocksize, shape, device):
+    p = quantize(shape, dtype, False, blocksize, device)
+    assert_bit_identical(dequantize_nf4(p), bnb_dequantize(p.data, p.quant_state))
+
+
 def test_dequantize_nf4_many_nested_blocks(device):
     """More than 256 absmax values: several blocks of the nested (8-bit) absmax quantization."""
     p = quantize((300, 130), torch.bfloat16, True, 64, device)

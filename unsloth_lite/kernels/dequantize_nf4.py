@@ -47,8 +47,7 @@ def _fp32_to_bf16_rne(x):
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
-@triton.jit
-def _dequantize_nf4_kernel(
+def _dequantize_nf4(
     packed_ptr, absmax_ptr, code_ptr,
     nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
     out_ptr,
@@ -190,6 +189,15 @@ class _Launch:
     inputs: tuple  # the kernel's arguments before `out`
     sizes: tuple  # ... and after it
     meta: dict  # constexprs and launch options
+    kernel: object
+
+
+_dequantize_nf4_kernel = triton.jit(_dequantize_nf4)
+# Triton 3.6 miscompiles the specialisation where n_elements is a multiple of 16 and n_bytes is not (n ≡ 16 mod
+# 32; seen with blocksize 256 and 16-bit outputs: the bytes' layout conversion addresses shared memory out of
+# alignment). Such weights take a kernel that does not specialise n_elements. Real layers' sizes are multiples
+# of 32 and keep the specialised kernel.
+_dequantize_nf4_kernel_n_unspecialised = triton.jit(_dequantize_nf4, do_not_specialize=["n_elements"])
 
 
 # Per QuantState, by id and weakly held (QuantState is unhashable; the entry goes with it): checks and argument
@@ -225,10 +233,12 @@ def _launch(weight, quant_state) -> _Launch:
         nested = (qs.state2.code.to(torch.float32), qs.state2.absmax, qs.offset.reshape(1), qs.state2.blocksize)
     else:
         nested = (code, qs.absmax, code, 1)  # unused
+    n_bytes = (n_elements + 1) // 2
     launch = _Launch(
         key=key, shape=shape, dtype=qs.dtype, n_elements=n_elements, grid=(triton.cdiv(n_blocks, rows),),
-        inputs=(packed, qs.absmax, code, *nested), sizes=(n_elements, (n_elements + 1) // 2, n_blocks),
+        inputs=(packed, qs.absmax, code, *nested), sizes=(n_elements, n_bytes, n_blocks),
         meta=dict(HALF_BLOCK=blocksize // 2, ROWS=rows, NESTED=bool(qs.nested), num_warps=4, enable_fp_fusion=False),
+        kernel=_dequantize_nf4_kernel_n_unspecialised if n_elements % 16 == 0 and n_bytes % 16 else _dequantize_nf4_kernel,
     )
     if id(qs) not in _LAUNCHES:
         weakref.finalize(qs, _LAUNCHES.pop, id(qs), None)
@@ -252,7 +262,7 @@ def dequantize_nf4(weight, quant_state=None, out: torch.Tensor | None = None) ->
     else:
         _check_out(out, launch.shape, launch.dtype, device)
     if launch.n_elements:
-        _dequantize_nf4_kernel[launch.grid](*launch.inputs, out, *launch.sizes, **launch.meta)
+        launch.kernel[launch.grid](*launch.inputs, out, *launch.sizes, **launch.meta)
     return out
 
 
