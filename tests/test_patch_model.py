@@ -39,23 +39,27 @@ def batch(device, vocab=151, size=(2, 11)):
     return input_ids, labels
 
 
-def assert_gradients_match(patched, reference, tol):
-    """Every parameter gradient of `patched` against `reference`'s, relative to its own norm or, for a gradient
-    that cancels to below 1e-6 of the model's largest, to that floor: Hugging Face's Qwen3.5 runs its gated
-    norm and delta rule in float32 even in a float64 model, so such a gradient (dt_bias's, ~1e-8) carries the
-    float32 rounding of its terms whichever side computes them."""
+# Hugging Face's Qwen3.5 runs its norms and delta rule in float32 even in a float64 model, so its gradients carry
+# float32 rounding, about 1e-7 of the largest gradient; those that cancel to a small fraction of the largest
+# (dt_bias's and A_log's, ~1e-6 of it) are compared against this floor rather than their own norm.
+QWEN3_5_GRADIENT_FLOOR = 1e-3
+
+
+def assert_gradients_match(patched, reference, tol, floor=1e-6):
+    """Every parameter gradient of `patched` against `reference`'s, relative to the larger of its own norm and
+    `floor` times the model's largest gradient norm (see QWEN3_5_GRADIENT_FLOOR)."""
     expected = dict(reference.named_parameters())
     largest = max(float(p.grad.norm()) for p in expected.values() if p.grad is not None)
     for name, param in patched.named_parameters():
         assert param.grad is not None, name
         ref = expected[name].grad
         assert bool(torch.isfinite(param.grad).all()), f"grad {name} has NaN/inf"
-        scale = max(float(ref.norm()), 1e-6 * largest)
+        scale = max(float(ref.norm()), floor * largest)
         err = float((param.grad.double() - ref.double()).norm()) / scale
-        assert err <= tol, f"grad {name}: error {err:.3e} of max(||ref||, 1e-6 x largest) > {tol:.1e}"
+        assert err <= tol, f"grad {name}: error {err:.3e} of max(||ref||, {floor:.0e} x largest) > {tol:.1e}"
 
 
-def assert_patched_matches(reference, loss_tol, grad_tol, device):
+def assert_patched_matches(reference, loss_tol, grad_tol, device, gradient_floor=1e-6):
     """Loss and every parameter gradient of a patched copy of `reference` against `reference` itself."""
     patched = patch_model(copy.deepcopy(reference))
     input_ids, labels = batch(device)
@@ -65,7 +69,7 @@ def assert_patched_matches(reference, loss_tol, grad_tol, device):
     out.loss.backward()
     assert out.logits is None  # labels given, logits not asked for: never formed
     assert_close(out.loss.float(), expected.loss.float(), loss_tol, "loss")
-    assert_gradients_match(patched, reference, grad_tol)
+    assert_gradients_match(patched, reference, grad_tol, gradient_floor)
     return patched
 
 
@@ -157,8 +161,10 @@ def tiny_qwen3_5(device, dtype=torch.float32):
 
 
 def test_patched_qwen3_5_matches_unpatched(device, torch_delta_rule):
-    """In float64, as the padded-batch test below (see `assert_gradients_match` for dt_bias)."""
-    patched = assert_patched_matches(tiny_qwen3_5(device, torch.float64), 1e-5, 1e-4, device)
+    """In float64, as the padded-batch test below (see QWEN3_5_GRADIENT_FLOOR)."""
+    patched = assert_patched_matches(
+        tiny_qwen3_5(device, torch.float64), 1e-5, 1e-4, device, gradient_floor=QWEN3_5_GRADIENT_FLOOR
+    )
     assert patched.model.layers[1].mlp.__dict__.get("_unsloth_lite_patched")
 
 
@@ -181,7 +187,7 @@ def _padded_batch(device, ignore_pads=True, left=False):
 def test_padded_batch_loss_and_grads(arch, case, device, monkeypatch, torch_delta_rule):
     """Right padding with ignored pad targets trains without the mask (causal attention suffices); otherwise
     the mask is kept. Either way loss and gradients equal the unpatched model's with its mask. In float64, and
-    see `assert_gradients_match` for Qwen3.5's dt_bias."""
+    see QWEN3_5_GRADIENT_FLOOR for Qwen3.5."""
     f64 = torch.float64
     reference = tiny_qwen3_5(device, f64) if arch == "qwen3_5" else tiny_model(arch, device, f64)
     patched = patch_model(copy.deepcopy(reference))
@@ -201,4 +207,4 @@ def test_padded_batch_loss_and_grads(arch, case, device, monkeypatch, torch_delt
     out.loss.backward()
     assert (masks_seen[-1] is None) == (case == "right_padded")
     assert_close(out.loss, expected.loss, 1e-5, "loss")
-    assert_gradients_match(patched, reference, 1e-4)
+    assert_gradients_match(patched, reference, 1e-4, QWEN3_5_GRADIENT_FLOOR if arch == "qwen3_5" else 1e-6)
