@@ -86,8 +86,10 @@ def _version(package: str) -> str:
 
 
 def source_revision() -> str:
-    """The checkout's commit (with "+changes" when the tracked files differ from it), else
-    $UNSLOTH_LITE_REVISION (for copies of the tree without .git), else "unknown"."""
+    """$UNSLOTH_LITE_REVISION when set (a copy of the tree may carry a .git of another commit), else the
+    checkout's commit (with "+changes" when the tracked files differ from it), else "unknown"."""
+    if os.environ.get("UNSLOTH_LITE_REVISION"):
+        return os.environ["UNSLOTH_LITE_REVISION"]
     root = pathlib.Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(
@@ -96,7 +98,7 @@ def source_revision() -> str:
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root, capture_output=True).returncode != 0
         return commit + ("+changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("UNSLOTH_LITE_REVISION", "unknown")
+        return "unknown"
 
 
 def environment(device: torch.device, packages=("torch", "triton", "transformers", "liger-kernel")) -> dict:
