@@ -238,7 +238,9 @@ def _launch(weight, quant_state) -> _Launch:
         key=key, shape=shape, dtype=qs.dtype, n_elements=n_elements, grid=(triton.cdiv(n_blocks, rows),),
         inputs=(packed, qs.absmax, code, *nested), sizes=(n_elements, n_bytes, n_blocks),
         meta=dict(HALF_BLOCK=blocksize // 2, ROWS=rows, NESTED=bool(qs.nested), num_warps=4, enable_fp_fusion=False),
-        kernel=_dequantize_nf4_kernel_n_unspecialised if n_elements % 16 == 0 and n_bytes % 16 else _dequantize_nf4_kernel,
+        kernel=(
+            _dequantize_nf4_kernel_n_unspecialised if n_elements % 16 == 0 and n_bytes % 16 else _dequantize_nf4_kernel
+        ),
     )
     if id(qs) not in _LAUNCHES:
         weakref.finalize(qs, _LAUNCHES.pop, id(qs), None)
