@@ -104,10 +104,13 @@ class _Adapters:
         self.slices = [slice(end - t.shape[0], end) for t, end in zip(a, ends, strict=True)]
 
 
-def _project_all(x2d: torch.Tensor, projections, adapters: _Adapters):
+def _project_all(x2d: torch.Tensor, projections, adapters: _Adapters, output_needed: bool = True):
     """(outputs, t): the projections of rows `x2d`, and the rank-r products t = x Aᵀ of all of them `[N, Σr]`.
-    The adapters run in the input's dtype (PEFT keeps fp32 adapters; autograd casts their gradients back)."""
+    The adapters run in the input's dtype (PEFT keeps fp32 adapters; autograd casts their gradients back).
+    Without `output_needed` the outputs are uninitialised: the backward only needs t (module docstring)."""
     t = torch.matmul(x2d, adapters.a.t())
+    if not output_needed:
+        return [x2d.new_empty((x2d.shape[0], p.out_features)) for p in projections], t
     outputs = []
     for p, rows, scaled_b in zip(projections, adapters.slices, adapters.scaled_b, strict=True):
         weight = base_weight(p, x2d.dtype)
@@ -150,11 +153,7 @@ class LoRAProjectionsFunction(torch.autograd.Function):
     def forward(ctx, x, projections, output_needed, *adapter_weights):
         x2d = x.reshape(-1, x.shape[-1])
         adapters = _Adapters(projections, x2d.dtype)
-        if output_needed:
-            outputs, t = _project_all(x2d, projections, adapters)
-        else:  # the backward only needs t (module docstring)
-            t = torch.matmul(x2d, adapters.a.t())
-            outputs = [x2d.new_empty((x2d.shape[0], p.out_features)) for p in projections]
+        outputs, t = _project_all(x2d, projections, adapters, output_needed)
         ctx.projections, ctx.adapters = projections, adapters
         ctx.input_shape = x.shape
         ctx.save_for_backward(x2d, t)
@@ -179,11 +178,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         (g, u), t_gate_up = _project_all(x2d, (gate, up), gate_up)
         h = _swiglu_forward(g, u)
         down_adapters = _Adapters((down,), x2d.dtype)
-        if output_needed:
-            (out,), t_down = _project_all(h, (down,), down_adapters)
-        else:  # the backward only needs t_down (module docstring)
-            t_down = torch.matmul(h, down_adapters.a.t())
-            out = h.new_empty((h.shape[0], down.out_features))
+        (out,), t_down = _project_all(h, (down,), down_adapters, output_needed)
         ctx.projections, ctx.adapters = projections, (gate_up, down_adapters)
         ctx.input_shape = x.shape
         ctx.save_for_backward(x2d, g, u, t_gate_up, t_down)
