@@ -50,25 +50,33 @@ def test_full_fine_tune_with_dropout(device):
     _compare(tiny_model("qwen3", device, attention_dropout=0.2), device)
 
 
-def test_recomputation_under_the_forwards_autocast(device):
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_recomputation_under_the_forwards_autocast(cuda_graphs, device):
     """Under autocast the recomputation (which runs in the backward, outside the autocast region) must compute
-    in the forward's precision, or its activations would differ from the forward's at bf16 rounding."""
+    in the forward's precision, or its activations would differ from the forward's at bf16 rounding. With
+    graphs: eager, captured and replayed steps under autocast, then steps without it (graphs of their own)."""
     model = tiny_model("qwen3", device)
     device_type = torch.device(device).type
     reference = copy.deepcopy(model)
-    enable_gradient_checkpointing(model)
-    input_ids, labels = batch(device)
-    results = []
-    for m in (reference, model):
-        m.train()
-        with torch.autocast(device_type, dtype=torch.bfloat16):
-            loss = m(input_ids=input_ids, labels=labels).loss
-        loss.backward()  # outside the region, as the Trainer does (and as CUDA's backward thread always is)
-        results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
-    (expected_loss, expected), (loss, grads) = results
-    assert_close(loss, expected_loss, 1e-6, "loss")
-    for name, grad in grads.items():
-        assert_close(grad, expected[name], 1e-5, name)
+    enable_gradient_checkpointing(model, cuda_graphs=cuda_graphs)
+    for step, autocast in enumerate([True] * 3 + [False] * 3 if cuda_graphs else [True]):
+        input_ids, labels = batch(device)
+        results = []
+        for m in (reference, model):
+            m.train()
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+                loss = m(input_ids=input_ids, labels=labels).loss
+            loss.backward()  # outside the region, as the Trainer does (and as CUDA's backward thread always is)
+            results.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+            m.zero_grad(set_to_none=True)
+        (expected_loss, expected), (loss, grads) = results
+        assert_close(loss, expected_loss, 1e-6, f"step {step} loss")
+        for name, grad in grads.items():
+            assert_close(grad, expected[name], 1e-5, f"step {step} {name}")
+    if cuda_graphs:
+        assert _graphed_layer_count(model) == 2
+        signatures = model.model.layers[0].__dict__["_unsloth_lite_graphs"]
+        assert sum(not isinstance(g, str) for g in signatures.values()) == 2  # one pair with autocast, one without
 
 
 def test_lora_on_patched_model(device):

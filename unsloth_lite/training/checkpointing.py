@@ -27,8 +27,8 @@ safety: the GPU input is marked as used by the side stream until its copy is don
 copy back is awaited (an event) before the layer uses it.
 
 `cuda_graphs=True` removes the host's launch cost, which bounds small batches: each layer's forward and its
-recompute-and-backward are captured once per input shape as two CUDA graphs (both in the forward of the
-second call with that shape; the first runs eagerly and compiles every kernel), then replayed. The graphs
+recompute-and-backward are captured once per input shape and autocast setting as two CUDA graphs (both in the
+forward of the second call with that shape; the first runs eagerly and compiles every kernel), then replayed. The graphs
 read and write static buffers that all layers share: the input (copied in before each replay, from the
 forward's argument or from the checkpoint, which is kept as without graphs, offloaded or not), the kept
 residual (copied out after the forward's replay, back in before the backward's), the output and the
@@ -227,10 +227,7 @@ class _CheckpointedLayer(torch.autograd.Function):
             stack.enter_context(recomputation_for_backward(attention_output_unused=ctx.has_residual))
             stack.enter_context(_substituting_residual(residual))
             stack.enter_context(torch.enable_grad())
-            for device_type, enabled, dtype, cache_enabled in ctx.autocast:  # the backward runs outside autocast
-                stack.enter_context(
-                    torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
-                )
+            stack.enter_context(_autocast(ctx.autocast))  # the backward runs outside autocast
             if ctx.rng is not None:
                 cpu_state, cuda_states = ctx.rng
                 stack.enter_context(torch.random.fork_rng(devices=[d for d, _ in cuda_states]))
@@ -256,6 +253,16 @@ def _autocast_states() -> list[tuple]:
         (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type), cache_enabled)
         for device_type in ("cuda", "cpu")
     ]
+
+
+@contextlib.contextmanager
+def _autocast(states: list[tuple], cache_enabled: bool | None = None):
+    """Autocast as `states` (from `_autocast_states`) had it; `cache_enabled` overrides their cast caching."""
+    with contextlib.ExitStack() as stack:
+        for device_type, enabled, dtype, cached in states:
+            cached = cached if cache_enabled is None else cache_enabled
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cached))
+        yield
 
 
 def _cuda_devices(args) -> list[int]:
@@ -332,7 +339,8 @@ class _LayerGraphs:
             if any(t.requires_grad for t in tensors) or not (tensors or isinstance(value, _SIMPLE)):
                 return None
         signature = (
-            _describe(args[0]), tuple(sorted((k, _describe(v)) for k, v in kwargs.items())), keep_residual
+            _describe(args[0]), tuple(sorted((k, _describe(v)) for k, v in kwargs.items())), keep_residual,
+            tuple(_autocast_states()),
         )
         store = layer.__dict__.setdefault("_unsloth_lite_graphs", {})
         graphs = store.get(signature)
@@ -348,6 +356,7 @@ class _LayerGraphs:
     def __init__(self, layer, run, hidden, keep_residual: bool):
         self.device = hidden.device
         self.keep_residual = keep_residual
+        self.autocast = _autocast_states()  # the forward's, part of the signature: both graphs run under it
         self.has_residual = False  # whether the layer's forward recorded the residual (known at capture)
         # (module, name) of each trainable parameter, in `layer.parameters()` order
         self.owners = [
@@ -390,8 +399,14 @@ class _LayerGraphs:
     def _capture(self) -> None:
         """Captures both graphs here, in the forward: a capture of the autograd engine's work from inside a
         backward would make the caller's (legacy default) stream wait on the capturing one, which CUDA forbids."""
+        # Both functions run under the forward's autocast settings, without its cast cache: a graph must not
+        # read a cast that the cache made before the capture and frees when the autocast region ends.
         def layer_forward():
-            with torch.no_grad(), _recording_residual(self.keep_residual) as residuals:
+            with (
+                torch.no_grad(),
+                _autocast(self.autocast, cache_enabled=False),
+                _recording_residual(self.keep_residual) as residuals,
+            ):
                 self.output.copy_(self.function(self.hidden))
                 self.has_residual = len(residuals) == 1
                 if self.has_residual:
@@ -409,6 +424,7 @@ class _LayerGraphs:
                 recomputation_for_backward(attention_output_unused=self.has_residual),
                 _substituting_residual(residual),
                 torch.enable_grad(),
+                _autocast(self.autocast, cache_enabled=False),
             ):
                 hidden = self.hidden.detach().requires_grad_()
                 output = self.function(hidden)
