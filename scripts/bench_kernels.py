@@ -131,6 +131,12 @@ def rope_case(batch, n_q, n_k, seq, head_dim, rotary_dim, device, dtype, liger):
     variants = {
         "unsloth_lite": lambda: apply_rope(*views(), cos, sin),
         "unsloth_lite_inplace": lambda: apply_rope(*projected_views(), cos, sin, inplace=True),
+        # cos/sin as Hugging Face builds them (cat(freqs, freqs)), declared so: what the patched models run and
+        # what Liger assumes of every table
+        "unsloth_lite_halves": lambda: apply_rope(*views(), cos, sin, duplicated_halves=True),
+        "unsloth_lite_inplace_halves": lambda: apply_rope(
+            *projected_views(), cos, sin, inplace=True, duplicated_halves=True
+        ),
         "eager": lambda: hf_apply_rope(*views(), cos, sin),
         "compile": lambda: compiled(hf_apply_rope)(*views(), cos, sin),
     }

@@ -79,7 +79,8 @@ def _norm_rope_forward_rows(
     x = load_chunks(x_ptr, b * x_sb + s * x_ss + head * x_sh, mask_rows, x_sd, cols, mask_cols, ACC)
     w = tl.load(w_ptr + cols, mask=mask_cols, other=0.0).to(ACC) + offset
     c, sn = load_cos_sin(
-        cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols, ACC
+        cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols,
+        half, ACC, False,
     )
     y = rotate(x * _inverse_rms(x, head_dim, eps) * w, chunk, c, sn, False)
     store_chunks(out_ptr, b * out_sb + s * out_ss + head * out_sh, mask_rows, out_sd, cols, mask_cols, y)
@@ -102,7 +103,8 @@ def _norm_rope_backward_block(
     dy = load_chunks(dy_ptr, b * dy_sb + s * dy_ss + head * dy_sh, mask_rows, dy_sd, cols, mask_cols, ACC)
     x = load_chunks(x_ptr, b * x_sb + s * x_ss + head * x_sh, mask_rows, x_sd, cols, mask_cols, ACC)
     c, sn = load_cos_sin(
-        cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols, ACC
+        cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols,
+        half, ACC, False,
     )
     g = rotate(dy, chunk, c, sn, True)
     rstd = _inverse_rms(x, head_dim, eps)
