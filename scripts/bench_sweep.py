@@ -105,10 +105,10 @@ def qk_rows(shape, grid, device, dtype, copy_gbps):
     common = (grid, device, copy_gbps)
     return _sweep(
         "qk_norm_rope", label, "forward", qk, "launch_config", qk.launch_config(head_dim, rotary_dim),
-        lambda: qk._launch_forward(q, k, weight, weight, cos, sin, 1e-6, 0.0), 2 * size, *common,
+        lambda: qk._launch_forward(q, k, weight, weight, cos, sin, 1e-6, 0.0, False), 2 * size, *common,
     ) + _sweep(
         "qk_norm_rope", label, "backward", qk, "launch_config", qk.launch_config(head_dim, rotary_dim),
-        lambda: qk._launch_backward(dq_out, dk_out, q, k, weight, weight, cos, sin, 1e-6, 0.0, False),
+        lambda: qk._launch_backward(dq_out, dk_out, q, k, weight, weight, cos, sin, 1e-6, 0.0, False, False),
         3 * size, *common,
     )
 

@@ -70,9 +70,11 @@ def _rope_check(q, k, cos, sin, dtype, duplicated_halves=False, **kwargs):
     return result
 
 
-def _qk_norm_rope_check(q, k, q_weight, k_weight, cos, sin, dtype, offset=0.0, **kwargs):
+def _qk_norm_rope_check(q, k, q_weight, k_weight, cos, sin, dtype, offset=0.0, duplicated_halves=False, **kwargs):
+    if duplicated_halves:
+        cos, sin = first_halves_repeated(cos), first_halves_repeated(sin)
     result = check_op(
-        lambda *a: qk_norm_rope(*a, eps=1e-6, offset=offset),
+        lambda *a: qk_norm_rope(*a, eps=1e-6, offset=offset, duplicated_halves=duplicated_halves),
         lambda *a: qk_norm_rope_reference(*a, eps=1e-6, offset=offset),
         [q, k, q_weight, k_weight, cos, sin],
         dtype,
@@ -144,10 +146,11 @@ def test_gpu_apply_rope(dtype, case, cos_form, duplicated_halves):
     _rope_check(q.requires_grad_(), k.requires_grad_(), cos, sin, dtype, duplicated_halves)
 
 
+@pytest.mark.parametrize("duplicated_halves", [False, True], ids=["tables", "duplicated-halves"])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("case", GPU_ROPE_CASES, ids=shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_gpu_qk_norm_rope(dtype, case, offset):
+def test_gpu_qk_norm_rope(dtype, case, offset, duplicated_halves):
     batch, n_q, n_k, seq, head_dim, rotary_dim = case
     q, k = make_qk(batch, n_q, n_k, seq, head_dim, layout="bshd", device=CUDA)
     cos, sin = make_cos_sin(batch, seq, rotary_dim, "1sr", device=CUDA)
@@ -162,6 +165,7 @@ def test_gpu_qk_norm_rope(dtype, case, offset):
         sin,
         dtype,
         offset,
+        duplicated_halves,
         make_grad=transposed_randn_grad,
     )
 
@@ -216,8 +220,9 @@ def test_gpu_big_apply_rope_qwen35_partial(duplicated_halves):
     )
 
 
+@pytest.mark.parametrize("duplicated_halves", [False, True], ids=["tables", "duplicated-halves"])
 @pytest.mark.parametrize("train_weights", [True, False], ids=["trained_w", "frozen_w"])
-def test_gpu_big_qk_norm_rope_qwen35(train_weights):
+def test_gpu_big_qk_norm_rope_qwen35(train_weights, duplicated_halves):
     q, k = make_qk(4, 24, 4, 2048, 256, layout="bshd", device=CUDA, dtype=BF16)
     cos, sin = make_cos_sin(4, 2048, 64, "bsr", device=CUDA, dtype=BF16)
     q_weight = torch.randn(256, device=CUDA, dtype=BF16).requires_grad_(train_weights)
@@ -231,6 +236,7 @@ def test_gpu_big_qk_norm_rope_qwen35(train_weights):
         sin,
         BF16,
         offset=1.0,
+        duplicated_halves=duplicated_halves,
         reference_dtype=torch.float32,
         tol=BIG_TOL,
     )

@@ -81,17 +81,16 @@ def test_apply_rope_duplicated_halves(dtype, case, cos_form, device):
     _assert_memory_order_kept(result)
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=case_id)
-def test_apply_rope_duplicated_halves_reads_only_the_first_halves(case, device):
-    """What `duplicated_halves=True` promises for any tables: the rotation by their first halves repeated."""
-    batch, n_q, n_k, seq, head_dim, rotary_dim = case
-    q, k = make_qk(batch, n_q, n_k, seq, head_dim, layout="bshd")
-    q, k = q.to(device), k.to(device)
-    cos, sin = (t.to(device) for t in make_cos_sin(batch, seq, rotary_dim))
-    got = apply_rope(q, k, cos, sin, duplicated_halves=True)
+@pytest.mark.parametrize("head_dim, rotary_dim, inplace", [(48, 48, False), (48, 48, True), (24, 6, True)])
+def test_apply_rope_duplicated_halves_read_in_two_chunk_tiles(head_dim, rotary_dim, inplace, device):
+    """Where a tile holds just the two rotary chunks (full rotary, or in place) the declared tables are read by
+    their first halves alone: tables whose halves differ give the rotation by their first halves repeated."""
+    q, k = (t.to(device) for t in make_qk(2, 4, 2, 5, head_dim, layout="bshd"))
+    cos, sin = (t.to(device) for t in make_cos_sin(2, 5, rotary_dim))
     expected = apply_rope_reference(q.double(), k.double(), first_halves_repeated(cos).double(),
                                     first_halves_repeated(sin).double())
     different = apply_rope_reference(q.double(), k.double(), cos.double(), sin.double())
+    got = apply_rope(q.clone(), k.clone(), cos, sin, inplace=inplace, duplicated_halves=True)
     for name, g, e, d in zip(("q", "k"), got, expected, different, strict=True):
         assert_close(g, e, TOLERANCE[torch.float32], name)
         assert float((e - d).norm()) > 0.1 * float(d.norm()), "tables whose halves differ must give another result"

@@ -33,9 +33,10 @@ load at permuted columns and no sum that has to move between layouts (separate l
 a layout each, and the q/k norm's row sums must then move between them: its forward ran 1.24x slower that
 way at Qwen3.5's D = 256 with 64 rotary dims). In place, the tile covers the rotary chunks alone.
 
-With duplicated halves (c_lo = c_hi, s_lo = s_hi, as Hugging Face builds the tables) cos and sin are read as
-`[BLOCK_R, 1, BLOCK_HALF]` tiles of their first halves and broadcast over the chunk axis; the tile's layout is
-kept (a `[1, BLOCK_C, BLOCK_HALF]` load per token, by contrast, gets a layout of its own and a conversion).
+With duplicated halves (c_lo = c_hi, s_lo = s_hi, as Hugging Face builds the tables) and a tile of the two
+rotary chunks alone, cos and sin are read as `[BLOCK_R, 1, BLOCK_HALF]` tiles of their first halves and
+broadcast over the chunk axis, in the tile's layout (`reads_first_halves`; a `[1, BLOCK_C, BLOCK_HALF]` load
+per token, by contrast, gets a layout of its own and a conversion).
 """
 
 from __future__ import annotations
@@ -180,6 +181,14 @@ def chunk_sizes(n_cols: int, rotary_dim: int) -> dict:
     return dict(BLOCK_C=triton.next_power_of_2(triton.cdiv(n_cols, half)), BLOCK_HALF=triton.next_power_of_2(half))
 
 
+def reads_first_halves(duplicated_halves: bool, block_c: int) -> bool:
+    """Whether the kernels read the tables' first halves alone: declared duplicated, in a tile of the two rotary
+    chunks alone (full rotary, or in place). With more chunks Triton spreads the chunk axis over threads and a
+    `[BLOCK_R, 1, BLOCK_HALF]` table tile gets a layout of its own, converted by shuffles that cost more than
+    the loads saved (Triton 3.6, sm_90 code)."""
+    return duplicated_halves and block_c == 2
+
+
 def rope_launch_config(head_dim: int, rotary_dim: int, copy_pass: bool = True) -> dict:
     """Tiles of whole head vectors out of place, of their rotary part alone in place: BLOCK_R vectors of about
     TILE_ELEMENTS, one warp."""
@@ -243,7 +252,8 @@ def _launch_rope(
         cos, *cos_sin_strides(cos, batch),
         sin, *cos_sin_strides(sin, batch),
         seq, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rotary_dim // 2, n_cols,
-        BACKWARD=backward, ACC=accumulator_dtype(q.dtype), DUPLICATED_HALVES=duplicated_halves, **config,
+        BACKWARD=backward, ACC=accumulator_dtype(q.dtype),
+        DUPLICATED_HALVES=reads_first_halves(duplicated_halves, config["BLOCK_C"]), **config,
     )
 
 
@@ -311,8 +321,9 @@ def apply_rope(
     """Rotate q `[B, Hq, S, D]` and k `[B, Hkv, S, D]` by cos/sin `[B, S, R]` or `[S, R]`; returns (q_out, k_out).
 
     `duplicated_halves=True` declares that cos and sin repeat their first R/2 columns in their last R/2, as
-    Hugging Face's rotary embeddings build them (cat(freqs, freqs)); only the first halves are then read (for
-    any other tables the result is that of their first halves repeated).
+    Hugging Face's rotary embeddings build them (cat(freqs, freqs)); the kernels may then read the first halves
+    alone, and do where a tile holds just the two rotary chunks (full rotary, or in place). Tables whose halves
+    differ must not be declared so.
 
     `inplace=True` overwrites q and k with the result and returns views of them, and its backward rotates the
     incoming gradients in place too: with partial rotary only the first R of D dims are ever touched. Use it
