@@ -131,6 +131,12 @@ def rope_case(batch, n_q, n_k, seq, head_dim, rotary_dim, device, dtype, liger):
     variants = {
         "unsloth_lite": lambda: apply_rope(*views(), cos, sin),
         "unsloth_lite_inplace": lambda: apply_rope(*projected_views(), cos, sin, inplace=True),
+        # cos/sin as Hugging Face builds them (cat(freqs, freqs)), declared so: what the patched models run and
+        # what Liger assumes of every table
+        "unsloth_lite_halves": lambda: apply_rope(*views(), cos, sin, duplicated_halves=True),
+        "unsloth_lite_inplace_halves": lambda: apply_rope(
+            *projected_views(), cos, sin, inplace=True, duplicated_halves=True
+        ),
         "eager": lambda: hf_apply_rope(*views(), cos, sin),
         "compile": lambda: compiled(hf_apply_rope)(*views(), cos, sin),
     }
@@ -147,6 +153,9 @@ def qk_norm_rope_case(batch, n_q, n_k, seq, head_dim, rotary_dim, device, dtype,
     kw = 1 + 0.1 * torch.randn(head_dim, device=device, dtype=dtype)
     variants = {
         "unsloth_lite": lambda: qk_norm_rope(q_bshd.transpose(1, 2), k_bshd.transpose(1, 2), qw, kw, cos, sin),
+        "unsloth_lite_halves": lambda: qk_norm_rope(
+            q_bshd.transpose(1, 2), k_bshd.transpose(1, 2), qw, kw, cos, sin, duplicated_halves=True
+        ),
         "eager": lambda: hf_qk_norm_rope(q_bshd, k_bshd, qw, kw, cos, sin),
         "compile": lambda: compiled(hf_qk_norm_rope)(q_bshd, k_bshd, qw, kw, cos, sin),
     }

@@ -88,11 +88,12 @@ def rope_rows(shape, grid, device, dtype, copy_gbps):
     common = (grid, device, copy_gbps)
     return _sweep(
         "apply_rope", label, "out of place", rope, "rope_launch_config", rope.rope_launch_config(head_dim, rotary_dim),
-        lambda: rope._launch_rope(q, k, q_out, k_out, cos, sin, backward=False), 2 * size, *common,
+        lambda: rope._launch_rope(q, k, q_out, k_out, cos, sin, backward=False, duplicated_halves=False),
+        2 * size, *common,
     ) + _sweep(
         "apply_rope", label, "in place", rope, "rope_launch_config",
         rope.rope_launch_config(head_dim, rotary_dim, copy_pass=False),
-        lambda: rope._launch_rope(q, k, q, k, cos, sin, backward=False, copy_pass=False),
+        lambda: rope._launch_rope(q, k, q, k, cos, sin, backward=False, duplicated_halves=False, copy_pass=False),
         2 * size * rotary_dim // head_dim, *common,
     )
 
@@ -104,10 +105,10 @@ def qk_rows(shape, grid, device, dtype, copy_gbps):
     common = (grid, device, copy_gbps)
     return _sweep(
         "qk_norm_rope", label, "forward", qk, "launch_config", qk.launch_config(head_dim, rotary_dim),
-        lambda: qk._launch_forward(q, k, weight, weight, cos, sin, 1e-6, 0.0), 2 * size, *common,
+        lambda: qk._launch_forward(q, k, weight, weight, cos, sin, 1e-6, 0.0, False), 2 * size, *common,
     ) + _sweep(
         "qk_norm_rope", label, "backward", qk, "launch_config", qk.launch_config(head_dim, rotary_dim),
-        lambda: qk._launch_backward(dq_out, dk_out, q, k, weight, weight, cos, sin, 1e-6, 0.0, False),
+        lambda: qk._launch_backward(dq_out, dk_out, q, k, weight, weight, cos, sin, 1e-6, 0.0, False, False),
         3 * size, *common,
     )
 

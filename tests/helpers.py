@@ -255,6 +255,16 @@ def make_cos_sin(batch, seq, rotary_dim, form="bsr", device="cpu", dtype=torch.f
     return cos, sin
 
 
+def first_halves_repeated(t):
+    """cat(first half, first half) of a cos/sin table (what `duplicated_halves=True` declares), a batch-broadcast
+    (stride 0) table kept so."""
+    half = t[..., : t.shape[-1] // 2]
+    repeated = torch.cat([half, half], dim=-1)
+    if t.dim() == 3 and t.stride(0) == 0:
+        repeated = repeated[:1].expand(t.shape)
+    return repeated
+
+
 def hf_cos_sin(seq, rotary_dim, base=10000.0, batch=1, device="cpu", dtype=torch.float32):
     """Real rotary angles as Hugging Face builds them: cos/sin of cat(freqs, freqs), shape [B, S, R]."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float64) / rotary_dim))

@@ -5,6 +5,7 @@ Every test here is marked `gpu` and skipped without a CUDA device (or with TRITO
 files also run compiled on CUDA when one is present, since their `device` fixture is then "cuda".
 """
 
+import functools
 import gc
 
 import pytest
@@ -14,6 +15,7 @@ from helpers import (
     check_op,
     dtype_id,
     expanded_randn_grad,
+    first_halves_repeated,
     make_cos_sin,
     make_qk,
     transposed_randn_grad,
@@ -56,18 +58,23 @@ def _rms_norm_check(x, weight, dtype, offset=0.0, **kwargs):
     )
 
 
-def _rope_check(q, k, cos, sin, dtype, **kwargs):
+def _rope_check(q, k, cos, sin, dtype, duplicated_halves=False, **kwargs):
+    if duplicated_halves:
+        cos, sin = first_halves_repeated(cos), first_halves_repeated(sin)
     result = check_op(
-        apply_rope, apply_rope_reference, [q, k, cos, sin], dtype, CUDA, names=["q", "k", "cos", "sin"], **kwargs
+        functools.partial(apply_rope, duplicated_halves=duplicated_halves), apply_rope_reference, [q, k, cos, sin],
+        dtype, CUDA, names=["q", "k", "cos", "sin"], **kwargs,
     )
     (q_out, k_out), (q_in, k_in) = result.outputs, result.inputs[:2]
     assert q_out.stride() == q_in.stride() and k_out.stride() == k_in.stride()
     return result
 
 
-def _qk_norm_rope_check(q, k, q_weight, k_weight, cos, sin, dtype, offset=0.0, **kwargs):
+def _qk_norm_rope_check(q, k, q_weight, k_weight, cos, sin, dtype, offset=0.0, duplicated_halves=False, **kwargs):
+    if duplicated_halves:
+        cos, sin = first_halves_repeated(cos), first_halves_repeated(sin)
     result = check_op(
-        lambda *a: qk_norm_rope(*a, eps=1e-6, offset=offset),
+        lambda *a: qk_norm_rope(*a, eps=1e-6, offset=offset, duplicated_halves=duplicated_halves),
         lambda *a: qk_norm_rope_reference(*a, eps=1e-6, offset=offset),
         [q, k, q_weight, k_weight, cos, sin],
         dtype,
@@ -128,20 +135,22 @@ def test_gpu_swiglu_halves_of_one_tensor(dtype):
 GPU_ROPE_CASES = [(2, 12, 4, 129, 128, 128), (3, 6, 2, 77, 256, 64), (1, 5, 5, 33, 96, 24)]
 
 
+@pytest.mark.parametrize("duplicated_halves", [False, True], ids=["tables", "duplicated-halves"])
 @pytest.mark.parametrize("cos_form", ["bsr", "sr"])
 @pytest.mark.parametrize("case", GPU_ROPE_CASES, ids=shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_gpu_apply_rope(dtype, case, cos_form):
+def test_gpu_apply_rope(dtype, case, cos_form, duplicated_halves):
     batch, n_q, n_k, seq, head_dim, rotary_dim = case
     q, k = make_qk(batch, n_q, n_k, seq, head_dim, layout="bshd", device=CUDA)
     cos, sin = make_cos_sin(batch, seq, rotary_dim, cos_form, device=CUDA)
-    _rope_check(q.requires_grad_(), k.requires_grad_(), cos, sin, dtype)
+    _rope_check(q.requires_grad_(), k.requires_grad_(), cos, sin, dtype, duplicated_halves)
 
 
+@pytest.mark.parametrize("duplicated_halves", [False, True], ids=["tables", "duplicated-halves"])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("case", GPU_ROPE_CASES, ids=shape_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_gpu_qk_norm_rope(dtype, case, offset):
+def test_gpu_qk_norm_rope(dtype, case, offset, duplicated_halves):
     batch, n_q, n_k, seq, head_dim, rotary_dim = case
     q, k = make_qk(batch, n_q, n_k, seq, head_dim, layout="bshd", device=CUDA)
     cos, sin = make_cos_sin(batch, seq, rotary_dim, "1sr", device=CUDA)
@@ -156,6 +165,7 @@ def test_gpu_qk_norm_rope(dtype, case, offset):
         sin,
         dtype,
         offset,
+        duplicated_halves,
         make_grad=transposed_randn_grad,
     )
 
@@ -190,20 +200,29 @@ def test_gpu_big_swiglu():
     )
 
 
-def test_gpu_big_apply_rope():
+@pytest.mark.parametrize("duplicated_halves", [False, True], ids=["tables", "duplicated-halves"])
+def test_gpu_big_apply_rope(duplicated_halves):
     q, k = make_qk(8, 32, 8, 2048, 128, layout="bshd", device=CUDA, dtype=BF16)
     cos, sin = make_cos_sin(8, 2048, 128, "bsr", device=CUDA, dtype=BF16)
-    _rope_check(q.requires_grad_(), k.requires_grad_(), cos, sin, BF16, reference_dtype=torch.float32, tol=BIG_TOL)
+    _rope_check(
+        q.requires_grad_(), k.requires_grad_(), cos, sin, BF16, duplicated_halves,
+        reference_dtype=torch.float32, tol=BIG_TOL,
+    )
 
 
-def test_gpu_big_apply_rope_qwen35_partial():
+@pytest.mark.parametrize("duplicated_halves", [False, True], ids=["tables", "duplicated-halves"])
+def test_gpu_big_apply_rope_qwen35_partial(duplicated_halves):
     q, k = make_qk(4, 24, 4, 2048, 256, layout="bshd", device=CUDA, dtype=BF16)
     cos, sin = make_cos_sin(4, 2048, 64, "bsr", device=CUDA, dtype=BF16)
-    _rope_check(q.requires_grad_(), k.requires_grad_(), cos, sin, BF16, reference_dtype=torch.float32, tol=BIG_TOL)
+    _rope_check(
+        q.requires_grad_(), k.requires_grad_(), cos, sin, BF16, duplicated_halves,
+        reference_dtype=torch.float32, tol=BIG_TOL,
+    )
 
 
+@pytest.mark.parametrize("duplicated_halves", [False, True], ids=["tables", "duplicated-halves"])
 @pytest.mark.parametrize("train_weights", [True, False], ids=["trained_w", "frozen_w"])
-def test_gpu_big_qk_norm_rope_qwen35(train_weights):
+def test_gpu_big_qk_norm_rope_qwen35(train_weights, duplicated_halves):
     q, k = make_qk(4, 24, 4, 2048, 256, layout="bshd", device=CUDA, dtype=BF16)
     cos, sin = make_cos_sin(4, 2048, 64, "bsr", device=CUDA, dtype=BF16)
     q_weight = torch.randn(256, device=CUDA, dtype=BF16).requires_grad_(train_weights)
@@ -217,6 +236,7 @@ def test_gpu_big_qk_norm_rope_qwen35(train_weights):
         sin,
         BF16,
         offset=1.0,
+        duplicated_halves=duplicated_halves,
         reference_dtype=torch.float32,
         tol=BIG_TOL,
     )

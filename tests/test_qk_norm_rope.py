@@ -7,6 +7,7 @@ from helpers import (
     check_op,
     dtype_id,
     expanded_randn_grad,
+    first_halves_repeated,
     hf_cos_sin,
     make_cos_sin,
     make_qk,
@@ -36,18 +37,22 @@ def case_id(case):
     return f"B{b}-Hq{hq}-Hkv{hk}-S{s}-D{d}-R{r}"
 
 
-def _inputs(case, cos_form="bsr", layout="bshd", train_q_weight=True, train_k_weight=True):
+def _inputs(
+    case, cos_form="bsr", layout="bshd", train_q_weight=True, train_k_weight=True, duplicated_halves=False
+):
     batch, n_q, n_k, seq, head_dim, rotary_dim = case
     q, k = make_qk(batch, n_q, n_k, seq, head_dim, layout=layout)
     q_weight = torch.randn(head_dim).requires_grad_(train_q_weight)
     k_weight = torch.randn(head_dim).requires_grad_(train_k_weight)
     cos, sin = make_cos_sin(batch, seq, rotary_dim, cos_form)
+    if duplicated_halves:
+        cos, sin = first_halves_repeated(cos), first_halves_repeated(sin)
     return [q.requires_grad_(), k.requires_grad_(), q_weight, k_weight, cos, sin]
 
 
-def _check(inputs, dtype, device, eps=1e-6, offset=0.0, **kwargs):
+def _check(inputs, dtype, device, eps=1e-6, offset=0.0, duplicated_halves=False, **kwargs):
     return check_op(
-        lambda *a: qk_norm_rope(*a, eps=eps, offset=offset),
+        lambda *a: qk_norm_rope(*a, eps=eps, offset=offset, duplicated_halves=duplicated_halves),
         lambda *a: qk_norm_rope_reference(*a, eps=eps, offset=offset),
         inputs,
         dtype,
@@ -63,11 +68,13 @@ def _assert_memory_order_kept(result):
     assert k_out.stride() == k.stride(), f"k_out strides {k_out.stride()} != k strides {k.stride()}"
 
 
+@pytest.mark.parametrize("duplicated_halves", [False, True], ids=["tables", "duplicated-halves"])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-def test_qk_norm_rope_matches_reference(dtype, case, offset, device):
-    result = _check(_inputs(case), dtype, device, offset=offset)
+def test_qk_norm_rope_matches_reference(dtype, case, offset, duplicated_halves, device):
+    inputs = _inputs(case, duplicated_halves=duplicated_halves)
+    result = _check(inputs, dtype, device, offset=offset, duplicated_halves=duplicated_halves)
     if case[3] > 1:
         assert not result.inputs[0].is_contiguous()  # transposed views of [B, S, H, D]
     _assert_memory_order_kept(result)
@@ -94,14 +101,16 @@ def test_qk_norm_rope_cos_forms(case, cos_form, device):
     _check(_inputs(case, cos_form=cos_form), torch.float32, device, offset=1.0)
 
 
+@pytest.mark.parametrize("duplicated_halves", [False, True], ids=["tables", "duplicated-halves"])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("trained", ["none", "q_weight", "k_weight", "both"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=case_id)
-def test_qk_norm_rope_frozen_and_trained_weights(case, trained, offset, device):
+def test_qk_norm_rope_frozen_and_trained_weights(case, trained, offset, duplicated_halves, device):
     inputs = _inputs(
-        case, train_q_weight=trained in ("q_weight", "both"), train_k_weight=trained in ("k_weight", "both")
+        case, train_q_weight=trained in ("q_weight", "both"), train_k_weight=trained in ("k_weight", "both"),
+        duplicated_halves=duplicated_halves,
     )
-    result = _check(inputs, torch.bfloat16, device, offset=offset)
+    result = _check(inputs, torch.bfloat16, device, offset=offset, duplicated_halves=duplicated_halves)
     q_weight, k_weight = result.inputs[2:4]
     assert (q_weight.grad is None) == (trained not in ("q_weight", "both"))
     assert (k_weight.grad is None) == (trained not in ("k_weight", "both"))

@@ -7,6 +7,7 @@ from helpers import (
     check_op,
     dtype_id,
     expanded_randn_grad,
+    first_halves_repeated,
     hf_cos_sin,
     make_cos_sin,
     make_qk,
@@ -59,6 +60,40 @@ def test_apply_rope_matches_reference(dtype, case, cos_form, device):
     if seq > 1:
         assert not result.inputs[0].is_contiguous()
     _assert_memory_order_kept(result)
+
+
+def _rope_with_duplicated_halves(q, k, cos, sin):
+    return apply_rope(q, k, cos, sin, duplicated_halves=True)
+
+
+@pytest.mark.parametrize("cos_form", COS_FORMS)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_apply_rope_duplicated_halves(dtype, case, cos_form, device):
+    """Tables whose halves are equal (as Hugging Face builds them), declared so: the same result and gradients."""
+    batch, n_q, n_k, seq, head_dim, rotary_dim = case
+    q, k = make_qk(batch, n_q, n_k, seq, head_dim, layout="bshd")
+    cos, sin = (first_halves_repeated(t) for t in make_cos_sin(batch, seq, rotary_dim, cos_form))
+    result = check_op(
+        _rope_with_duplicated_halves, apply_rope_reference, [q.requires_grad_(), k.requires_grad_(), cos, sin],
+        dtype, device, names=["q", "k", "cos", "sin"],
+    )
+    _assert_memory_order_kept(result)
+
+
+@pytest.mark.parametrize("head_dim, rotary_dim, inplace", [(48, 48, False), (48, 48, True), (24, 6, True)])
+def test_apply_rope_duplicated_halves_read_in_two_chunk_tiles(head_dim, rotary_dim, inplace, device):
+    """Where a tile holds just the two rotary chunks (full rotary, or in place) the declared tables are read by
+    their first halves alone: tables whose halves differ give the rotation by their first halves repeated."""
+    q, k = (t.to(device) for t in make_qk(2, 4, 2, 5, head_dim, layout="bshd"))
+    cos, sin = (t.to(device) for t in make_cos_sin(2, 5, rotary_dim))
+    expected = apply_rope_reference(q.double(), k.double(), first_halves_repeated(cos).double(),
+                                    first_halves_repeated(sin).double())
+    different = apply_rope_reference(q.double(), k.double(), cos.double(), sin.double())
+    got = apply_rope(q.clone(), k.clone(), cos, sin, inplace=inplace, duplicated_halves=True)
+    for name, g, e, d in zip(("q", "k"), got, expected, different, strict=True):
+        assert_close(g, e, TOLERANCE[torch.float32], name)
+        assert float((e - d).norm()) > 0.1 * float(d.norm()), "tables whose halves differ must give another result"
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=case_id)
@@ -308,15 +343,20 @@ def test_apply_rope_row_blocks_straddling_tokens(case, monkeypatch, device):
     _check(q.requires_grad_(), k.requires_grad_(), cos, sin, torch.float32, device)
 
 
+@pytest.mark.parametrize("duplicated_halves", [False, True], ids=["tables", "duplicated-halves"])
 @pytest.mark.parametrize("blocks_of_four", [False, True], ids=["default-blocks", "blocks-of-four"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize("head_dim, rotary_dim", [(12, 12), (24, 6)])
-def test_apply_rope_inplace_matches_reference(dtype, head_dim, rotary_dim, blocks_of_four, monkeypatch, device):
+def test_apply_rope_inplace_matches_reference(
+    dtype, head_dim, rotary_dim, blocks_of_four, duplicated_halves, monkeypatch, device
+):
     if blocks_of_four:
         _blocks_of_four(monkeypatch)
     batch, seq, n_q, n_k = 2, 5, 6, 2
     proj_q, proj_k, q, k = _projected_qk(batch, seq, n_q, n_k, head_dim, device, dtype)
     cos, sin = make_cos_sin(batch, seq, rotary_dim, device=device, dtype=dtype)
+    if duplicated_halves:
+        cos, sin = first_halves_repeated(cos), first_halves_repeated(sin)
     q_before, k_before = q.detach().clone(), k.detach().clone()
     ref_q = proj_q.detach().double().requires_grad_()
     ref_k = proj_k.detach().double().requires_grad_()
@@ -326,7 +366,7 @@ def test_apply_rope_inplace_matches_reference(dtype, head_dim, rotary_dim, block
         cos.double(), sin.double(),
     )
 
-    q_out, k_out = apply_rope(q, k, cos, sin, inplace=True)
+    q_out, k_out = apply_rope(q, k, cos, sin, inplace=True, duplicated_halves=duplicated_halves)
 
     assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()
     assert q_out.stride() == q.stride()

@@ -35,6 +35,7 @@ from unsloth_lite.kernels.rope import (
     head_rows,
     load_chunks,
     load_cos_sin,
+    reads_first_halves,
     rope_reference,
     rotate,
     store_chunks,
@@ -73,13 +74,15 @@ def _norm_rope_forward_rows(
     sin_ptr, sin_sb, sin_ss, sin_sr,
     w_ptr, first_row, n_rows, n_heads, seq_len, half, head_dim, eps, offset,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, ACC: tl.constexpr,
+    DUPLICATED_HALVES: tl.constexpr,
 ):
     mask_rows, b, s, head = head_rows(first_row, n_rows, n_heads, seq_len, BLOCK_R)
     chunk, cols, mask_cols = chunk_columns(half, head_dim, BLOCK_C, BLOCK_HALF)
     x = load_chunks(x_ptr, b * x_sb + s * x_ss + head * x_sh, mask_rows, x_sd, cols, mask_cols, ACC)
     w = tl.load(w_ptr + cols, mask=mask_cols, other=0.0).to(ACC) + offset
     c, sn = load_cos_sin(
-        cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols, ACC
+        cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols,
+        half, ACC, DUPLICATED_HALVES,
     )
     y = rotate(x * _inverse_rms(x, head_dim, eps) * w, chunk, c, sn, False)
     store_chunks(out_ptr, b * out_sb + s * out_ss + head * out_sh, mask_rows, out_sd, cols, mask_cols, y)
@@ -94,6 +97,7 @@ def _norm_rope_backward_block(
     sin_ptr, sin_sb, sin_ss, sin_sr,
     w, first_row, n_rows, n_heads, seq_len, half, head_dim, eps,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, ACC: tl.constexpr,
+    DUPLICATED_HALVES: tl.constexpr,
 ):
     """dx of BLOCK_R head vectors; returns their dw contribution `[1, BLOCK_C, BLOCK_HALF]`, dead code when
     unused."""
@@ -102,7 +106,8 @@ def _norm_rope_backward_block(
     dy = load_chunks(dy_ptr, b * dy_sb + s * dy_ss + head * dy_sh, mask_rows, dy_sd, cols, mask_cols, ACC)
     x = load_chunks(x_ptr, b * x_sb + s * x_ss + head * x_sh, mask_rows, x_sd, cols, mask_cols, ACC)
     c, sn = load_cos_sin(
-        cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols, ACC
+        cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols,
+        half, ACC, DUPLICATED_HALVES,
     )
     g = rotate(dy, chunk, c, sn, True)
     rstd = _inverse_rms(x, head_dim, eps)
@@ -123,7 +128,7 @@ def _norm_rope_backward_rows(
     sin_ptr, sin_sb, sin_ss, sin_sr,
     w_ptr, dw_partial_ptr, first_row, last_row, n_rows, n_heads, seq_len, half, head_dim, eps, offset,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC: tl.constexpr, DUPLICATED_HALVES: tl.constexpr,
 ):
     """Backward of head vectors [first_row, last_row): one block, or with COMPUTE_DW a run of blocks whose dw
     is summed into one partial row."""
@@ -137,7 +142,7 @@ def _norm_rope_backward_rows(
                 dx_ptr, dx_sb, dx_sh, dx_ss, dx_sd,
                 cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
                 w, block_row, n_rows, n_heads, seq_len, half, head_dim, eps,
-                BLOCK_R, BLOCK_C, BLOCK_HALF, ACC,
+                BLOCK_R, BLOCK_C, BLOCK_HALF, ACC, DUPLICATED_HALVES,
             )
         tl.store(dw_partial_ptr + cols, dw, mask=mask_cols)
     else:
@@ -146,7 +151,7 @@ def _norm_rope_backward_rows(
             dx_ptr, dx_sb, dx_sh, dx_ss, dx_sd,
             cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
             w, first_row, n_rows, n_heads, seq_len, half, head_dim, eps,
-            BLOCK_R, BLOCK_C, BLOCK_HALF, ACC,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, ACC, DUPLICATED_HALVES,
         )
 
 
@@ -161,6 +166,7 @@ def _qk_norm_rope_forward_kernel(
     sin_ptr, sin_sb, sin_ss, sin_sr,
     seq_len, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, half, head_dim, eps, offset,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, ACC: tl.constexpr,
+    DUPLICATED_HALVES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < n_q_programs:
@@ -168,14 +174,14 @@ def _qk_norm_rope_forward_kernel(
             q_ptr, q_sb, q_sh, q_ss, q_sd, qo_ptr, qo_sb, qo_sh, qo_ss, qo_sd,
             cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
             qw_ptr, pid * BLOCK_R, n_q_rows, n_q_heads, seq_len, half, head_dim, eps, offset,
-            BLOCK_R, BLOCK_C, BLOCK_HALF, ACC,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, ACC, DUPLICATED_HALVES,
         )
     else:
         _norm_rope_forward_rows(
             k_ptr, k_sb, k_sh, k_ss, k_sd, ko_ptr, ko_sb, ko_sh, ko_ss, ko_sd,
             cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
             kw_ptr, (pid - n_q_programs) * BLOCK_R, n_k_rows, n_k_heads, seq_len, half, head_dim, eps, offset,
-            BLOCK_R, BLOCK_C, BLOCK_HALF, ACC,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, ACC, DUPLICATED_HALVES,
         )
 
 
@@ -193,7 +199,7 @@ def _qk_norm_rope_backward_kernel(
     seq_len, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rows_per_program,
     half, head_dim, eps, offset,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    ACC: tl.constexpr,
+    ACC: tl.constexpr, DUPLICATED_HALVES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < n_q_programs:
@@ -206,7 +212,7 @@ def _qk_norm_rope_backward_kernel(
             qw_ptr, dqw_partial_ptr + pid.to(tl.int64) * head_dim,
             first_row, tl.minimum(first_row + rows_per_program, n_q_rows), n_q_rows, n_q_heads, seq_len,
             half, head_dim, eps, offset,
-            BLOCK_R, BLOCK_C, BLOCK_HALF, COMPUTE_DW, ACC,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, COMPUTE_DW, ACC, DUPLICATED_HALVES,
         )
     else:
         k_pid = pid - n_q_programs
@@ -219,11 +225,11 @@ def _qk_norm_rope_backward_kernel(
             kw_ptr, dkw_partial_ptr + k_pid.to(tl.int64) * head_dim,
             first_row, tl.minimum(first_row + rows_per_program, n_k_rows), n_k_rows, n_k_heads, seq_len,
             half, head_dim, eps, offset,
-            BLOCK_R, BLOCK_C, BLOCK_HALF, COMPUTE_DW, ACC,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, COMPUTE_DW, ACC, DUPLICATED_HALVES,
         )
 
 
-def _launch_forward(q, k, q_weight, k_weight, cos, sin, eps, offset):
+def _launch_forward(q, k, q_weight, k_weight, cos, sin, eps, offset, duplicated_halves):
     batch, n_q_heads, seq, head_dim = q.shape
     n_k_heads = k.shape[1]
     rotary_dim = cos.shape[-1]
@@ -237,12 +243,15 @@ def _launch_forward(q, k, q_weight, k_weight, cos, sin, eps, offset):
         q_weight, k_weight,
         cos, *cos_sin_strides(cos, batch), sin, *cos_sin_strides(sin, batch),
         seq, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rotary_dim // 2, head_dim, eps, offset,
-        ACC=accumulator_dtype(q.dtype), **config,
+        ACC=accumulator_dtype(q.dtype), DUPLICATED_HALVES=reads_first_halves(duplicated_halves, config["BLOCK_C"]),
+        **config,
     )
     return q_out, k_out
 
 
-def _launch_backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, offset, compute_dw):
+def _launch_backward(
+    dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, offset, compute_dw, duplicated_halves
+):
     batch, n_q_heads, seq, head_dim = q.shape
     n_k_heads = k.shape[1]
     config = launch_config(head_dim, cos.shape[-1])
@@ -270,7 +279,8 @@ def _launch_backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, of
         cos, *cos_sin_strides(cos, batch), sin, *cos_sin_strides(sin, batch),
         seq, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rows_per_program,
         cos.shape[-1] // 2, head_dim, eps, offset,
-        COMPUTE_DW=compute_dw, ACC=accumulator_dtype(q.dtype), **config,
+        COMPUTE_DW=compute_dw, ACC=accumulator_dtype(q.dtype),
+        DUPLICATED_HALVES=reads_first_halves(duplicated_halves, config["BLOCK_C"]), **config,
     )
     if not compute_dw:
         return dq, dk, None, None
@@ -279,19 +289,19 @@ def _launch_backward(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, of
 
 class QKNormRoPEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, q_weight, k_weight, cos, sin, eps, offset):
+    def forward(ctx, q, k, q_weight, k_weight, cos, sin, eps, offset, duplicated_halves):
         ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
-        ctx.eps, ctx.offset = eps, offset
-        return _launch_forward(q, k, q_weight, k_weight, cos, sin, eps, offset)
+        ctx.eps, ctx.offset, ctx.duplicated_halves = eps, offset, duplicated_halves
+        return _launch_forward(q, k, q_weight, k_weight, cos, sin, eps, offset, duplicated_halves)
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
         q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
         compute_dw = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         dq, dk, dqw, dkw = _launch_backward(
-            dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, ctx.eps, ctx.offset, compute_dw
+            dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, ctx.eps, ctx.offset, compute_dw, ctx.duplicated_halves
         )
-        return dq, dk, dqw, dkw, None, None, None, None
+        return dq, dk, dqw, dkw, None, None, None, None, None
 
 
 def qk_norm_rope(
@@ -303,8 +313,10 @@ def qk_norm_rope(
     sin: torch.Tensor,
     eps: float = 1e-6,
     offset: float = 0.0,
+    duplicated_halves: bool = False,
 ):
-    """Per-head RMSNorm of q and k over D (weights `[D]`), then rotary embedding; returns (q_out, k_out)."""
+    """Per-head RMSNorm of q and k over D (weights `[D]`), then rotary embedding; returns (q_out, k_out).
+    `duplicated_halves` as in `apply_rope`."""
     check_rope_args(q, k, cos, sin)
     head_dim = q.shape[-1]
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
@@ -316,7 +328,9 @@ def qk_norm_rope(
     if q.numel() == 0 and k.numel() == 0:
         return q.new_empty(q.shape), k.new_empty(k.shape)
     q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
-    return QKNormRoPEFunction.apply(q, k, q_weight, k_weight, cos, sin, float(eps), float(offset))
+    return QKNormRoPEFunction.apply(
+        q, k, q_weight, k_weight, cos, sin, float(eps), float(offset), bool(duplicated_halves)
+    )
 
 
 def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0):

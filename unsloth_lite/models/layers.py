@@ -189,8 +189,10 @@ def rope_attention_forward(self, hidden_states, position_embeddings, attention_m
     cache = _pop_cache(args, kwargs)
     query, key, value = _projected_heads(self, hidden_states)
     cos, sin = position_embeddings
-    rope = apply_rope if use_kernels(query) else apply_rope_reference
-    query, key = rope(query, key, cos, sin)
+    if use_kernels(query):  # Hugging Face's rotary embeddings build cos/sin as cat(freqs, freqs)
+        query, key = apply_rope(query, key, cos, sin, duplicated_halves=True)
+    else:
+        query, key = apply_rope_reference(query, key, cos, sin)
     return _attend(self, query, key, value, attention_mask, cache, kwargs, hidden_states.shape[:-1])
 
 
@@ -199,8 +201,11 @@ def qk_norm_rope_attention_forward(self, hidden_states, position_embeddings, att
     cache = _pop_cache(args, kwargs)
     query, key, value = _projected_heads(self, hidden_states)
     cos, sin = position_embeddings
-    fused = qk_norm_rope if use_kernels(query) else qk_norm_rope_reference
-    query, key = fused(query, key, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.variance_epsilon)
+    weights, eps = (self.q_norm.weight, self.k_norm.weight), self.q_norm.variance_epsilon
+    if use_kernels(query):  # Hugging Face's rotary embeddings build cos/sin as cat(freqs, freqs)
+        query, key = qk_norm_rope(query, key, *weights, cos, sin, eps, duplicated_halves=True)
+    else:
+        query, key = qk_norm_rope_reference(query, key, *weights, cos, sin, eps)
     return _attend(self, query, key, value, attention_mask, cache, kwargs, hidden_states.shape[:-1])
 
 
