@@ -7,9 +7,9 @@ chunk height, at the K1 and L1 shapes of BENCHMARKS.md.
 
 - apply_rope, qk_norm_rope: every (head vectors a program, warps) pair, each direction's kernel timed alone
   (RoPE's backward is its forward kernel with the transposed rotation, so one time stands for both; RoPE
-  also in place, where only the rotary dims are touched). GB/s counts the bytes the kernel must move: read
-  and write each touched element once (the q/k-norm backward also reads x). The row marked `default` is
-  the configuration the launcher picks.
+  also in place, where only the rotary dims are touched, and each form with duplicated halves declared).
+  GB/s counts the bytes the kernel must move: read and write each touched element once (the q/k-norm
+  backward also reads x). The row marked `default` is the configuration the launcher picks.
 - fused_linear_cross_entropy: forward+backward with a frozen weight for several chunk heights, with the
   extra peak memory beyond inputs and gradients (the bar is 256 MiB).
 
@@ -82,20 +82,24 @@ def _sweep(kernel, label, direction, module, name, default, run, n_bytes, grid, 
 
 
 def rope_rows(shape, grid, device, dtype, copy_gbps):
+    """Both forms, with full tables and with duplicated halves declared (what the patched models run)."""
     head_dim, rotary_dim = shape[4:]
     (q, k, cos, sin, _), size, label = _qk_inputs(shape, device, dtype)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    common = (grid, device, copy_gbps)
-    return _sweep(
-        "apply_rope", label, "out of place", rope, "rope_launch_config", rope.rope_launch_config(head_dim, rotary_dim),
-        lambda: rope._launch_rope(q, k, q_out, k_out, cos, sin, backward=False, duplicated_halves=False),
-        2 * size, *common,
-    ) + _sweep(
-        "apply_rope", label, "in place", rope, "rope_launch_config",
-        rope.rope_launch_config(head_dim, rotary_dim, copy_pass=False),
-        lambda: rope._launch_rope(q, k, q, k, cos, sin, backward=False, duplicated_halves=False, copy_pass=False),
-        2 * size * rotary_dim // head_dim, *common,
-    )
+    rows = []
+    for halves in (False, True):
+        tables = ", duplicated halves" if halves else ""
+        for copy_pass in (True, False):
+            out = (q_out, k_out) if copy_pass else (q, k)
+            rows += _sweep(
+                "apply_rope", label, ("out of place" if copy_pass else "in place") + tables, rope,
+                "rope_launch_config", rope.rope_launch_config(head_dim, rotary_dim, copy_pass, halves),
+                lambda out=out, copy_pass=copy_pass, halves=halves: rope._launch_rope(
+                    q, k, *out, cos, sin, backward=False, duplicated_halves=halves, copy_pass=copy_pass
+                ),
+                2 * size * (1 if copy_pass else rotary_dim / head_dim), grid, device, copy_gbps,
+            )
+    return rows
 
 
 def qk_rows(shape, grid, device, dtype, copy_gbps):

@@ -358,3 +358,31 @@ def test_qk_norm_rope_normalises_q_when_k_has_no_heads(device):
     args["q"].requires_grad_()
     args["q_weight"].requires_grad_()
     check_op(qk_norm_rope, qk_norm_rope_reference, [args[name] for name in NAMES], torch.float32, device, names=NAMES)
+
+
+@pytest.mark.parametrize("trained_weights", [False, True], ids=["frozen", "trained"])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(20, 20), (24, 6)])
+def test_qk_norm_rope_token_rows_match_general_addressing(head_dim, rotary_dim, trained_weights, monkeypatch, device):
+    """Rows addressed by token (one division) and by (batch, position, head): the same bits, both directions."""
+    module = importlib.import_module("unsloth_lite.kernels.qk_norm_rope")
+    batch, n_q, n_k, seq = 2, 6, 3, 7
+    q, k = (t.to(device) for t in make_qk(batch, n_q, n_k, seq, head_dim, layout="bshd"))
+    cos, sin = (t.to(device) for t in make_cos_sin(batch, seq, rotary_dim, "bsr"))
+    weights = [1 + 0.1 * torch.randn(head_dim, device=device) for _ in range(2)]
+    grads = [torch.randn_like(q), torch.randn_like(k)]
+    assert module.token_rows(batch, seq, (q, k), (cos, sin))
+
+    def run():
+        inputs = [q.clone().requires_grad_(), k.clone().requires_grad_()]
+        inputs += [w.clone().requires_grad_(trained_weights) for w in weights]
+        outputs = qk_norm_rope(*inputs, cos, sin)
+        wanted = [t for t in inputs if t.requires_grad]
+        return [o.detach() for o in outputs] + list(torch.autograd.grad(outputs, wanted, grads))
+
+    by_token = run()
+    monkeypatch.setattr(module, "token_rows", lambda *args: False)
+    general = run()
+    assert len(by_token) == (6 if trained_weights else 4)
+    for i, (a, b) in enumerate(zip(by_token, general, strict=True)):
+        assert not torch.isnan(a).any(), i
+        assert torch.equal(a, b), f"output {i}: addressing by token differs from addressing by (batch, position, head)"

@@ -96,6 +96,48 @@ def test_apply_rope_duplicated_halves_read_in_two_chunk_tiles(head_dim, rotary_d
         assert float((e - d).norm()) > 0.1 * float(d.norm()), "tables whose halves differ must give another result"
 
 
+@pytest.mark.parametrize(
+    "batch, seq, layout, cos_form, expected",
+    [
+        (2, 5, "bshd", "bsr", True),  # projection views, a table row per token
+        (1, 5, "bshd", "sr", True),  # one sequence: a shared table is per token too
+        (2, 5, "bshd", "1sr", False),  # a table shared over the batch: position = token mod seq
+        (2, 5, "bshd", "expanded", False),
+        (2, 5, "bhsd", "bsr", False),  # head-major storage: rows of a token are seq apart
+        (1, 1, "bhsd", "bsr", True),  # one token: any storage of its heads at one stride
+    ],
+)
+def test_token_rows(batch, seq, layout, cos_form, expected):
+    q, k = make_qk(batch, 4, 2, seq, 8, layout=layout)
+    cos, sin = make_cos_sin(batch, seq, 8, cos_form)
+    assert rope_module.token_rows(batch, seq, (q, k), (cos, sin)) is expected
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(20, 20), (24, 6)])
+def test_apply_rope_token_rows_match_general_addressing(head_dim, rotary_dim, inplace, monkeypatch, device):
+    """Rows addressed by token (one division) and by (batch, position, head): the same bits, both directions."""
+    batch, n_q, n_k, seq = 2, 6, 3, 7
+    q, k = (t.to(device) for t in make_qk(batch, n_q, n_k, seq, head_dim, layout="bshd"))
+    cos, sin = (t.to(device) for t in make_cos_sin(batch, seq, rotary_dim, "bsr"))
+    grads = [torch.randn_like(q), torch.randn_like(k)]
+    assert rope_module.token_rows(batch, seq, (q, k), (cos, sin))
+
+    def run():
+        inputs = [(t * 1).requires_grad_() for t in (q, k)]
+        outputs = apply_rope(*(t * 1 for t in inputs), cos, sin, inplace=inplace)
+        # in place, the backward rotates the incoming gradients in their own storage: a fresh copy each run
+        input_grads = torch.autograd.grad(outputs, inputs, [g.clone() for g in grads])
+        return [o.detach().clone() for o in outputs] + list(input_grads)
+
+    by_token = run()
+    monkeypatch.setattr(rope_module, "token_rows", lambda *args: False)
+    general = run()
+    for name, a, b in zip(("q_out", "k_out", "dq", "dk"), by_token, general, strict=True):
+        assert not torch.isnan(a).any(), name
+        assert torch.equal(a, b), f"{name}: addressing by token differs from addressing by (batch, position, head)"
+
+
 @pytest.mark.parametrize("case", [CASES[1], CASES[4]], ids=case_id)
 def test_apply_rope_fp16(case, device):
     batch, n_q, n_k, seq, head_dim, rotary_dim = case

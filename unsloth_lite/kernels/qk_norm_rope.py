@@ -38,7 +38,9 @@ from unsloth_lite.kernels.rope import (
     reads_first_halves,
     rope_reference,
     rotate,
+    row_offsets,
     store_chunks,
+    token_rows,
 )
 from unsloth_lite.kernels.utils import (
     accumulator_dtype,
@@ -74,18 +76,20 @@ def _norm_rope_forward_rows(
     sin_ptr, sin_sb, sin_ss, sin_sr,
     w_ptr, first_row, n_rows, n_heads, seq_len, half, head_dim, eps, offset,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, ACC: tl.constexpr,
-    DUPLICATED_HALVES: tl.constexpr,
+    DUPLICATED_HALVES: tl.constexpr, TOKEN_ROWS: tl.constexpr,
 ):
-    mask_rows, b, s, head = head_rows(first_row, n_rows, n_heads, seq_len, BLOCK_R)
+    row, mask_rows, b, s, head = head_rows(first_row, n_rows, n_heads, seq_len, BLOCK_R, TOKEN_ROWS)
     chunk, cols, mask_cols = chunk_columns(half, head_dim, BLOCK_C, BLOCK_HALF)
-    x = load_chunks(x_ptr, b * x_sb + s * x_ss + head * x_sh, mask_rows, x_sd, cols, mask_cols, ACC)
+    x_rows = row_offsets(row, b, s, head, x_sb, x_ss, x_sh, TOKEN_ROWS)
+    x = load_chunks(x_ptr, x_rows, mask_rows, x_sd, cols, mask_cols, ACC)
     w = tl.load(w_ptr + cols, mask=mask_cols, other=0.0).to(ACC) + offset
     c, sn = load_cos_sin(
         cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols,
         half, ACC, DUPLICATED_HALVES,
     )
     y = rotate(x * _inverse_rms(x, head_dim, eps) * w, chunk, c, sn, False)
-    store_chunks(out_ptr, b * out_sb + s * out_ss + head * out_sh, mask_rows, out_sd, cols, mask_cols, y)
+    out_rows = row_offsets(row, b, s, head, out_sb, out_ss, out_sh, TOKEN_ROWS)
+    store_chunks(out_ptr, out_rows, mask_rows, out_sd, cols, mask_cols, y)
 
 
 @triton.jit
@@ -97,14 +101,16 @@ def _norm_rope_backward_block(
     sin_ptr, sin_sb, sin_ss, sin_sr,
     w, first_row, n_rows, n_heads, seq_len, half, head_dim, eps,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, ACC: tl.constexpr,
-    DUPLICATED_HALVES: tl.constexpr,
+    DUPLICATED_HALVES: tl.constexpr, TOKEN_ROWS: tl.constexpr,
 ):
     """dx of BLOCK_R head vectors; returns their dw contribution `[1, BLOCK_C, BLOCK_HALF]`, dead code when
     unused."""
-    mask_rows, b, s, head = head_rows(first_row, n_rows, n_heads, seq_len, BLOCK_R)
+    row, mask_rows, b, s, head = head_rows(first_row, n_rows, n_heads, seq_len, BLOCK_R, TOKEN_ROWS)
     chunk, cols, mask_cols = chunk_columns(half, head_dim, BLOCK_C, BLOCK_HALF)
-    dy = load_chunks(dy_ptr, b * dy_sb + s * dy_ss + head * dy_sh, mask_rows, dy_sd, cols, mask_cols, ACC)
-    x = load_chunks(x_ptr, b * x_sb + s * x_ss + head * x_sh, mask_rows, x_sd, cols, mask_cols, ACC)
+    dy_rows = row_offsets(row, b, s, head, dy_sb, dy_ss, dy_sh, TOKEN_ROWS)
+    x_rows = row_offsets(row, b, s, head, x_sb, x_ss, x_sh, TOKEN_ROWS)
+    dy = load_chunks(dy_ptr, dy_rows, mask_rows, dy_sd, cols, mask_cols, ACC)
+    x = load_chunks(x_ptr, x_rows, mask_rows, x_sd, cols, mask_cols, ACC)
     c, sn = load_cos_sin(
         cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols,
         half, ACC, DUPLICATED_HALVES,
@@ -115,7 +121,8 @@ def _norm_rope_backward_block(
     gw = g * w
     mean_dot = (tl.sum(tl.sum(gw * x_hat, axis=2), axis=1) / head_dim)[:, None, None]
     dx = rstd * (gw - x_hat * mean_dot)
-    store_chunks(dx_ptr, b * dx_sb + s * dx_ss + head * dx_sh, mask_rows, dx_sd, cols, mask_cols, dx)
+    dx_rows = row_offsets(row, b, s, head, dx_sb, dx_ss, dx_sh, TOKEN_ROWS)
+    store_chunks(dx_ptr, dx_rows, mask_rows, dx_sd, cols, mask_cols, dx)
     return tl.sum(g * x_hat, axis=0, keep_dims=True)
 
 
@@ -128,7 +135,7 @@ def _norm_rope_backward_rows(
     sin_ptr, sin_sb, sin_ss, sin_sr,
     w_ptr, dw_partial_ptr, first_row, last_row, n_rows, n_heads, seq_len, half, head_dim, eps, offset,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    ACC: tl.constexpr, DUPLICATED_HALVES: tl.constexpr,
+    ACC: tl.constexpr, DUPLICATED_HALVES: tl.constexpr, TOKEN_ROWS: tl.constexpr,
 ):
     """Backward of head vectors [first_row, last_row): one block, or with COMPUTE_DW a run of blocks whose dw
     is summed into one partial row."""
@@ -142,7 +149,7 @@ def _norm_rope_backward_rows(
                 dx_ptr, dx_sb, dx_sh, dx_ss, dx_sd,
                 cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
                 w, block_row, n_rows, n_heads, seq_len, half, head_dim, eps,
-                BLOCK_R, BLOCK_C, BLOCK_HALF, ACC, DUPLICATED_HALVES,
+                BLOCK_R, BLOCK_C, BLOCK_HALF, ACC, DUPLICATED_HALVES, TOKEN_ROWS,
             )
         tl.store(dw_partial_ptr + cols, dw, mask=mask_cols)
     else:
@@ -151,7 +158,7 @@ def _norm_rope_backward_rows(
             dx_ptr, dx_sb, dx_sh, dx_ss, dx_sd,
             cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
             w, first_row, n_rows, n_heads, seq_len, half, head_dim, eps,
-            BLOCK_R, BLOCK_C, BLOCK_HALF, ACC, DUPLICATED_HALVES,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, ACC, DUPLICATED_HALVES, TOKEN_ROWS,
         )
 
 
@@ -166,7 +173,7 @@ def _qk_norm_rope_forward_kernel(
     sin_ptr, sin_sb, sin_ss, sin_sr,
     seq_len, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, half, head_dim, eps, offset,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, ACC: tl.constexpr,
-    DUPLICATED_HALVES: tl.constexpr,
+    DUPLICATED_HALVES: tl.constexpr, TOKEN_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < n_q_programs:
@@ -174,14 +181,14 @@ def _qk_norm_rope_forward_kernel(
             q_ptr, q_sb, q_sh, q_ss, q_sd, qo_ptr, qo_sb, qo_sh, qo_ss, qo_sd,
             cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
             qw_ptr, pid * BLOCK_R, n_q_rows, n_q_heads, seq_len, half, head_dim, eps, offset,
-            BLOCK_R, BLOCK_C, BLOCK_HALF, ACC, DUPLICATED_HALVES,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, ACC, DUPLICATED_HALVES, TOKEN_ROWS,
         )
     else:
         _norm_rope_forward_rows(
             k_ptr, k_sb, k_sh, k_ss, k_sd, ko_ptr, ko_sb, ko_sh, ko_ss, ko_sd,
             cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
             kw_ptr, (pid - n_q_programs) * BLOCK_R, n_k_rows, n_k_heads, seq_len, half, head_dim, eps, offset,
-            BLOCK_R, BLOCK_C, BLOCK_HALF, ACC, DUPLICATED_HALVES,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, ACC, DUPLICATED_HALVES, TOKEN_ROWS,
         )
 
 
@@ -199,7 +206,7 @@ def _qk_norm_rope_backward_kernel(
     seq_len, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rows_per_program,
     half, head_dim, eps, offset,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    ACC: tl.constexpr, DUPLICATED_HALVES: tl.constexpr,
+    ACC: tl.constexpr, DUPLICATED_HALVES: tl.constexpr, TOKEN_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < n_q_programs:
@@ -212,7 +219,7 @@ def _qk_norm_rope_backward_kernel(
             qw_ptr, dqw_partial_ptr + pid.to(tl.int64) * head_dim,
             first_row, tl.minimum(first_row + rows_per_program, n_q_rows), n_q_rows, n_q_heads, seq_len,
             half, head_dim, eps, offset,
-            BLOCK_R, BLOCK_C, BLOCK_HALF, COMPUTE_DW, ACC, DUPLICATED_HALVES,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, COMPUTE_DW, ACC, DUPLICATED_HALVES, TOKEN_ROWS,
         )
     else:
         k_pid = pid - n_q_programs
@@ -225,7 +232,7 @@ def _qk_norm_rope_backward_kernel(
             kw_ptr, dkw_partial_ptr + k_pid.to(tl.int64) * head_dim,
             first_row, tl.minimum(first_row + rows_per_program, n_k_rows), n_k_rows, n_k_heads, seq_len,
             half, head_dim, eps, offset,
-            BLOCK_R, BLOCK_C, BLOCK_HALF, COMPUTE_DW, ACC, DUPLICATED_HALVES,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, COMPUTE_DW, ACC, DUPLICATED_HALVES, TOKEN_ROWS,
         )
 
 
@@ -244,7 +251,7 @@ def _launch_forward(q, k, q_weight, k_weight, cos, sin, eps, offset, duplicated_
         cos, *cos_sin_strides(cos, batch), sin, *cos_sin_strides(sin, batch),
         seq, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rotary_dim // 2, head_dim, eps, offset,
         ACC=accumulator_dtype(q.dtype), DUPLICATED_HALVES=reads_first_halves(duplicated_halves, config["BLOCK_C"]),
-        **config,
+        TOKEN_ROWS=token_rows(batch, seq, (q, k, q_out, k_out), (cos, sin)), **config,
     )
     return q_out, k_out
 
@@ -280,7 +287,8 @@ def _launch_backward(
         seq, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rows_per_program,
         cos.shape[-1] // 2, head_dim, eps, offset,
         COMPUTE_DW=compute_dw, ACC=accumulator_dtype(q.dtype),
-        DUPLICATED_HALVES=reads_first_halves(duplicated_halves, config["BLOCK_C"]), **config,
+        DUPLICATED_HALVES=reads_first_halves(duplicated_halves, config["BLOCK_C"]),
+        TOKEN_ROWS=token_rows(batch, seq, (dq_out, dk_out, q, k, dq, dk), (cos, sin)), **config,
     )
     if not compute_dw:
         return dq, dk, None, None

@@ -54,17 +54,37 @@ from unsloth_lite.kernels.utils import (
     empty_strided,
 )
 
-# Elements of head vectors a program takes (the best of a sweep on an H200 at the K1 shapes).
+# Elements of head vectors a program takes, in one warp, or two where the tables are read by their first
+# halves (the best of sweeps on an H200 at the K1 shapes: two warps then hold one 16-byte vector per thread
+# and chunk; with full tables one warp wins, and two warps lose up to 3x wherever the rows don't fill their
+# threads, as Triton 3.6 then lays warps along the chunk axis and converts layouts through shared memory).
 TILE_ELEMENTS = 1024
 
 
 @triton.jit
-def head_rows(first_row, n_rows, n_heads, seq_len, BLOCK_R: tl.constexpr):
-    """Rows first_row.. of the (batch, seq, head)-ordered head vectors: (mask, batch, position, head), each
-    `[BLOCK_R, 1, 1]`."""
+def head_rows(first_row, n_rows, n_heads, seq_len, BLOCK_R: tl.constexpr, TOKEN_ROWS: tl.constexpr):
+    """Rows first_row.. of the (batch, seq, head)-ordered head vectors: (row, mask, batch, position, head), each
+    `[BLOCK_R, 1, 1]`. TOKEN_ROWS (see `token_rows`): batch and sequence form one axis of tokens in every
+    tensor, so the batch is 0 and the position is the token, with no division by seq_len."""
     rows = first_row + tl.arange(0, BLOCK_R)[:, None, None]
     token = rows // n_heads
-    return rows < n_rows, (token // seq_len).to(tl.int64), (token % seq_len).to(tl.int64), (rows % n_heads).to(tl.int64)
+    head = rows - token * n_heads
+    if TOKEN_ROWS:
+        b = token * 0
+        s = token
+    else:
+        b = token // seq_len
+        s = token - b * seq_len
+    return rows.to(tl.int64), rows < n_rows, b.to(tl.int64), s.to(tl.int64), head.to(tl.int64)
+
+
+@triton.jit
+def row_offsets(row, b, s, head, sb, ss, sh, TOKEN_ROWS: tl.constexpr):
+    """Offsets of the rows' head vectors in a tensor of (batch, seq, head) strides (sb, ss, sh); with
+    TOKEN_ROWS the rows lie at the one stride sh."""
+    if TOKEN_ROWS:
+        return row * sh
+    return b * sb + s * ss + head * sh
 
 
 @triton.jit
@@ -132,17 +152,19 @@ def _rope_rows(
     sin_ptr, sin_sb, sin_ss, sin_sr,
     first_row, n_rows, n_heads, seq_len, half, n_cols,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BACKWARD: tl.constexpr, ACC: tl.constexpr, DUPLICATED_HALVES: tl.constexpr,
+    BACKWARD: tl.constexpr, ACC: tl.constexpr, DUPLICATED_HALVES: tl.constexpr, TOKEN_ROWS: tl.constexpr,
 ):
-    mask_rows, b, s, head = head_rows(first_row, n_rows, n_heads, seq_len, BLOCK_R)
+    row, mask_rows, b, s, head = head_rows(first_row, n_rows, n_heads, seq_len, BLOCK_R, TOKEN_ROWS)
     chunk, cols, mask_cols = chunk_columns(half, n_cols, BLOCK_C, BLOCK_HALF)
-    x = load_chunks(x_ptr, b * x_sb + s * x_ss + head * x_sh, mask_rows, x_sd, cols, mask_cols, ACC)
+    x_rows = row_offsets(row, b, s, head, x_sb, x_ss, x_sh, TOKEN_ROWS)
+    x = load_chunks(x_ptr, x_rows, mask_rows, x_sd, cols, mask_cols, ACC)
     c, sn = load_cos_sin(
         cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr, b, s, mask_rows, chunk, cols, mask_cols,
         half, ACC, DUPLICATED_HALVES,
     )
     y = rotate(x, chunk, c, sn, BACKWARD)
-    store_chunks(out_ptr, b * out_sb + s * out_ss + head * out_sh, mask_rows, out_sd, cols, mask_cols, y)
+    out_rows = row_offsets(row, b, s, head, out_sb, out_ss, out_sh, TOKEN_ROWS)
+    store_chunks(out_ptr, out_rows, mask_rows, out_sd, cols, mask_cols, y)
 
 
 @triton.jit
@@ -155,7 +177,7 @@ def _rope_kernel(
     sin_ptr, sin_sb, sin_ss, sin_sr,
     seq_len, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, half, n_cols,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BACKWARD: tl.constexpr, ACC: tl.constexpr, DUPLICATED_HALVES: tl.constexpr,
+    BACKWARD: tl.constexpr, ACC: tl.constexpr, DUPLICATED_HALVES: tl.constexpr, TOKEN_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # Two calls rather than selected pointers, so each keeps its compile-time stride specialisation.
@@ -164,14 +186,14 @@ def _rope_kernel(
             q_ptr, q_sb, q_sh, q_ss, q_sd, qo_ptr, qo_sb, qo_sh, qo_ss, qo_sd,
             cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
             pid * BLOCK_R, n_q_rows, n_q_heads, seq_len, half, n_cols,
-            BLOCK_R, BLOCK_C, BLOCK_HALF, BACKWARD, ACC, DUPLICATED_HALVES,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, BACKWARD, ACC, DUPLICATED_HALVES, TOKEN_ROWS,
         )
     else:
         _rope_rows(
             k_ptr, k_sb, k_sh, k_ss, k_sd, ko_ptr, ko_sb, ko_sh, ko_ss, ko_sd,
             cos_ptr, cos_sb, cos_ss, cos_sr, sin_ptr, sin_sb, sin_ss, sin_sr,
             (pid - n_q_programs) * BLOCK_R, n_k_rows, n_k_heads, seq_len, half, n_cols,
-            BLOCK_R, BLOCK_C, BLOCK_HALF, BACKWARD, ACC, DUPLICATED_HALVES,
+            BLOCK_R, BLOCK_C, BLOCK_HALF, BACKWARD, ACC, DUPLICATED_HALVES, TOKEN_ROWS,
         )
 
 
@@ -189,12 +211,34 @@ def reads_first_halves(duplicated_halves: bool, block_c: int) -> bool:
     return duplicated_halves and block_c == 2
 
 
-def rope_launch_config(head_dim: int, rotary_dim: int, copy_pass: bool = True) -> dict:
+def rope_launch_config(
+    head_dim: int, rotary_dim: int, copy_pass: bool = True, duplicated_halves: bool = False
+) -> dict:
     """Tiles of whole head vectors out of place, of their rotary part alone in place: BLOCK_R vectors of about
-    TILE_ELEMENTS, one warp."""
+    TILE_ELEMENTS."""
     sizes = chunk_sizes(head_dim if copy_pass else rotary_dim, rotary_dim)
     rows = max(1, TILE_ELEMENTS // (sizes["BLOCK_C"] * sizes["BLOCK_HALF"]))
-    return dict(sizes, BLOCK_R=1 << (rows.bit_length() - 1), num_warps=1)
+    first_halves = reads_first_halves(duplicated_halves, sizes["BLOCK_C"])
+    return dict(
+        sizes, BLOCK_R=1 << (rows.bit_length() - 1), DUPLICATED_HALVES=first_halves, num_warps=2 if first_halves else 1
+    )
+
+
+def token_rows(batch: int, seq: int, head_tensors, tables) -> bool:
+    """Whether row r (the (batch, seq, head)-ordered head vector) of every `[B, H, S, D]` tensor lies at r times
+    its head stride, as in the projection's `[B, S, H, D]` storage, and every table's row of token t (its
+    (batch, seq) pair in order) at t times its seq stride: the kernels then address rows with one division
+    (by the head count) instead of three."""
+    for t in head_tensors:
+        batch_stride, head_stride, seq_stride = t.stride(0), t.stride(1), t.stride(2)
+        n_heads = t.shape[1]
+        if seq > 1 and seq_stride != n_heads * head_stride or batch > 1 and batch_stride != seq * n_heads * head_stride:
+            return False
+    for table in tables:
+        batch_stride, seq_stride, _ = cos_sin_strides(table, batch)
+        if batch > 1 and batch_stride != seq * seq_stride:
+            return False
+    return True
 
 
 def cos_sin_strides(t: torch.Tensor, batch: int) -> tuple[int, int, int]:
@@ -240,7 +284,7 @@ def _launch_rope(
     batch, n_q_heads, seq, head_dim = q.shape
     n_k_heads = k.shape[1]
     rotary_dim = cos.shape[-1]
-    config = rope_launch_config(head_dim, rotary_dim, copy_pass=copy_pass)
+    config = rope_launch_config(head_dim, rotary_dim, copy_pass=copy_pass, duplicated_halves=duplicated_halves)
     n_q_rows, n_k_rows = batch * seq * n_q_heads, batch * seq * n_k_heads
     n_q_programs = triton.cdiv(n_q_rows, config["BLOCK_R"])
     n_cols = head_dim if copy_pass else rotary_dim
@@ -253,7 +297,7 @@ def _launch_rope(
         sin, *cos_sin_strides(sin, batch),
         seq, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rotary_dim // 2, n_cols,
         BACKWARD=backward, ACC=accumulator_dtype(q.dtype),
-        DUPLICATED_HALVES=reads_first_halves(duplicated_halves, config["BLOCK_C"]), **config,
+        TOKEN_ROWS=token_rows(batch, seq, (q, k, q_out, k_out), (cos, sin)), **config,
     )
 
 
