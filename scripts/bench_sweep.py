@@ -116,11 +116,12 @@ def qk_rows(shape, grid, device, dtype, copy_gbps):
     (q, k, cos, sin, weight), size, label = _qk_inputs(shape, device, dtype)
     dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
     common = (grid, device, copy_gbps)
+    forward, backward = (qk.launch_config(head_dim, rotary_dim, q.element_size(), b) for b in (False, True))
     return _sweep(
-        "qk_norm_rope", label, "forward", qk, "launch_config", qk.launch_config(head_dim, rotary_dim),
+        "qk_norm_rope", label, "forward", qk, "launch_config", forward,
         lambda: qk._launch_forward(q, k, weight, weight, cos, sin, 1e-6, 0.0, False), 2 * size, *common,
     ) + _sweep(
-        "qk_norm_rope", label, "backward", qk, "launch_config", qk.launch_config(head_dim, rotary_dim),
+        "qk_norm_rope", label, "backward", qk, "launch_config", backward,
         lambda: qk._launch_backward(dq_out, dk_out, q, k, weight, weight, cos, sin, 1e-6, 0.0, False, False),
         3 * size, *common,
     )

@@ -35,6 +35,8 @@ def test_bench_sweep_tiny_mode_runs():
     out = run_tiny("bench_sweep.py")
     for kernel in ("apply_rope", "qk_norm_rope", "fused_linear_cross_entropy"):
         assert f"| {kernel} |" in out
-    for direction in ("out of place", "in place", "forward", "backward"):
+    rope_forms = [f"{form}{tables}" for tables in ("", ", duplicated halves") for form in ("out of place", "in place")]
+    for direction in (*rope_forms, "forward", "backward"):
         assert f"| {direction} |" in out
-    assert out.count("| yes |") == 5  # the launchers' own choice: 2 RoPE, 2 q/k-norm directions, 1 chunk height
+    # the launchers' own choice: 4 RoPE forms, 2 q/k-norm directions, 1 chunk height
+    assert out.count("| yes |") == 7
