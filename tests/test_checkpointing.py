@@ -14,14 +14,29 @@ from unsloth_lite.models import patch_model
 from unsloth_lite.training.checkpointing import checkpoint_layer, enable_gradient_checkpointing
 
 
-def _loss_and_grads(model, input_ids, labels, seed=0):
+def _loss_and_grads(model, loss_of, seed=0):
+    """loss_of(model), and the gradients of its backward (called outside any autocast region, as the Trainer
+    does and as CUDA's backward thread always is); the gradients are cleared after."""
     model.train()
     torch.manual_seed(seed)
-    loss = model(input_ids=input_ids, labels=labels).loss
+    loss = loss_of(model)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad(set_to_none=True)
     return loss.detach(), grads
+
+
+def _language_model_loss(input_ids, labels):
+    return lambda model: model(input_ids=input_ids, labels=labels).loss
+
+
+def _assert_same_step(step, got, expected, tol, loss_tol=None):
+    """got and expected, each (loss, gradients), agree; `step` names the step in the messages."""
+    (loss, grads), (expected_loss, expected_grads) = got, expected
+    assert_close(loss, expected_loss, loss_tol or tol, f"step {step} loss")
+    assert grads.keys() == expected_grads.keys() and grads
+    for name, grad in grads.items():
+        assert_close(grad, expected_grads[name], tol, f"step {step} {name}")
 
 
 def _compare(model, device, offload_to_cpu=False, cuda_graphs=False, tol=1e-5, steps=3, keep_residual=None):
@@ -35,14 +50,10 @@ def _compare(model, device, offload_to_cpu=False, cuda_graphs=False, tol=1e-5, s
     # Several steps on fresh batches: state left by one (offloaded buffers, a graph's static inputs) must not
     # leak into the next; with cuda_graphs the first step runs eagerly, the second captures, the third replays.
     for step in range(steps):
-        input_ids, labels = batch(device)
-        expected_loss, expected = _loss_and_grads(reference, input_ids, labels, seed=step)
+        loss_of = _language_model_loss(*batch(device))
+        expected = _loss_and_grads(reference, loss_of, seed=step)
         for other in (hf_checkpointed, model) if step == 0 else (model,):
-            loss, grads = _loss_and_grads(other, input_ids, labels, seed=step)
-            assert_close(loss, expected_loss, tol, f"step {step} loss")
-            assert grads.keys() == expected.keys() and grads
-            for name, grad in grads.items():
-                assert_close(grad, expected[name], tol, f"step {step} {name}")
+            _assert_same_step(step, _loss_and_grads(other, loss_of, seed=step), expected, tol)
 
 
 def test_full_fine_tune_with_dropout(device):
@@ -60,19 +71,14 @@ def test_recomputation_under_the_forwards_autocast(cuda_graphs, device):
     reference = copy.deepcopy(model)
     enable_gradient_checkpointing(model, cuda_graphs=cuda_graphs)
     for step, autocast in enumerate([True] * 3 + [False] * 3 if cuda_graphs else [True]):
-        input_ids, labels = batch(device)
-        results = []
-        for m in (reference, model):
-            m.train()
+        language_model_loss = _language_model_loss(*batch(device))
+
+        def loss_of(m, autocast=autocast, language_model_loss=language_model_loss):
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
-                loss = m(input_ids=input_ids, labels=labels).loss
-            loss.backward()  # outside the region, as the Trainer does (and as CUDA's backward thread always is)
-            results.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
-            m.zero_grad(set_to_none=True)
-        (expected_loss, expected), (loss, grads) = results
-        assert_close(loss, expected_loss, 1e-6, f"step {step} loss")
-        for name, grad in grads.items():
-            assert_close(grad, expected[name], 1e-5, f"step {step} {name}")
+                return language_model_loss(m)
+
+        expected = _loss_and_grads(reference, loss_of)
+        _assert_same_step(step, _loss_and_grads(model, loss_of), expected, 1e-5, loss_tol=1e-6)
     if cuda_graphs:
         assert _graphed_layer_count(model) == 2
         signatures = model.model.layers[0].__dict__["_unsloth_lite_graphs"]
@@ -116,18 +122,12 @@ def test_graphed_layers_two_forwards_before_a_backward(device):
     reference = copy.deepcopy(model)
     enable_gradient_checkpointing(model, cuda_graphs=True)
     for step in range(3):
-        first, second = batch(device), batch(device)
-        results = []
-        for m in (model, reference):
-            m.train()
-            loss = m(input_ids=first[0], labels=first[1]).loss + 2 * m(input_ids=second[0], labels=second[1]).loss
-            loss.backward()
-            results.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
-            m.zero_grad(set_to_none=True)
-        (loss, grads), (expected_loss, expected) = results
-        assert_close(loss, expected_loss, 1e-5, f"step {step} loss")
-        for name, grad in grads.items():
-            assert_close(grad, expected[name], 1e-5, f"step {step} {name}")
+        first, second = _language_model_loss(*batch(device)), _language_model_loss(*batch(device))
+
+        def loss_of(m, first=first, second=second):
+            return first(m) + 2 * second(m)
+
+        _assert_same_step(step, _loss_and_grads(model, loss_of), _loss_and_grads(reference, loss_of), 1e-5)
 
 
 def test_graphed_layers_refuse_dropout():
@@ -201,7 +201,7 @@ def test_recomputation_skips_the_projections_it_does_not_read(cuda_graphs, keep_
         expected = [(layers, o_calls, 4 * layers), (2 * layers, 2 * o_calls, 8 * layers), (0, 0, 0)]
     for step, (down, o, other) in enumerate(expected):
         calls.update(down=0, o=0, other=0)
-        _loss_and_grads(model, *batch(device))
+        _loss_and_grads(model, _language_model_loss(*batch(device)))
         assert calls == {"down": down, "o": o, "other": other}, f"step {step}"
 
 
@@ -228,7 +228,7 @@ def test_kept_residual_is_what_the_recomputation_reads(device, monkeypatch):
     model = _lora_model(device)
     enable_gradient_checkpointing(model, keep_residual=True)
     input_ids, labels = batch(device)
-    _, expected = _loss_and_grads(model, input_ids, labels)
+    _, expected = _loss_and_grads(model, _language_model_loss(input_ids, labels))
     substituted = checkpointing._Substituted.apply
     calls = []
 
@@ -237,7 +237,7 @@ def test_kept_residual_is_what_the_recomputation_reads(device, monkeypatch):
         return substituted(computed, 2 * saved)
 
     monkeypatch.setattr(checkpointing._Substituted, "apply", doubled)
-    _, grads = _loss_and_grads(model, input_ids, labels)
+    _, grads = _loss_and_grads(model, _language_model_loss(input_ids, labels))
     assert len(calls) == model.config.num_hidden_layers
     changed = [name for name, grad in grads.items() if not torch.allclose(grad, expected[name])]
     assert any("mlp" in name for name in changed)
@@ -305,12 +305,9 @@ def test_graphed_shapes_are_capped(device, monkeypatch):
     reference = copy.deepcopy(model)
     enable_gradient_checkpointing(model, cuda_graphs=True)
     for length in (5, 7, 9, 5, 7, 9, 5, 9):
-        input_ids, labels = batch(device, size=(2, length))
-        expected_loss, expected = _loss_and_grads(reference, input_ids, labels)
-        loss, grads = _loss_and_grads(model, input_ids, labels)
-        assert_close(loss, expected_loss, 1e-5, f"length {length} loss")
-        for name, grad in grads.items():
-            assert_close(grad, expected[name], 1e-5, f"length {length} {name}")
+        loss_of = _language_model_loss(*batch(device, size=(2, length)))
+        expected = _loss_and_grads(reference, loss_of)
+        _assert_same_step(f"at length {length}", _loss_and_grads(model, loss_of), expected, 1e-5)
     for layer in model.model.layers:
         graphed = [sig for sig, g in layer.__dict__["_unsloth_lite_graphs"].items() if not isinstance(g, str)]
         assert [sig[0][1] for sig in graphed] == [(2, 5, 48), (2, 7, 48)]  # hidden states' shapes
