@@ -59,11 +59,14 @@ BACKWARD_HEAD_VECTORS_PER_PROGRAM = 4
 FORWARD_WARPS = 2
 
 
-def launch_config(head_dim: int, rotary_dim: int, element_size: int, backward: bool) -> dict:
+def launch_config(
+    head_dim: int, rotary_dim: int, element_size: int, backward: bool, duplicated_halves: bool = False
+) -> dict:
     """Tiles of BLOCK_R head vectors. Fewer vectors than the warps' threads can take would be 2-9x slower:
     Triton 3.6 then lays the spare threads and warps along the chunk axis, and the partner and row sums
     cross warps through shared memory."""
     sizes = chunk_sizes(head_dim, rotary_dim)
+    sizes["DUPLICATED_HALVES"] = reads_first_halves(duplicated_halves, sizes["BLOCK_C"])
     if backward:
         return dict(sizes, BLOCK_R=BACKWARD_HEAD_VECTORS_PER_PROGRAM, num_warps=1)
     threads_per_chunk = max(1, sizes["BLOCK_HALF"] * element_size // 16)
@@ -247,7 +250,7 @@ def _launch_forward(q, k, q_weight, k_weight, cos, sin, eps, offset, duplicated_
     batch, n_q_heads, seq, head_dim = q.shape
     n_k_heads = k.shape[1]
     rotary_dim = cos.shape[-1]
-    config = launch_config(head_dim, rotary_dim, q.element_size(), False)
+    config = launch_config(head_dim, rotary_dim, q.element_size(), False, duplicated_halves)
     n_q_rows, n_k_rows = batch * seq * n_q_heads, batch * seq * n_k_heads
     n_q_programs = triton.cdiv(n_q_rows, config["BLOCK_R"])
     q_out, k_out = empty_like(q), empty_like(k)
@@ -257,8 +260,8 @@ def _launch_forward(q, k, q_weight, k_weight, cos, sin, eps, offset, duplicated_
         q_weight, k_weight,
         cos, *cos_sin_strides(cos, batch), sin, *cos_sin_strides(sin, batch),
         seq, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rotary_dim // 2, head_dim, eps, offset,
-        ACC=accumulator_dtype(q.dtype), DUPLICATED_HALVES=reads_first_halves(duplicated_halves, config["BLOCK_C"]),
-        TOKEN_ROWS=token_rows(batch, seq, (q, k, q_out, k_out), (cos, sin)), **config,
+        ACC=accumulator_dtype(q.dtype), TOKEN_ROWS=token_rows(batch, seq, (q, k, q_out, k_out), (cos, sin)),
+        **config,
     )
     return q_out, k_out
 
@@ -268,7 +271,7 @@ def _launch_backward(
 ):
     batch, n_q_heads, seq, head_dim = q.shape
     n_k_heads = k.shape[1]
-    config = launch_config(head_dim, cos.shape[-1], q.element_size(), True)
+    config = launch_config(head_dim, cos.shape[-1], q.element_size(), True, duplicated_halves)
     block_r = config["BLOCK_R"]
     n_q_rows, n_k_rows = batch * seq * n_q_heads, batch * seq * n_k_heads
     # One row block per program, or, for weight gradients, a run of blocks per program and one partial row each.
@@ -294,7 +297,6 @@ def _launch_backward(
         seq, n_q_heads, n_k_heads, n_q_rows, n_k_rows, n_q_programs, rows_per_program,
         cos.shape[-1] // 2, head_dim, eps, offset,
         COMPUTE_DW=compute_dw, ACC=accumulator_dtype(q.dtype),
-        DUPLICATED_HALVES=reads_first_halves(duplicated_halves, config["BLOCK_C"]),
         TOKEN_ROWS=token_rows(batch, seq, (dq_out, dk_out, q, k, dq, dk), (cos, sin)), **config,
     )
     if not compute_dw:
