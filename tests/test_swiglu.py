@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unsloth_lite.kernels import swiglu
-from unsloth_lite.kernels.swiglu import swiglu_reference
+from unsloth_lite.kernels.swiglu import sigmoid_gate, sigmoid_gate_reference, swiglu_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # 1025 and 2100 are wider than the kernel's 1024-column block: several column blocks per row, last one masked.
@@ -150,3 +150,30 @@ def test_swiglu_scalars(device):
 
 def test_swiglu_empty_input(device):
     assert swiglu(torch.randn(0, 10, device=device), torch.randn(0, 10, device=device)).shape == (0, 10)
+
+
+@pytest.mark.parametrize("shape", [(7, 123), (3, 2100), (2, 3, 1025)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_sigmoid_gate_matches_reference(dtype, shape, device):
+    x = torch.randn(shape).requires_grad_()
+    gate = (2 * torch.randn(shape)).requires_grad_()
+    check_op(sigmoid_gate, sigmoid_gate_reference, [x, gate], dtype, device, names=["x", "gate"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_sigmoid_gate_reads_the_gate_half_of_each_head(dtype, device):
+    """Qwen3.5's q_proj output holds each head's query and gate side by side `[B, S, H, 2D]`: the gate half is a
+    strided view, read in place."""
+    query_and_gate = torch.randn(2, 5, 3, 2 * 32)
+    gate = query_and_gate[..., 32:]
+    x = torch.randn(2, 5, 3, 32)
+    result = check_op(
+        sigmoid_gate, sigmoid_gate_reference, [x.requires_grad_(), gate.requires_grad_()], dtype, device,
+        names=["x", "gate"],
+    )
+    assert result.inputs[1].stride() == gate.stride()
+
+
+def test_sigmoid_gate_rejects_mismatched_shapes(device):
+    with pytest.raises(ValueError, match="gate has shape"):
+        sigmoid_gate(torch.randn(3, 4, device=device), torch.randn(3, 5, device=device))

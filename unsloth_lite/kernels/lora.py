@@ -43,7 +43,9 @@ from unsloth_lite.kernels.utils import INTERPRET
 
 @dataclasses.dataclass
 class LoRAProjection:
-    """A frozen base (an `nn.Parameter` or a bitsandbytes `Params4bit`), its frozen bias, and the adapter."""
+    """A frozen base (an `nn.Parameter` or a bitsandbytes `Params4bit`), its frozen bias, and the adapter: A
+    `[r, in]` and B `[out, r]`, of rank 0 for a projection without one (`frozen_projection`), which then
+    shares its input's products with the projections that have one."""
 
     base: torch.Tensor
     bias: torch.Tensor | None
@@ -54,6 +56,20 @@ class LoRAProjection:
     @property
     def out_features(self) -> int:
         return self.lora_b.shape[0]
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[0]
+
+
+def frozen_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> LoRAProjection:
+    """A frozen linear layer (dense or NF4) without adapter, as a projection of rank 0."""
+    quant_state = getattr(weight, "quant_state", None)
+    out_features, in_features = tuple(quant_state.shape) if quant_state is not None else weight.shape
+    dtype = quant_state.dtype if quant_state is not None else weight.dtype
+    lora_a = torch.empty((0, in_features), dtype=dtype, device=weight.device)
+    lora_b = torch.empty((out_features, 0), dtype=dtype, device=weight.device)
+    return LoRAProjection(weight, bias, lora_a, lora_b, 0.0)
 
 
 _SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -115,7 +131,7 @@ def _project_all(x2d: torch.Tensor, projections, adapters: _Adapters, output_nee
     for p, rows, scaled_b in zip(projections, adapters.slices, adapters.scaled_b, strict=True):
         weight = base_weight(p, x2d.dtype)
         y = torch.matmul(x2d, weight.t()) if p.bias is None else torch.addmm(p.bias.to(x2d.dtype), x2d, weight.t())
-        outputs.append(y.addmm_(t[:, rows], scaled_b.t()))
+        outputs.append(y.addmm_(t[:, rows], scaled_b.t()) if p.rank else y)
     return outputs, t
 
 
@@ -127,18 +143,21 @@ def _project_all_backward(grads, x2d: torch.Tensor, t: torch.Tensor, projections
     zero = x2d.new_zeros(())
     d_lora_b = []
     for dy, p, rows, scaled_b in zip(grads, projections, adapters.slices, adapters.scaled_b, strict=True):
-        torch.matmul(scaled_b.t(), dy.t(), out=u_t[rows])  # s · (dy B)ᵀ
-        d_lora_b.append(torch.addmm(zero, dy.t(), t[:, rows], beta=0, alpha=p.scale))
+        if p.rank:
+            torch.matmul(scaled_b.t(), dy.t(), out=u_t[rows])  # s · (dy B)ᵀ
+        d_lora_b.append(torch.addmm(zero, dy.t(), t[:, rows], beta=0, alpha=p.scale) if p.rank else None)
         weight = base_weight(p, dy.dtype)
         if dx is None:
             dx = torch.matmul(dy, weight)
         else:
             dx.addmm_(dy, weight)
+    if not u_t.shape[0]:  # no projection has an adapter
+        return dx, [None] * (2 * len(projections))
     d_lora_a = torch.matmul(u_t, x2d)
     dx.addmm_(u_t.t(), adapters.a)
     grads = []
     for rows, d_b in zip(adapters.slices, d_lora_b, strict=True):
-        grads += [d_lora_a[rows], d_b]
+        grads += [d_lora_a[rows] if d_b is not None else None, d_b]
     return dx, grads
 
 

@@ -1,19 +1,22 @@
-"""SwiGLU, the gated activation of Qwen's MLP: one Triton pass forward, one backward.
+"""SwiGLU, the gated activation of Qwen's MLP, and the sigmoid output gate of Qwen3.5's attention: one Triton
+pass forward, one backward, the gate's function a compile-time flag.
 
 Forward, elementwise with σ the logistic sigmoid (math in fp32):
 
-    h = silu(g) · u = g · σ(g) · u
+    swiglu:        h = silu(g) · u = g · σ(g) · u
+    sigmoid gate:  h = σ(g) · u
 
 Backward, using σ'(g) = σ(g)(1 - σ(g)):
 
-    du = dh · g · σ(g)
-    dg = dh · u · σ(g) · (1 + g · (1 - σ(g)))
+    swiglu:        du = dh · g · σ(g)      dg = dh · u · σ(g) · (1 + g · (1 - σ(g)))
+    sigmoid gate:  du = dh · σ(g)          dg = dh · u · σ(g) · (1 - σ(g))
 
 Saved for the backward: g and u, the inputs. σ(g) is recomputed, so the backward moves the fewest bytes
 possible: read dh, g, u; write dg, du.
 
-Gate and up may be views into one fused projection output (`gate_up.chunk(2, -1)`): each tensor is read as
-rows with its own row stride, so such views are never copied.
+Gate and up may be views into one fused projection output (`gate_up.chunk(2, -1)`, or Qwen3.5's q_proj output
+holding each head's query and gate side by side): each tensor is read as rows with its own row stride, so
+such views are never copied.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def _swiglu_forward_kernel(
     u_ptr, u_row_stride, u_col_stride,
     h_ptr,
     n_cols, n_col_blocks,
-    BLOCK: tl.constexpr, ACC: tl.constexpr,
+    BLOCK: tl.constexpr, ACC: tl.constexpr, SIGMOID: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = (pid // n_col_blocks).to(tl.int64)
@@ -48,7 +51,10 @@ def _swiglu_forward_kernel(
     mask_cols = cols < n_cols
     g = tl.load(g_ptr + row * g_row_stride + cols * g_col_stride, mask=mask_cols, other=0.0).to(ACC)
     u = tl.load(u_ptr + row * u_row_stride + cols * u_col_stride, mask=mask_cols, other=0.0).to(ACC)
-    h = g * tl.sigmoid(g) * u
+    if SIGMOID:
+        h = tl.sigmoid(g) * u
+    else:
+        h = g * tl.sigmoid(g) * u
     tl.store(h_ptr + row * n_cols + cols, h.to(h_ptr.dtype.element_ty), mask=mask_cols)
 
 
@@ -59,7 +65,7 @@ def _swiglu_backward_kernel(
     u_ptr, u_row_stride, u_col_stride,
     dg_ptr, du_ptr,
     n_cols, n_col_blocks,
-    BLOCK: tl.constexpr, ACC: tl.constexpr,
+    BLOCK: tl.constexpr, ACC: tl.constexpr, SIGMOID: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = (pid // n_col_blocks).to(tl.int64)
@@ -69,9 +75,12 @@ def _swiglu_backward_kernel(
     g = tl.load(g_ptr + row * g_row_stride + cols * g_col_stride, mask=mask_cols, other=0.0).to(ACC)
     u = tl.load(u_ptr + row * u_row_stride + cols * u_col_stride, mask=mask_cols, other=0.0).to(ACC)
     sig = tl.sigmoid(g)
-    silu = g * sig
-    du = dh * silu
-    dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+    if SIGMOID:
+        du = dh * sig
+        dg = dh * u * sig * (1.0 - sig)
+    else:
+        du = dh * g * sig
+        dg = dh * u * sig * (1.0 + g * (1.0 - sig))
     out = row * n_cols + cols
     tl.store(dg_ptr + out, dg.to(dg_ptr.dtype.element_ty), mask=mask_cols)
     tl.store(du_ptr + out, du.to(du_ptr.dtype.element_ty), mask=mask_cols)
@@ -83,7 +92,7 @@ def _grid(n_rows: int, n_cols: int):
     return block, n_col_blocks, (n_rows * n_col_blocks,)
 
 
-def _swiglu_forward(g2d: torch.Tensor, u2d: torch.Tensor) -> torch.Tensor:
+def _swiglu_forward(g2d: torch.Tensor, u2d: torch.Tensor, sigmoid: bool = False) -> torch.Tensor:
     n_rows, n_cols = g2d.shape
     block, n_col_blocks, grid = _grid(n_rows, n_cols)
     h = empty((n_rows, n_cols), g2d.dtype, g2d.device)
@@ -92,12 +101,12 @@ def _swiglu_forward(g2d: torch.Tensor, u2d: torch.Tensor) -> torch.Tensor:
         u2d, u2d.stride(0), u2d.stride(1),
         h,
         n_cols, n_col_blocks,
-        BLOCK=block, ACC=accumulator_dtype(g2d.dtype), num_warps=4,
+        BLOCK=block, ACC=accumulator_dtype(g2d.dtype), SIGMOID=sigmoid, num_warps=4,
     )
     return h
 
 
-def _swiglu_backward(dh2d, g2d, u2d, out=None):
+def _swiglu_backward(dh2d, g2d, u2d, out=None, sigmoid: bool = False):
     """(dg, du); `out` = two contiguous `[rows, cols]` tensors to write them into, which may be g and u
     themselves: each element is read before it is overwritten, by the same program."""
     n_rows, n_cols = g2d.shape
@@ -113,42 +122,63 @@ def _swiglu_backward(dh2d, g2d, u2d, out=None):
         u2d, u2d.stride(0), u2d.stride(1),
         dg, du,
         n_cols, n_col_blocks,
-        BLOCK=block, ACC=accumulator_dtype(g2d.dtype), num_warps=4,
+        BLOCK=block, ACC=accumulator_dtype(g2d.dtype), SIGMOID=sigmoid, num_warps=4,
     )
     return dg, du
 
 
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, sigmoid):
         g2d, u2d = as_rows(gate), as_rows(up)
         ctx.save_for_backward(g2d, u2d)
-        return _swiglu_forward(g2d, u2d).view(gate.shape)
+        ctx.sigmoid = sigmoid
+        return _swiglu_forward(g2d, u2d, sigmoid).view(gate.shape)
 
     @staticmethod
     def backward(ctx, dh):
         g2d, u2d = ctx.saved_tensors
-        dg, du = _swiglu_backward(as_rows(dh), g2d, u2d)
-        return dg.view(dh.shape), du.view(dh.shape)
+        dg, du = _swiglu_backward(as_rows(dh), g2d, u2d, sigmoid=ctx.sigmoid)
+        return dg.view(dh.shape), du.view(dh.shape), None
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up`, elementwise; gate and up of one shape and dtype."""
-    check_float("gate", gate)
-    check_float("up", up)
-    if gate.shape != up.shape:
-        raise ValueError(f"gate has shape {tuple(gate.shape)} but up has shape {tuple(up.shape)}; they must match")
-    if gate.dtype != up.dtype:
-        raise ValueError(f"gate has dtype {gate.dtype} but up has dtype {up.dtype}; they must match")
-    if gate.dim() == 0:
-        raise ValueError("gate and up must have at least one dimension, got scalars")
-    check_same_device([("gate", gate), ("up", up)])
-    check_kernel_device("gate", gate)
+    _check_gate_args(gate, up)
     if gate.numel() == 0:
         return gate.new_empty(gate.shape)
-    return SwiGLUFunction.apply(gate, up)
+    return SwiGLUFunction.apply(gate, up, False)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`x * sigmoid(gate)`, elementwise (Qwen3.5's attention output gate); x and gate of one shape and dtype."""
+    _check_gate_args(gate, x, ("gate", "x"))
+    if gate.numel() == 0:
+        return x.new_empty(x.shape)
+    return SwiGLUFunction.apply(gate, x, True)
+
+
+def _check_gate_args(gate, up, names=("gate", "up")) -> None:
+    gate_name, up_name = names
+    check_float(gate_name, gate)
+    check_float(up_name, up)
+    if gate.shape != up.shape:
+        raise ValueError(
+            f"{gate_name} has shape {tuple(gate.shape)} but {up_name} has shape {tuple(up.shape)}; they must match"
+        )
+    if gate.dtype != up.dtype:
+        raise ValueError(f"{gate_name} has dtype {gate.dtype} but {up_name} has dtype {up.dtype}; they must match")
+    if gate.dim() == 0:
+        raise ValueError(f"{gate_name} and {up_name} must have at least one dimension, got scalars")
+    check_same_device([(gate_name, gate), (up_name, up)])
+    check_kernel_device(gate_name, gate)
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     acc = torch.float64 if gate.dtype == torch.float64 else torch.float32
     return (torch.nn.functional.silu(gate.to(acc)) * up.to(acc)).to(gate.dtype)
+
+
+def sigmoid_gate_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (x.to(acc) * torch.sigmoid(gate.to(acc))).to(x.dtype)

@@ -24,7 +24,7 @@ from unsloth_lite.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
 )
-from unsloth_lite.kernels.lora import LoRAProjection, lora_mlp, lora_projections
+from unsloth_lite.kernels.lora import LoRAProjection, frozen_projection, lora_mlp, lora_projections
 from unsloth_lite.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from unsloth_lite.kernels.rms_norm import rms_norm, rms_norm_reference
 from unsloth_lite.kernels.rope import apply_rope, apply_rope_reference
@@ -70,11 +70,26 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-def _lora_projection(layer) -> LoRAProjection | None:
-    """The fused path's view of a PEFT LoRA layer over a frozen dense or NF4 base; None where the layer must
-    keep PEFT's own forward."""
-    if not hasattr(layer, "lora_A") or not hasattr(layer, "base_layer"):
+def _frozen_linear(layer) -> LoRAProjection | None:
+    """A frozen `nn.Linear` or bitsandbytes NF4 `Linear4bit` without adapter, as a projection of rank 0."""
+    if type(layer) is not torch.nn.Linear and type(layer).__name__ != "Linear4bit":
         return None
+    weight, bias = layer.weight, layer.bias
+    quant_state = getattr(weight, "quant_state", None)
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        return None
+    if quant_state is None and type(layer) is not torch.nn.Linear:
+        return None  # not yet quantised
+    if quant_state is not None and quant_state.quant_type != "nf4":
+        return None
+    return frozen_projection(weight, bias)
+
+
+def _lora_projection(layer) -> LoRAProjection | None:
+    """The fused path's view of a PEFT LoRA layer over a frozen dense or NF4 base, or of a frozen linear layer
+    without adapter; None where the layer must keep its own forward."""
+    if not hasattr(layer, "lora_A") or not hasattr(layer, "base_layer"):
+        return _frozen_linear(layer)
     adapters = list(layer.active_adapters)
     if len(adapters) != 1 or layer.merged or layer.disable_adapters or adapters[0] not in layer.lora_A:
         return None
@@ -129,14 +144,19 @@ def mlp_uses_silu(module) -> str | None:
     return None if act in ("silu", "swish") else f"activation {act!r} is not SiLU"
 
 
+def project(self, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The projections `names` of one input: fused (one saved input, one dx) where each is a LoRA layer or a
+    frozen linear layer, else each through its own forward."""
+    projections = _lora_projections(self, names, x)
+    if projections is not None:
+        return lora_projections(x, projections)
+    return tuple(getattr(self, name)(x) for name in names)
+
+
 def _projected_heads(self, hidden_states: torch.Tensor):
     """q, k, v as `[B, H, S, D]` transposed views of the projections' `[B, S, H, D]` outputs."""
     hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-    projections = _lora_projections(self, ("q_proj", "k_proj", "v_proj"), hidden_states)
-    if projections is not None:
-        outputs = lora_projections(hidden_states, projections)
-    else:
-        outputs = (self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states))
+    outputs = project(self, ("q_proj", "k_proj", "v_proj"), hidden_states)
     return tuple(y.view(hidden_shape).transpose(1, 2) for y in outputs)
 
 
@@ -154,10 +174,10 @@ def _update_cache(cache, key, value, layer_idx, kwargs):
     return cache.update(key, value, layer_idx)
 
 
-def _attend(self, query, key, value, attention_mask, cache, kwargs, input_shape):
+def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, output_gate=None):
     """The rest of Hugging Face's attention forward, unchanged: cache, the configured attention
     implementation (SDPA by default; it passes GQA to SDPA without repeating KV heads when there is no mask),
-    output projection."""
+    `output_gate(attention output)` where the architecture gates it, output projection."""
     if cache is not None:
         key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
     eager = sys.modules[type(self).__module__].eager_attention_forward
@@ -168,14 +188,24 @@ def _attend(self, query, key, value, attention_mask, cache, kwargs, input_shape)
         scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None), **kwargs,
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    projection = _lora_projections(self, ("o_proj",), attn_output)
+    if output_gate is not None:
+        attn_output = output_gate(attn_output)
+    return output_projection(self, "o_proj", attn_output), attn_weights
+
+
+def output_projection(self, name: str, x: torch.Tensor) -> torch.Tensor:
+    """A token mixer's output projection, whose product a checkpoint's recomputation that kept the residual
+    stream after it leaves uncomputed."""
+    projection = _lora_projections(self, (name,), x)
     if projection is not None:
         output_needed = not getattr(_RECOMPUTATION, "attention_output_unused", False)
-        return lora_projections(attn_output, projection, output_needed=output_needed)[0], attn_weights
-    return self.o_proj(attn_output), attn_weights
+        return lora_projections(x, projection, output_needed=output_needed)[0]
+    return getattr(self, name)(x)
 
 
-def _pop_cache(args, kwargs):
+
+
+def pop_cache(args, kwargs):
     # The cache argument is `past_key_values` up to transformers 5.2x and `cache` after.
     if args:
         return args[0]
@@ -186,19 +216,19 @@ def _pop_cache(args, kwargs):
 
 def rope_attention_forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs):
     """Qwen2 attention: projections, fused RoPE, attention."""
-    cache = _pop_cache(args, kwargs)
+    cache = pop_cache(args, kwargs)
     query, key, value = _projected_heads(self, hidden_states)
     cos, sin = position_embeddings
     if use_kernels(query):  # Hugging Face's rotary embeddings build cos/sin as cat(freqs, freqs)
         query, key = apply_rope(query, key, cos, sin, duplicated_halves=True)
     else:
         query, key = apply_rope_reference(query, key, cos, sin)
-    return _attend(self, query, key, value, attention_mask, cache, kwargs, hidden_states.shape[:-1])
+    return attend(self, query, key, value, attention_mask, cache, kwargs, hidden_states.shape[:-1])
 
 
 def qk_norm_rope_attention_forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs):
     """Qwen3 attention: projections, per-head q/k RMSNorm and RoPE in one kernel, attention."""
-    cache = _pop_cache(args, kwargs)
+    cache = pop_cache(args, kwargs)
     query, key, value = _projected_heads(self, hidden_states)
     cos, sin = position_embeddings
     weights, eps = (self.q_norm.weight, self.k_norm.weight), self.q_norm.variance_epsilon
@@ -206,7 +236,7 @@ def qk_norm_rope_attention_forward(self, hidden_states, position_embeddings, att
         query, key = qk_norm_rope(query, key, *weights, cos, sin, eps, duplicated_halves=True)
     else:
         query, key = qk_norm_rope_reference(query, key, *weights, cos, sin, eps)
-    return _attend(self, query, key, value, attention_mask, cache, kwargs, hidden_states.shape[:-1])
+    return attend(self, query, key, value, attention_mask, cache, kwargs, hidden_states.shape[:-1])
 
 
 def _shifted_labels(labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,213 @@
+"""QLoRA training step at Qwen3.5-27B's shape (workload W2 of BENCHMARKS.md): tokens/s and peak memory of
+Hugging Face + PEFT + bitsandbytes (with and without flash-linear-attention) and unsloth-lite, in one run.
+
+    python scripts/bench_train_27b.py --out bench_train_w2.json                # on a GPU: W2
+    TRITON_INTERPRET=1 python scripts/bench_train_27b.py --tiny                # CPU smoke run
+
+Model: `qwen3_5_text` as published for Qwen3.5-27B (hidden 5120, 64 layers as 16 x [3 Gated DeltaNet + 1 gated
+full attention], 24 q / 4 KV heads of 256 with a quarter rotary, DeltaNet 16 key / 48 value heads of 128,
+intermediate 17408, vocabulary 248,320, untied), random weights. A checkpoint of it is 54 GB, so each worker
+builds it from its config directly on the GPU in bf16 (Hugging Face's initialisation) and quantises every
+decoder linear to bitsandbytes NF4 in place (double quantisation, block 64, bf16 compute;
+`unsloth_lite.models.quantize_linears_nf4`), one layer at a time; embeddings and lm_head stay bf16. LoRA r=16,
+alpha=16, dropout 0 on q,k,v,o,gate,up,down (`--all-linear` adds the DeltaNet projections: in_proj_qkv,
+in_proj_z, in_proj_b, in_proj_a, out_proj); gradient checkpointing; AdamW over the adapters. One step and
+its timing as in `bench_train.py` (`measure`): batch 1 x `--seq` random tokens, labels = inputs, `--warmup`
+steps then `--steps` timed ones.
+
+Variants, each in its own process (flash-linear-attention is picked up by transformers at import):
+- `hf_fla`: Hugging Face's Qwen3.5 with flash-linear-attention 0.6.0's kernels, its Hopper guard bypassed
+  (triton < 3.7.1 miscompiles its gated backward on Hopper for some block configurations: timing only).
+- `hf`: the same without flash-linear-attention (transformers' PyTorch delta rule and convolution).
+- `unsloth_lite`: `patch_model` + `add_lora` + `enable_gradient_checkpointing(offload_to_cpu=True)`: every
+  module on the fused path, the DeltaNet on our Triton kernels.
+- `unsloth_lite_graphs`: the same with `cuda_graphs=True`.
+Hugging Face's variants use its non-reentrant checkpointing with `enable_input_require_grads`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from bench_common import bench_device, environment, markdown_table, write_json
+from bench_train import _error, measure
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT_PREFIX = "BENCH_TRAIN_27B_RESULT "
+VARIANTS = ("hf_fla", "hf", "unsloth_lite", "unsloth_lite_graphs")
+TINY_VARIANTS = ("hf", "unsloth_lite")
+ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DELTANET = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+LORA_R, LORA_ALPHA, LR, SEED = 16, 16, 1e-4, 1234
+
+W2 = dict(
+    vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+    num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
+    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                         mrope_section=[11, 11, 10], mrope_interleaved=True),
+)
+TINY = dict(
+    W2, vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, max_position_embeddings=256,
+)
+
+
+def model_config(tiny: bool, layers: int | None) -> dict:
+    c = dict(TINY if tiny else W2)
+    if layers:
+        c["num_hidden_layers"] = layers
+    c["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                        for i in range(c["num_hidden_layers"])]
+    return c
+
+
+def build_model(c: dict, device: torch.device, dtype: torch.dtype):
+    """The random-weight model of config `c`, built on `device` in `dtype`, decoder linears quantised to NF4."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from unsloth_lite.models.quantize import quantize_linears_nf4
+
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**c, attn_implementation="sdpa"))
+    finally:
+        torch.set_default_dtype(default_dtype)
+    return quantize_linears_nf4(model, dtype)
+
+
+def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_linear: bool):
+    if variant == "hf":
+        sys.modules["fla"] = None  # transformers then binds its PyTorch delta rule
+    elif variant == "hf_fla":
+        import fla.ops.common.chunk_o as chunk_o
+
+        chunk_o.IS_NVIDIA_HOPPER = False  # the Hopper guard's switch (module docstring)
+    model = build_model(c, device, dtype)
+    targets = ATTENTION_MLP + DELTANET * all_linear
+    torch.manual_seed(SEED)
+    if variant.startswith("hf"):
+        from peft import LoraConfig, get_peft_model
+
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        model.config.use_cache = False
+        config = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets,
+                            bias="none", task_type="CAUSAL_LM")
+        return get_peft_model(model, config)
+    import unsloth_lite
+    from unsloth_lite.training.checkpointing import enable_gradient_checkpointing
+
+    model = unsloth_lite.add_lora(unsloth_lite.patch_model(model), r=LORA_R, lora_alpha=LORA_ALPHA,
+                                  target_modules=targets)
+    enable_gradient_checkpointing(model, offload_to_cpu=device.type == "cuda", cuda_graphs="graphs" in variant)
+    return model
+
+
+def worker_main(args) -> int:
+    device = torch.device("cpu" if args.tiny else "cuda", 0 if not args.tiny else None)
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    c = model_config(args.tiny, args.layers)
+    result = dict(variant=args.worker, seq=args.seq, layers=c["num_hidden_layers"], all_linear=args.all_linear)
+    try:
+        start = time.perf_counter()
+        model = load(args.worker, c, device, dtype, args.all_linear)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=LR)
+        result.update(load_s=round(time.perf_counter() - start, 1), trainable_params=sum(p.numel() for p in params))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            result["load_gib"] = torch.cuda.memory_allocated(device) / 2**30
+        result.update(measure(args, model, optimizer, device, 1, args.seq, c["vocab_size"], args.warmup, args.steps,
+                              profile=False))
+    except (Exception, SystemExit) as error:  # this variant's error, never a crash of the whole run
+        traceback.print_exc()
+        result.update(_error(error))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+def run_worker(args, variant: str) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--seq", str(args.seq),
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--tiny"] * args.tiny + ["--all-linear"] * args.all_linear
+    cmd += ["--layers", str(args.layers)] if args.layers else []
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "scripts"), str(ROOT), env.get("PYTHONPATH")]))
+    if args.tiny:
+        env["TRITON_INTERPRET"] = "1"
+    print(f"[{variant}] starting", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace", timeout=args.worker_timeout)
+    lines = proc.stdout.splitlines()
+    results = [json.loads(line[len(RESULT_PREFIX):]) for line in lines if line.startswith(RESULT_PREFIX)]
+    result = results[0] if results else dict(variant=variant, error=f"worker exited with {proc.returncode}")
+    if "error" in result or args.verbose:
+        print("\n".join(f"[{variant}] {line}" for line in lines[-25:]), flush=True)
+    print(f"[{variant}] done in {time.perf_counter() - start:.0f} s: {result.get('error', '')}", flush=True)
+    return result
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run (4-layer tiny model, interpreter)")
+    parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny 64)")
+    parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers (keeps the pattern)")
+    parser.add_argument("--all-linear", action="store_true", help="LoRA on the DeltaNet projections too")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--worker-timeout", type=float, default=900)
+    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--host-profile", action="store_true", help=argparse.SUPPRESS)  # read by `measure`
+    args = parser.parse_args(argv)
+    args.seq = args.seq or (64 if args.tiny else 2048)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    device = bench_device(args.tiny)
+    if device is None:
+        return 1
+    variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
+    rows = [run_worker(args, v) for v in variants]
+    baseline = next((r for r in rows if r["variant"] == "hf_fla" and r.get("step_s")), None)
+    for r in rows:
+        if r.get("step_s"):
+            r["tokens_per_s"] = round(args.seq / r["step_s"], 1)
+            if baseline:
+                r["vs_hf_fla"] = round(baseline["step_s"] / r["step_s"], 3)
+        for key in ("peak_gib", "peak_reserved_gib", "load_gib"):
+            if key in r:
+                r[key] = round(r[key], 2)
+    columns = ["variant", "seq", "layers", "tokens_per_s", "vs_hf_fla", "peak_gib", "peak_reserved_gib", "load_gib",
+               "first_loss", "warmup_s", "error"]
+    print(markdown_table(rows, columns))
+    packages = ("torch", "triton", "transformers", "peft", "bitsandbytes", "fla-core")
+    write_json(args.out, dict(environment=environment(device, packages), config=model_config(args.tiny, args.layers),
+                              rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Qwen3.5's own token mixers on the fused path: the Gated DeltaNet layer and the gated full attention.
+
+Gated DeltaNet, per layer (x the normed hidden states `[B, T, hidden]`):
+
+    qkv, z, b, a = x W_qkvᵀ, x W_zᵀ, x W_bᵀ, x W_aᵀ           one fused LoRA/NF4 call, one saved input
+    q, k, v = split(silu(causal_conv1d(qkv)))                  `causal_conv1d`, views of one output, no copies
+    g, β = -exp(A_log) · softplus(a + dt_bias), sigmoid(b)     `deltanet_gates`
+    o = gated delta rule(l2norm(q), l2norm(k), v, g, β)        `chunk_gated_delta_rule` (value heads read their
+                                                               key head, never a repeated copy)
+    out = out_proj(rmsnorm(o) · w · silu(z))                   `gated_rms_norm`, then the output projection
+
+Gated attention: q_proj yields each head's query and output gate side by side (`[.., H, 2D]`); the query
+half and k go through q/k-norm + partial RoPE in one kernel (read in place, as strided views), SDPA runs with
+native GQA, and the attention output is gated by sigmoid(gate) before o_proj.
+
+With a cache (generation) both keep Hugging Face's forward, whose projections still run on our kernels.
+Off the kernels' devices (CPU without the interpreter) the plain-PyTorch references compute the same
+functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unsloth_lite.kernels.causal_conv1d import causal_conv1d, causal_conv1d_reference
+from unsloth_lite.kernels.deltanet_gates import deltanet_gates, deltanet_gates_reference
+from unsloth_lite.kernels.gated_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
+from unsloth_lite.kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
+from unsloth_lite.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from unsloth_lite.kernels.swiglu import sigmoid_gate, sigmoid_gate_reference
+from unsloth_lite.models.layers import attend, output_projection, pop_cache, project, use_kernels
+
+DELTANET_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+def _original_forward(self, *args, **kwargs):
+    """Hugging Face's forward of the module's class (ours is bound on the instance only)."""
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _cache_argument(kwargs):
+    # The cache keyword is `cache_params` up to transformers 5.2x and `cache` after.
+    for name in ("cache", "cache_params", "past_key_values"):
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
+
+
+def gated_deltanet_forward(self, hidden_states, *args, attention_mask=None, **kwargs):
+    """Qwen3.5's Gated DeltaNet token mixer, training and prefill without cache fused."""
+    if args or _cache_argument(kwargs) is not None:
+        return _original_forward(self, hidden_states, *args, attention_mask=attention_mask, **kwargs)
+    for name in ("cache", "cache_params", "past_key_values"):
+        kwargs.pop(name, None)
+    kernels = use_kernels(hidden_states)
+    if attention_mask is not None:  # a 2-D padding mask: pad tokens must not write into the state
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    batch, seq_len, _ = hidden_states.shape
+    mixed_qkv, z, b, a = project(self, DELTANET_PROJECTIONS, hidden_states)
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+
+    conv = causal_conv1d if kernels else causal_conv1d_reference
+    conv_weight = self.conv1d.weight.squeeze(1)
+    mixed_qkv = conv(
+        mixed_qkv.transpose(1, 2), conv_weight, self.conv1d.bias, activation=self.activation, cu_seqlens=cu_seqlens
+    ).transpose(1, 2)
+    query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    query = query.unflatten(-1, (self.num_k_heads, self.head_k_dim))
+    key = key.unflatten(-1, (self.num_k_heads, self.head_k_dim))
+    value = value.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+
+    gates = deltanet_gates if kernels else deltanet_gates_reference
+    g, beta = gates(a, b, self.A_log, self.dt_bias)
+    delta_rule = chunk_gated_delta_rule if kernels else chunk_gated_delta_rule_reference
+    core, _ = delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+
+    norm = gated_rms_norm if kernels else gated_rms_norm_reference
+    z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+    core = norm(core, self.norm.weight, z, eps=self.norm.variance_epsilon)
+    return output_projection(self, "out_proj", core.reshape(batch, seq_len, self.value_dim))
+
+
+def deltanet_checks(module) -> str | None:
+    if module.activation not in ("silu", "swish"):
+        return f"activation {module.activation!r} is not SiLU"
+    if module.num_v_heads % module.num_k_heads:
+        return f"{module.num_v_heads} value heads are not a multiple of {module.num_k_heads} key heads"
+    return None
+
+
+def gated_attention_forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs):
+    """Qwen3.5's gated full attention: projections, q/k-norm + partial RoPE in one kernel, attention, sigmoid
+    output gate, output projection."""
+    cache = pop_cache(args, kwargs)
+    input_shape = hidden_states.shape[:-1]
+    query_and_gate, key, value = project(self, ("q_proj", "k_proj", "v_proj"), hidden_states)
+    query_and_gate = query_and_gate.view(*input_shape, -1, 2 * self.head_dim)
+    query, gate = query_and_gate[..., : self.head_dim], query_and_gate[..., self.head_dim :]
+    query = query.transpose(1, 2)
+    key = key.view(*input_shape, -1, self.head_dim).transpose(1, 2)
+    value = value.view(*input_shape, -1, self.head_dim).transpose(1, 2)
+    cos, sin = position_embeddings
+    weights, eps = (self.q_norm.weight, self.k_norm.weight), self.q_norm.eps
+    if use_kernels(query):  # Hugging Face's rotary embeddings build cos/sin as cat(freqs, freqs)
+        query, key = qk_norm_rope(query, key, *weights, cos, sin, eps, offset=1.0, duplicated_halves=True)
+        gate_fn = sigmoid_gate
+    else:
+        query, key = qk_norm_rope_reference(query, key, *weights, cos, sin, eps, offset=1.0)
+        gate_fn = sigmoid_gate_reference
+
+    def output_gate(attn_output):  # gate stays a strided view of q_proj's output: no copy
+        return gate_fn(attn_output.view(gate.shape), gate).view(attn_output.shape)
+
+    return attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, output_gate=output_gate)
