@@ -49,9 +49,9 @@ def test_causal_conv1d_matches_reference(dtype, shape, device):
     _check(x, weight, bias, dtype, device)
 
 
-@pytest.mark.parametrize(("with_bias", "activation"), [(False, "silu"), (True, None), (False, None)],
-                         ids=["no_bias-silu", "bias-none", "no_bias-none"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize(("dtype", "with_bias", "activation"),
+                         [(torch.float32, False, "silu"), (torch.float32, True, None), (torch.bfloat16, False, None)],
+                         ids=["fp32-no_bias-silu", "fp32-bias-none", "bf16-no_bias-none"])
 def test_causal_conv1d_bias_and_activation(dtype, with_bias, activation, device):
     x = _x(2, 100, 37).requires_grad_()
     weight = torch.randn(100, 4).requires_grad_()
@@ -59,7 +59,7 @@ def test_causal_conv1d_bias_and_activation(dtype, with_bias, activation, device)
     _check(x, weight, bias, dtype, device, activation=activation)
 
 
-@pytest.mark.parametrize("kernel_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("kernel_size", [1, 3, 8])
 def test_causal_conv1d_kernel_sizes(kernel_size, device):
     x = _x(2, 48, 37).requires_grad_()
     weight = torch.randn(48, kernel_size).requires_grad_()
@@ -67,11 +67,10 @@ def test_causal_conv1d_kernel_sizes(kernel_size, device):
     _check(x, weight, bias, torch.float32, device)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_causal_conv1d_contiguous_bct_input(dtype, device):
+def test_causal_conv1d_contiguous_bct_input(device):
     x = _x(2, 100, 37, layout="bct").requires_grad_()
     weight = torch.randn(100, 4).requires_grad_()
-    _check(x, weight, None, dtype, device, make_grad=transposed_randn_grad)
+    _check(x, weight, None, torch.bfloat16, device, make_grad=transposed_randn_grad)
 
 
 def test_causal_conv1d_strided_input(device):
@@ -90,8 +89,8 @@ def test_causal_conv1d_many_tiles(device):
     _check(x, weight, bias, torch.float32, device)
 
 
-@pytest.mark.parametrize("needs", [(True, False, False), (False, True, False), (False, False, True),
-                                   (False, True, True)], ids=["x", "weight", "bias", "params"])
+@pytest.mark.parametrize("needs", [(True, False, False), (False, True, True), (False, False, True)],
+                         ids=["x", "params", "bias"])
 def test_causal_conv1d_partial_grads(needs, device):
     x = _x(1, 48, 37).requires_grad_(needs[0])
     weight = torch.randn(48, 4).requires_grad_(needs[1])
@@ -108,8 +107,8 @@ def test_causal_conv1d_bf16_x_fp32_weight(device):
     assert result.inputs[1].grad.dtype == torch.float32
 
 
-@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize(("dtype", "cu_dtype"), [(torch.float32, torch.int32), (torch.bfloat16, torch.int64)],
+                         ids=["fp32-int32", "bf16-int64"])
 def test_causal_conv1d_cu_seqlens(dtype, cu_dtype, device):
     # Three uneven documents, one shorter than the kernel: the reference runs each document on its own.
     cu_seqlens = torch.tensor([0, 2, 23, 41], dtype=cu_dtype)
@@ -151,13 +150,16 @@ def test_causal_conv1d_no_grad(device):
 
 
 def test_causal_conv1d_gradcheck(device):
+    # fast_mode: each full-Jacobian column is a kernel launch, slow in the interpreter.
     x = torch.randn(2, 5, 3, dtype=torch.float64, device=device).transpose(1, 2).requires_grad_()
     weight = torch.randn(3, 4, dtype=torch.float64, device=device, requires_grad=True)
     bias = torch.randn(3, dtype=torch.float64, device=device, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, w, b: causal_conv1d(a, w, b, "silu"), (x, weight, bias))
+    fn = lambda a, w, b: causal_conv1d(a, w, b, "silu")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, weight, bias), fast_mode=True)
     cu = torch.tensor([0, 2, 5], device=device)
     x1 = x.detach()[:1].clone().requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, w, b: causal_conv1d(a, w, b, "silu", cu), (x1, weight, bias))
+    fn = lambda a, w, b: causal_conv1d(a, w, b, "silu", cu)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x1, weight, bias), fast_mode=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
