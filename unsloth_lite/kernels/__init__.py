@@ -1,21 +1,30 @@
 """Fused Triton kernels. Each differentiable op is a `torch.autograd.Function` with a hand-written backward;
 `dequantize_nf4` (frozen weights) has none."""
 
+from unsloth_lite.kernels.causal_conv1d import causal_conv1d
+from unsloth_lite.kernels.deltanet_gates import deltanet_gates
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4
 from unsloth_lite.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from unsloth_lite.kernels.gated_delta_rule import chunk_gated_delta_rule
+from unsloth_lite.kernels.gated_rms_norm import gated_rms_norm
 from unsloth_lite.kernels.lora import lora_mlp, lora_projections
 from unsloth_lite.kernels.qk_norm_rope import qk_norm_rope
 from unsloth_lite.kernels.rms_norm import rms_norm
 from unsloth_lite.kernels.rope import apply_rope
-from unsloth_lite.kernels.swiglu import swiglu
+from unsloth_lite.kernels.swiglu import sigmoid_gate, swiglu
 
 __all__ = [
     "apply_rope",
+    "causal_conv1d",
+    "chunk_gated_delta_rule",
+    "deltanet_gates",
     "dequantize_nf4",
     "fused_linear_cross_entropy",
+    "gated_rms_norm",
     "lora_mlp",
     "lora_projections",
     "qk_norm_rope",
     "rms_norm",
+    "sigmoid_gate",
     "swiglu",
 ]

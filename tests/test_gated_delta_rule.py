@@ -1,0 +1,286 @@
+"""chunk_gated_delta_rule against the token-by-token recurrence in float64 (CPU: interpreter, small shapes), the
+PyTorch references against each other and Hugging Face's, argument checks, and (marked `gpu`) Qwen3.5-27B's W2
+shapes compiled on CUDA against the chunked PyTorch reference in float64."""
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import TOLERANCE, assert_close, cast_inputs, dtype_id
+
+from unsloth_lite.kernels import chunk_gated_delta_rule
+from unsloth_lite.kernels.gated_delta_rule import (
+    _value_block,
+    chunk_gated_delta_rule_reference,
+    recurrent_gated_delta_rule_reference,
+)
+
+NAMES = ["q", "k", "v", "g", "beta", "initial_state"]
+
+# fp32 inputs: the kernel sums the recurrence chunk by chunk (WY/UT form, a triangular solve per chunk) where the
+# reference goes token by token; the two summation orders differ by a few fp32 ulps per step, ~1e-6 relative on
+# these shapes and a few 1e-5 at 8k tokens. 2e-4 leaves room and still catches any wrong term.
+TOL = {torch.float64: 1e-10, torch.float32: 2e-4, torch.bfloat16: TOLERANCE[torch.bfloat16], torch.float16: TOLERANCE[torch.float16]}
+
+
+def make_inputs(batch, seq, hk, group, dk, dv, *, l2=True, n_states=None, layout="contiguous", grads=NAMES):
+    """fp32 inputs (leaves marked as `grads` says): g = -softplus(randn) ≤ 0, beta = sigmoid(randn) in (0, 1);
+    keys unit-norm when the kernel won't normalise them. `layout="conv"`: q, k, v are views of one
+    `[B, T, 2·Hk·Dk + Hv·Dv]` tensor, as Qwen3.5 slices its conv output."""
+    hv = hk * group
+    if layout == "conv":
+        mixed = torch.randn(batch, seq, 2 * hk * dk + hv * dv)
+        q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = q.view(batch, seq, hk, dk), k.view(batch, seq, hk, dk), v.view(batch, seq, hv, dv)
+        assert not q.is_contiguous()
+    else:
+        q, k, v = torch.randn(batch, seq, hk, dk), torch.randn(batch, seq, hk, dk), torch.randn(batch, seq, hv, dv)
+    if not l2:
+        k = F.normalize(k, dim=-1)
+        q = q / dk**0.5
+    g = -F.softplus(torch.randn(batch, seq, hv))
+    beta = torch.sigmoid(torch.randn(batch, seq, hv))
+    h0 = torch.randn(n_states, hv, dk, dv) if n_states else None
+    tensors = [q, k, v, g, beta, h0]
+    return [t.requires_grad_(name in grads) if t is not None else None for name, t in zip(NAMES, tensors, strict=True)]
+
+
+def run_and_compare(inputs, dtype, device, *, l2, cu_seqlens=None, scale=None, final=True, tol=None,
+                    reference=recurrent_gated_delta_rule_reference, reference_dtype=torch.float64,
+                    fn=chunk_gated_delta_rule):
+    """`fn` (the kernel) on `inputs` cast to `dtype` (initial state fp32) against `reference` in `reference_dtype` on the same
+    rounded values: output, final state and every gradient asked for."""
+    tol = TOL[dtype] if tol is None else tol
+    h0 = inputs[5]
+    dtypes = [dtype] * 5 + [torch.float64 if dtype == torch.float64 else torch.float32]
+    xs = cast_inputs(inputs[:5] + ([h0] if h0 is not None else []), dtypes[: 5 + (h0 is not None)], device)
+    if h0 is None:
+        xs.append(None)
+    refs = [x.detach().to(reference_dtype).requires_grad_(x.requires_grad) if x is not None else None for x in xs]
+    cu = cu_seqlens.to(device) if cu_seqlens is not None else None
+    kwargs = dict(scale=scale, output_final_state=final, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+    o, state = fn(*xs[:5], initial_state=xs[5], **kwargs)
+    ref_o, ref_state = reference(*refs[:5], initial_state=refs[5], **kwargs)
+    assert o.dtype == xs[2].dtype and o.shape == xs[2].shape
+    assert_close(o, ref_o, tol, "o")
+    if final:
+        assert state.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert_close(state, ref_state, tol, "final state")
+    else:
+        assert state is None
+    do = torch.randn(o.shape, device=device).to(o.dtype)
+    outs, ref_outs, upstream = [o], [ref_o], [do]
+    if final:
+        outs.append(state)
+        ref_outs.append(ref_state)
+        upstream.append(torch.randn(state.shape, device=device))
+    if not any(x is not None and x.requires_grad for x in xs):
+        return xs
+    torch.autograd.backward(outs, upstream)
+    torch.autograd.backward(ref_outs, [u.to(reference_dtype) for u in upstream])
+    for name, x, ref in zip(NAMES, xs, refs, strict=True):
+        if x is None:
+            continue
+        if not x.requires_grad:
+            assert x.grad is None, f"{name} got a gradient it did not ask for"
+            continue
+        assert x.grad is not None and x.grad.dtype == x.dtype, f"d{name}: missing or wrong dtype"
+        assert_close(x.grad, ref.grad, tol, f"d{name}")
+    return xs
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The kernels (CPU: Triton's interpreter) against the recurrence in float64
+
+
+@pytest.mark.parametrize("l2", [True, False], ids=["l2", "no_l2"])
+def test_gated_delta_rule_fp32(l2, device):
+    # 70 tokens: one whole chunk and a partial one; nonzero initial state.
+    inputs = make_inputs(1, 70, 2, 1, 16, 16, l2=l2, n_states=1)
+    run_and_compare(inputs, torch.float32, device, l2=l2)
+
+
+def test_gated_delta_rule_grouped_value_heads(device):
+    # Hv = 3·Hk, two sequences of 130 tokens (3 chunks, the last partial), Dv ≠ Dk, no initial state.
+    inputs = make_inputs(2, 130, 1, 3, 16, 32, l2=True)
+    run_and_compare(inputs, torch.float32, device, l2=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_gated_delta_rule_16bit(dtype, device):
+    inputs = make_inputs(1, 70, 1, 3, 16, 16, l2=True, n_states=1)
+    run_and_compare(inputs, dtype, device, l2=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_gated_delta_rule_non_contiguous_views(dtype, device):
+    inputs = make_inputs(1, 70, 1, 2, 16, 16, l2=True, n_states=1, layout="conv")
+    xs = run_and_compare(inputs, dtype, device, l2=True)
+    assert not xs[0].is_contiguous()
+
+
+@pytest.mark.parametrize("batch", [1, 3], ids=["bv32", "bv64"])
+def test_gated_delta_rule_value_blocks(batch, device):
+    # Dv = 64: the sequential passes take 64 state columns a program when there are enough (sequence, head)
+    # pairs, else two programs of 32 (the interpreter counts 4 multiprocessors).
+    hv = 3
+    expected = 64 if batch == 3 else 32
+    if device == "cpu":
+        assert _value_block(torch.device("cpu"), batch * hv, 64) == expected
+    inputs = make_inputs(batch, 40, 1, hv, 32, 64, l2=True, n_states=batch)
+    run_and_compare(inputs, torch.float32, device, l2=True)
+
+
+def test_gated_delta_rule_varlen(device):
+    # Three documents of 65, 1 and 100 tokens packed in one row, each from its own initial state.
+    cu = torch.tensor([0, 65, 66, 166], dtype=torch.int32)
+    inputs = make_inputs(1, 166, 1, 2, 16, 16, l2=True, n_states=3)
+    xs = run_and_compare(inputs, torch.float32, device, l2=True, cu_seqlens=cu)
+    # The same as running each document alone.
+    q, k, v, g, beta, h0 = (x.detach() for x in xs)
+    o, state = chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu.to(device),
+    )
+    for n, (bos, eos) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        doc = [x[:, bos:eos] for x in (q, k, v, g, beta)]
+        o_doc, state_doc = chunk_gated_delta_rule(
+            *doc, initial_state=h0[n : n + 1], output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+        assert_close(o[:, bos:eos], o_doc, 1e-5, f"o of document {n}")
+        assert_close(state[n : n + 1], state_doc, 1e-5, f"final state of document {n}")
+
+
+def test_gated_delta_rule_varlen_int64_no_state(device):
+    cu = torch.tensor([0, 30, 130], dtype=torch.int64)
+    inputs = make_inputs(1, 130, 2, 1, 16, 16, l2=False)
+    run_and_compare(inputs, torch.float32, device, l2=False, cu_seqlens=cu)
+
+
+def test_gated_delta_rule_some_grads_only(device):
+    # No final state, explicit scale, g and beta frozen, an initial state without a gradient.
+    inputs = make_inputs(1, 70, 1, 2, 16, 16, l2=True, n_states=1, grads=["q", "k", "v"])
+    run_and_compare(inputs, torch.float32, device, l2=True, final=False, scale=0.3)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The references
+
+
+@pytest.mark.parametrize("l2", [True, False], ids=["l2", "no_l2"])
+def test_chunked_reference_matches_recurrence(l2):
+    cu = torch.tensor([0, 100, 101, 230])
+    inputs = make_inputs(1, 230, 2, 2, 8, 12, l2=l2, n_states=3)
+    run_and_compare(
+        inputs, torch.float64, "cpu", l2=l2, cu_seqlens=cu, tol=1e-10, fn=chunk_gated_delta_rule_reference
+    )
+
+
+def test_recurrent_reference_matches_hugging_face(torch_delta_rule):
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    hf = modeling_qwen3_5.torch_recurrent_gated_delta_rule
+    hf = getattr(hf, "__wrapped__", hf)
+    q, k, v, g, beta, h0 = (x.detach().double() for x in make_inputs(2, 37, 2, 3, 8, 12, l2=True, n_states=2))
+    # HF's recurrence runs in fp32 whatever it is given; ours in float64: compare at fp32 precision.
+    ours = recurrent_gated_delta_rule_reference(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    theirs = hf(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert_close(ours[0], theirs[0], 1e-5, "o")
+    assert_close(ours[1], theirs[1], 1e-5, "final state")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def _bad(case):
+    q, k, v = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 4, 16)
+    g, beta = -torch.rand(1, 8, 4), torch.rand(1, 8, 4)
+    kwargs = {}
+    if case == "q":
+        q = q[0]
+    elif case == "k":
+        k = torch.randn(1, 8, 2, 32)
+    elif case == "v":
+        v = torch.randn(1, 8, 3, 16)
+    elif case == "g":
+        g = g[..., :2]
+    elif case == "beta":
+        beta = beta.to(torch.int32)
+    elif case == "initial_state":
+        kwargs["initial_state"] = torch.randn(1, 2, 16, 16)
+    elif case == "cu_seqlens":
+        q, k, v, g, beta = (torch.cat([x, x]) for x in (q, k, v, g, beta))
+        kwargs["cu_seqlens"] = torch.tensor([0, 4, 8], dtype=torch.int32)
+    return (q, k, v, g, beta), kwargs
+
+
+@pytest.mark.parametrize("case", ["q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"])
+def test_gated_delta_rule_bad_arguments(case, device):
+    args, kwargs = _bad(case)
+    args = [a.to(device) for a in args]
+    kwargs = {key: value.to(device) for key, value in kwargs.items()}
+    with pytest.raises(ValueError, match=case):
+        chunk_gated_delta_rule(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Compiled on CUDA: Qwen3.5-27B's W2 shapes (B=1, Hk=16, Hv=48, Dk=Dv=128) against the chunked reference in float64.
+# T=2048 and 8192 take 32 state columns a program (96 programs of 64 would under-fill 132 SMs); the varlen batch
+# (4 documents) takes 64. Both are covered in bf16 and fp32.
+
+
+@pytest.fixture
+def _free_gpu_memory():
+    yield
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+W2 = dict(hk=16, group=3, dk=128, dv=128)
+W2_VARLEN = [0, 700, 2048, 3000, 4096]
+
+
+def _w2_inputs(seq, n_states, device):
+    inputs = make_inputs(1, seq, W2["hk"], W2["group"], W2["dk"], W2["dv"], l2=True, n_states=n_states)
+    return [x.to(device).detach().requires_grad_(x.requires_grad) if x is not None else None for x in inputs]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("_free_gpu_memory")
+@pytest.mark.parametrize(
+    ("dtype", "seq", "varlen"),
+    [
+        (torch.bfloat16, 2048, False),
+        (torch.bfloat16, 8192, False),
+        (torch.bfloat16, 4096, True),
+        (torch.float32, 2048, False),
+        (torch.float32, 4096, True),
+    ],
+    ids=["bf16-2048", "bf16-8192", "bf16-varlen", "fp32-2048", "fp32-varlen"],
+)
+def test_gated_delta_rule_w2_shapes(dtype, seq, varlen):
+    cu = torch.tensor(W2_VARLEN, dtype=torch.int32) if varlen else None
+    n_states = len(W2_VARLEN) - 1 if varlen else 1
+    expected_block = 64 if varlen else 32
+    assert _value_block(torch.device("cuda"), n_states * W2["hk"] * W2["group"], W2["dv"]) == expected_block
+    inputs = _w2_inputs(seq, n_states, "cuda")
+    run_and_compare(
+        inputs, dtype, "cuda", l2=True, cu_seqlens=cu, reference=chunk_gated_delta_rule_reference,
+        reference_dtype=torch.float64,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("_free_gpu_memory")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_gated_delta_rule_odd_shapes_gpu(dtype):
+    # Head dims that are not powers of two, 1000 tokens, conv-output views, GVA 2.
+    inputs = make_inputs(2, 1000, 3, 2, 96, 80, l2=True, n_states=2, layout="conv")
+    run_and_compare(
+        inputs, dtype, "cuda", l2=True, reference=chunk_gated_delta_rule_reference, reference_dtype=torch.float64
+    )

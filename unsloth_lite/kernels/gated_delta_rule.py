@@ -1,0 +1,429 @@
+"""Gated DeltaNet (Qwen3.5's linear attention): the chunked gated delta rule, forward and hand-written backward.
+
+Per value head, with state S `[Dk, Dv]` (fp32), for each token t (q, k L2-normalised first when asked):
+
+    S ← exp(g_t) S;    S ← S + k_t ⊗ β_t (v_t − Sᵀ k_t);    o_t = Sᵀ (scale · q_t)
+
+Value head h reads key head h // G (G = Hv / Hk) in place: nothing is repeated or copied.
+
+Chunked form (chunk C = 64 tokens; S0 the state at the chunk's start; within the chunk γ = cumsum(g), Γ = exp(γ),
+D_ij = exp(γ_i − γ_j), K̃ = K ⊙ exp(γ_C − γ), γ_C the last γ):
+
+    A   = strictly-lower(β_i (k_i·k_j) D_ij)          T = (I + A)⁻¹        (forward substitution, fp32)
+    U   = T (β⊙V)      W = T (βΓ⊙K)                   V_new = U − W S0     (the δ_t = β_t(v_t − S̃ᵀk_t) of the chunk)
+    M   = tril_incl(scale Q Kᵀ ⊙ D)
+    O   = scale (Q⊙Γ) S0 + M V_new
+    S_C = exp(γ_C) S0 + K̃ᵀ V_new
+
+(δ solves δ_i = β_i v_i − β_i Γ_i k_iᵀS0 − Σ_{j<i} A_ij δ_j, i.e. (I + A) δ = β⊙V − (βΓ⊙K) S0.)
+
+Backward, with dO of the chunk and dS_C the gradient of its end state (from later chunks, or the final state's):
+
+    dV_new = Mᵀ dO + K̃ dS_C
+    dS0    = scale (Q⊙Γ)ᵀ dO − Wᵀ dV_new + exp(γ_C) dS_C             (the reverse sequential pass)
+
+and then, chunk-parallel, with dU = dV_new, dW = −dV_new S0ᵀ, and writing Ū = Tᵀ dV_new:
+
+    dT = dU (β⊙V)ᵀ + dW (βΓ⊙K)ᵀ,   dA = −Tᵀ dT Tᵀ = −Ū Uᵀ − (Tᵀ dW) Wᵀ = −Ū Uᵀ + Ū (W S0)ᵀ = −Ū V_newᵀ
+    dv     = β ⊙ Ū                          Tᵀ dW = −Ū S0ᵀ =: W̄
+    dβ_i   = v_i·Ū_i + Γ_i k_i·W̄_i + Σ_j dA_ij (k_i·k_j) D_ij
+    dk     = β Γ ⊙ W̄ + exp(γ_C − γ) ⊙ (V_new dS_Cᵀ) + scale (dM ⊙ D)ᵀ Q + (G + Gᵀ) K,
+             dM = dO V_newᵀ (lower incl.),  G = β_i dA_ij D_ij (strictly lower)
+    dq     = scale Γ ⊙ (dO S0ᵀ) + scale (dM ⊙ D) K
+    dγ_i   = scale Γ_i q_i·(dO S0ᵀ)_i + β_iΓ_i k_i·W̄_i − k̃_i·(V_new dS_Cᵀ)_i
+             + Σ_j (dM⊙M)_ij − Σ_j (dM⊙M)_ji + Σ_j (dA⊙A)_ij − Σ_j (dA⊙A)_ji
+    dγ_C  += exp(γ_C) Σ S0⊙dS_C + Σ K̃ ⊙ (V_new dS_Cᵀ)
+    dg     = reverse in-chunk cumsum of dγ   (the dγ_C terms reach every token of the chunk)
+
+and through the L2 norm x̂ = x r, r = (Σx² + 1e-6)^-½:  dx = r (dx̂ − x̂ (x̂·dx̂)). dq and dk of a key head are summed
+over its G value heads inside one program.
+
+Kernels (`gated_delta_rule_kernels.py`):
+
+1. `_prepare_kernel`, chunk-parallel: T, W, U into fp32 scratch (and T itself for the backward).
+2. `_forward_states_kernel`, sequential over the chunks of a sequence, one program per (Dv block, sequence, head):
+   V_new, the output and the state; the backward reruns it to store the chunk-start states and V_new.
+3. `_backward_states_kernel`, the reverse sequential pass: dS_C of every chunk, dV_new, d(initial state).
+4. `_backward_inputs_kernel`, chunk-parallel, one program per (chunk, key head): dq, dk, dv, dg, dβ.
+
+Saved for the backward: the inputs only; the backward recomputes T/W/U and the states (scratch freed on return).
+The sequential passes split the state's Dv columns over programs (`_value_block`), so a batch of one
+sequence still fills the GPU. Varlen (`cu_seqlens`): the chunk → document table is built on the device
+(searchsorted over the documents' first chunks), with the grid sized by the bound cdiv(T, C) + N chunks; no host
+sync. `cu_seqlens` must run from 0 to T without decreasing (not checked: that would need a sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from unsloth_lite.kernels.gated_delta_rule_kernels import (
+    _backward_inputs_kernel,
+    _backward_states_kernel,
+    _forward_states_kernel,
+    _prepare_kernel,
+)
+from unsloth_lite.kernels.utils import (
+    check_float,
+    check_kernel_device,
+    check_same_device,
+    empty,
+    multiprocessor_count,
+)
+
+CHUNK = 64
+MAX_HEAD_DIM = 256
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch settings
+
+
+def _value_block(device: torch.device, n_sequence_heads: int, dv: int) -> int:
+    """Dv columns per program of the sequential passes: 64, or 32 where 64 would leave the GPU under-filled
+    (fewer than two programs a multiprocessor, e.g. batch 1 with 48 heads of 128). The interpreter counts 4."""
+    sms = multiprocessor_count(device.index or 0) if device.type == "cuda" else 4
+    block = 64 if n_sequence_heads * triton.cdiv(dv, 64) >= 2 * sms else 32
+    return min(block, max(16, triton.next_power_of_2(dv)))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (tf32 would cost ~1e-3 over a long recurrence). 16-bit inputs: tf32,
+    # finer than the inputs' own rounding.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class _Layout:
+    """Sequences and chunks of a batch: fixed length (sequence n = batch row n) or varlen documents."""
+
+    def __init__(self, q: torch.Tensor, cu_seqlens: torch.Tensor | None):
+        batch, seq = q.shape[:2]
+        self.T = seq
+        self.varlen = cu_seqlens is not None
+        if self.varlen:
+            self.n_seq = cu_seqlens.numel() - 1
+            self.NC = 0
+            self.NCH = triton.cdiv(seq, CHUNK) + self.n_seq  # bound on Σ cdiv(len_n, C)
+            cu = cu_seqlens.to(torch.int64)
+            n_chunks = torch.div(cu[1:] - cu[:-1] + CHUNK - 1, CHUNK, rounding_mode="floor")
+            self.chunk_first = F.pad(torch.cumsum(n_chunks, 0), (1, 0))
+            chunk_ids = torch.arange(self.NCH, device=q.device)
+            seq_of_chunk = torch.searchsorted(self.chunk_first, chunk_ids, right=True) - 1
+            self.chunk_seq = seq_of_chunk.clamp_(0, self.n_seq - 1)
+            self.cu = cu
+        else:
+            self.n_seq = batch
+            self.NC = triton.cdiv(seq, CHUNK)
+            self.NCH = batch * self.NC
+            dummy = torch.zeros(1, dtype=torch.int64, device=q.device)
+            self.chunk_first = self.chunk_seq = self.cu = dummy
+
+
+def _strides(t: torch.Tensor):
+    return tuple(t.stride())
+
+
+def _prepare(q, k, v, g, beta, lay: _Layout, use_l2: bool, store_t: bool):
+    hv, dk, dv = v.shape[2], k.shape[3], v.shape[3]
+    group = hv // k.shape[2]
+    dev = q.device
+    w = empty((hv, lay.NCH, CHUNK, dk), torch.float32, dev)
+    u = empty((hv, lay.NCH, CHUNK, dv), torch.float32, dev)
+    tm = empty((hv, lay.NCH, CHUNK, CHUNK), torch.float32, dev) if store_t else w
+    _prepare_kernel[(lay.NCH, hv)](
+        k, *_strides(k), v, *_strides(v), g, *_strides(g), beta, *_strides(beta),
+        w, u, tm, lay.cu, lay.chunk_seq, lay.chunk_first,
+        lay.T, lay.NC, lay.NCH, group, dk, dv,
+        C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), DV=max(16, triton.next_power_of_2(dv)),
+        L2=use_l2, VARLEN=lay.varlen, STORE_T=store_t, PREC=_dot_precision(q.dtype), num_warps=4,
+    )
+    return w, u, (tm if store_t else None)
+
+
+def _forward_states(q, k, g, w, u, h0, lay, scale, use_l2, *, compute_o, store_final, store_states, v_dtype):
+    batch, hv, dk, dv = q.shape[0], w.shape[0], k.shape[3], u.shape[3]
+    group = hv // k.shape[2]
+    dev = q.device
+    bv = _value_block(dev, lay.n_seq * hv, dv)
+    o = empty((batch, lay.T, hv, dv), v_dtype, dev) if compute_o else w
+    ht = empty((lay.n_seq, hv, dk, dv), torch.float32, dev) if store_final else w
+    hs = empty((hv, lay.NCH, dk, dv), torch.float32, dev) if store_states else w
+    vn = empty((hv, lay.NCH, CHUNK, dv), torch.float32, dev) if store_states else w
+    h0_arg = h0 if h0 is not None else w
+    _forward_states_kernel[(triton.cdiv(dv, bv), lay.n_seq * hv)](
+        q, *_strides(q), k, *_strides(k), g, *_strides(g),
+        w, u,
+        h0_arg, *(_strides(h0) if h0 is not None else (0, 0, 0, 0)),
+        o, ht, hs, vn,
+        lay.cu, lay.chunk_first,
+        lay.T, lay.NC, lay.NCH, hv, group, dk, dv, scale,
+        C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), BV=bv,
+        L2=use_l2, VARLEN=lay.varlen, HAS_H0=h0 is not None, STORE_HT=store_final,
+        COMPUTE_O=compute_o, STORE_STATES=store_states, PREC=_dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    return (o if compute_o else None), (ht if store_final else None), (hs if store_states else None), (
+        vn if store_states else None
+    )
+
+
+def _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, store_dh0):
+    hv, dk, dv = w.shape[0], k.shape[3], do.shape[3]
+    group = hv // k.shape[2]
+    dev = q.device
+    bv = _value_block(dev, lay.n_seq * hv, dv)
+    dhs = empty((hv, lay.NCH, dk, dv), torch.float32, dev)
+    dvn = empty((hv, lay.NCH, CHUNK, dv), torch.float32, dev)
+    dh0 = empty((lay.n_seq, hv, dk, dv), torch.float32, dev) if store_dh0 else dhs
+    _backward_states_kernel[(triton.cdiv(dv, bv), lay.n_seq * hv)](
+        q, *_strides(q), k, *_strides(k), g, *_strides(g), do, *_strides(do),
+        w,
+        dht if dht is not None else w, *(_strides(dht) if dht is not None else (0, 0, 0, 0)),
+        dhs, dvn, dh0,
+        lay.cu, lay.chunk_first,
+        lay.T, lay.NC, lay.NCH, hv, group, dk, dv, scale,
+        C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), BV=bv,
+        L2=use_l2, VARLEN=lay.varlen, HAS_DHT=dht is not None, STORE_DH0=store_dh0,
+        PREC=_dot_precision(q.dtype), num_warps=4, num_stages=2,
+    )
+    return dhs, dvn, (dh0 if store_dh0 else None)
+
+
+def _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use_l2):
+    hk, hv, dk, dv = k.shape[2], v.shape[2], k.shape[3], v.shape[3]
+    dev = q.device
+    dq = empty(q.shape, q.dtype, dev)
+    dkk = empty(k.shape, k.dtype, dev)
+    dvv = empty(v.shape, v.dtype, dev)
+    dg = empty(g.shape, g.dtype, dev)
+    dbeta = empty(beta.shape, beta.dtype, dev)
+    _backward_inputs_kernel[(lay.NCH, hk)](
+        q, *_strides(q), k, *_strides(k), v, *_strides(v), g, *_strides(g), beta, *_strides(beta),
+        do, *_strides(do),
+        tm, hs, dhs, vn, dvn,
+        dq, dkk, dvv, dg, dbeta,
+        lay.cu, lay.chunk_seq, lay.chunk_first,
+        lay.T, lay.NC, lay.NCH, hk, hv // hk, dk, dv, scale,
+        C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), BV=min(32, max(16, triton.next_power_of_2(dv))),
+        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype), num_warps=8, num_stages=1,
+    )
+    return dq, dkk, dvv, dg, dbeta
+
+
+class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens):
+        lay = _Layout(q, cu_seqlens)
+        w, u, _ = _prepare(q, k, v, g, beta, lay, use_l2, store_t=False)
+        o, ht, _, _ = _forward_states(
+            q, k, g, w, u, initial_state, lay, scale, use_l2,
+            compute_o=True, store_final=output_final_state, store_states=False, v_dtype=v.dtype,
+        )
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.scale, ctx.use_l2 = scale, use_l2
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        scale, use_l2 = ctx.scale, ctx.use_l2
+        lay = _Layout(q, cu_seqlens)
+        if do is None:
+            do = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+        w, u, tm = _prepare(q, k, v, g, beta, lay, use_l2, store_t=True)
+        _, _, hs, vn = _forward_states(
+            q, k, g, w, u, initial_state, lay, scale, use_l2,
+            compute_o=False, store_final=False, store_states=True, v_dtype=v.dtype,
+        )
+        del u
+        want_dh0 = initial_state is not None and ctx.needs_input_grad[6]
+        dhs, dvn, dh0 = _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, want_dh0)
+        del w
+        dq, dk, dv, dg, dbeta = _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use_l2)
+        if dh0 is not None:
+            dh0 = dh0.to(initial_state.dtype)
+        need = ctx.needs_input_grad
+        return (
+            dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+            dg if need[3] else None, dbeta if need[4] else None, None, dh0, None, None, None,
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def _check_args(q, k, v, g, beta, initial_state, cu_seqlens):
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_float(name, t)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; the kernels take float32, bfloat16 or float16")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, T, H, D], got shape {tuple(t.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        name = "k" if k.dtype != q.dtype else "v"
+        raise ValueError(f"{name} has dtype {(k if name == 'k' else v).dtype} but q has {q.dtype}")
+    if k.shape != q.shape:
+        raise ValueError(f"k has shape {tuple(k.shape)}; expected q's shape {tuple(q.shape)}")
+    batch, seq, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if v.shape[:2] != (batch, seq):
+        raise ValueError(f"v has shape {tuple(v.shape)}; its batch and time dims must match q's {(batch, seq)}")
+    if hv % hk != 0:
+        raise ValueError(f"v has {hv} heads, not a multiple of k's {hk}")
+    if dk > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
+        name = "q" if dk > MAX_HEAD_DIM else "v"
+        raise ValueError(f"{name}'s head dim {dk if name == 'q' else dv} exceeds the kernels' {MAX_HEAD_DIM}")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (batch, seq, hv):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {(batch, seq, hv)} ([B, T, Hv])")
+    n_seq = batch
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError("cu_seqlens must be an int32 or int64 tensor")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
+        if batch != 1:
+            raise ValueError(f"cu_seqlens needs q of batch 1 (documents packed along T), got batch {batch}")
+        n_seq = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        check_float("initial_state", initial_state)
+        if tuple(initial_state.shape) != (n_seq, hv, dk, dv):
+            raise ValueError(
+                f"initial_state has shape {tuple(initial_state.shape)}; expected {(n_seq, hv, dk, dv)} "
+                "([N, Hv, Dk, Dv], N the batch or the number of documents)"
+            )
+    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)]
+    if initial_state is not None:
+        named.append(("initial_state", initial_state))
+    if cu_seqlens is not None:
+        named.append(("cu_seqlens", cu_seqlens))
+    check_same_device(named)
+    check_kernel_device("q", q)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """The gated delta rule over q, k `[B, T, Hk, Dk]`, v `[B, T, Hv, Dv]`, g, beta `[B, T, Hv]`.
+
+    Returns `(o [B, T, Hv, Dv] in v's dtype, final state [N, Hv, Dk, Dv] fp32 or None)`; N is B, or the number
+    of documents of `cu_seqlens` (then B must be 1 and each document starts from its own `initial_state[n]`).
+    """
+    _check_args(q, k, v, g, beta, initial_state, cu_seqlens)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return ChunkGatedDeltaRuleFunction.apply(
+        q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(use_qk_l2norm_in_kernel), cu_seqlens
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plain-PyTorch references (tests; CPU runs outside the interpreter)
+
+
+def _heads_first(q, k, v, g, beta, use_l2, acc):
+    """[B, H, T, ...] in `acc`, q and k repeated to the value heads and normalised when asked."""
+    group = v.shape[2] // k.shape[2]
+    q, k = (x.to(acc).repeat_interleave(group, dim=2).transpose(1, 2) for x in (q, k))
+    if use_l2:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    v = v.to(acc).transpose(1, 2)
+    g, beta = (x.to(acc).transpose(1, 2) for x in (g, beta))
+    return q, k, v, g, beta
+
+
+def _chunked_sequences(q, k, v, g, beta, scale, state):
+    """The chunked form above in PyTorch, [B, H, T, ...] tensors in one float dtype; differentiable."""
+    outs = []
+    seq = q.shape[2]
+    for s in range(0, seq, CHUNK):
+        Q, K, V = (x[:, :, s : s + CHUNK] for x in (q, k, v))
+        gam = g[:, :, s : s + CHUNK].cumsum(-1)
+        bt = beta[:, :, s : s + CHUNK]
+        size = gam.shape[-1]
+        lower_incl = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+        decay = torch.where(lower_incl, gam[..., :, None] - gam[..., None, :], float("-inf")).exp()
+        a = (bt[..., :, None] * (K @ K.transpose(-1, -2)) * decay).tril(-1)
+        system = a + torch.eye(size, dtype=q.dtype, device=q.device)
+        rhs = torch.cat([bt[..., None] * V, (bt * gam.exp())[..., None] * K], dim=-1)
+        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        u, w = solved[..., : V.shape[-1]], solved[..., V.shape[-1] :]
+        v_new = u - w @ state
+        m = scale * (Q @ K.transpose(-1, -2)) * decay
+        outs.append(scale * (Q * gam.exp()[..., None]) @ state + m @ v_new)
+        last = gam[..., -1:]
+        state = state * last.exp()[..., None] + (K * (last - gam).exp()[..., None]).transpose(-1, -2) @ v_new
+    return torch.cat(outs, dim=2), state
+
+
+def _recurrent_sequences(q, k, v, g, beta, scale, state):
+    outs = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t].exp()[..., None, None]
+        k_t = k[:, :, t]
+        delta = beta[:, :, t, None] * (v[:, :, t] - (state * k_t[..., None]).sum(-2))
+        state = state + k_t[..., None] * delta[..., None, :]
+        outs.append((state * (scale * q[:, :, t])[..., None]).sum(-2))
+    return torch.stack(outs, dim=2), state
+
+
+def _reference(form, q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens):
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    batch, seq, _, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    qh, kh, vh, gh, bh = _heads_first(q, k, v, g, beta, use_l2, acc)
+    if cu_seqlens is None:
+        bounds, rows = [(0, seq)] * batch, list(range(batch))
+    else:
+        cu = cu_seqlens.tolist()
+        bounds, rows = list(zip(cu[:-1], cu[1:])), [0] * (len(cu) - 1)
+    outs, finals = [], []
+    for n, ((bos, eos), b) in enumerate(zip(bounds, rows)):
+        state = (
+            initial_state[n : n + 1].to(acc)
+            if initial_state is not None
+            else torch.zeros(1, hv, dk, dv, dtype=acc, device=q.device)
+        )
+        sl = (slice(b, b + 1), slice(None), slice(bos, eos))
+        o, state = form(qh[sl], kh[sl], vh[sl], gh[sl], bh[sl], scale, state)
+        outs.append(o)
+        finals.append(state)
+    o = torch.cat(outs, dim=2 if cu_seqlens is not None else 0).transpose(1, 2).to(v.dtype)
+    return o, (torch.cat(finals, 0) if output_final_state else None)
+
+
+def chunk_gated_delta_rule_reference(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+):
+    """`chunk_gated_delta_rule` in plain PyTorch, chunked (C = 64), fp32 math (float64 for float64 inputs);
+    differentiable by autograd. Final state in the math dtype."""
+    return _reference(
+        _chunked_sequences, q, k, v, g, beta, scale, initial_state, output_final_state,
+        use_qk_l2norm_in_kernel, cu_seqlens,
+    )
+
+
+def recurrent_gated_delta_rule_reference(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+):
+    """The token-by-token recurrence (the definition), same signature and dtypes as the chunked reference."""
+    return _reference(
+        _recurrent_sequences, q, k, v, g, beta, scale, initial_state, output_final_state,
+        use_qk_l2norm_in_kernel, cu_seqlens,
+    )

@@ -1,0 +1,413 @@
+"""Triton kernels of the chunked Gated DeltaNet (`gated_delta_rule.py` has the math, launchers and autograd).
+
+Layout conventions shared by every kernel:
+
+* q, k `[B, T, Hk, Dk]`, v `[B, T, Hv, Dv]`, g, beta `[B, T, Hv]`, dO `[B, T, Hv, Dv]` are read through their
+  strides; value head h reads key head h // G (G = Hv / Hk).
+* A "sequence" n is batch row n (fixed length T), or document n of a varlen batch (B = 1, tokens
+  [cu[n], cu[n+1])). Chunks of C tokens never straddle sequences. Chunk c of the whole batch is numbered
+  globally: n * NC + i for fixed length, `chunk_first[n] + i` for varlen (`chunk_seq[c]` = its document).
+* Scratch buffers are chunk-major per value head, fp32, rows of a whole chunk (padding rows hold zeros):
+  W `[Hv, NCH, C, Dk]`, U / V_new / dV_new `[Hv, NCH, C, Dv]`, T `[Hv, NCH, C, C]`, states `[Hv, NCH, Dk, Dv]`.
+* Math is fp32. Every `tl.dot` takes fp32 operands (the interpreter mishandles 16-bit ones) with an explicit
+  `input_precision` (PREC: "ieee" for fp32 inputs, "tf32" for 16-bit ones).
+* No `tl.trans` anywhere: a transposed operand is loaded transposed through pointer arithmetic, so the only
+  `tl.dot` forms are loaded x loaded, computed x loaded and loaded x computed (Triton on Hopper miscompiles a
+  transposed dot result fed to another dot).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C: tl.constexpr, VARLEN: tl.constexpr):
+    """(batch row, first token, end of the sequence) of global chunk `pid_c`."""
+    if VARLEN:
+        n = tl.load(chunk_seq_ptr + pid_c).to(tl.int64)
+        bos = tl.load(cu_ptr + n).to(tl.int64)
+        eos = tl.load(cu_ptr + n + 1).to(tl.int64)
+        first = tl.load(chunk_first_ptr + n).to(tl.int64)
+        b = n * 0
+        t0 = bos + (pid_c - first) * C
+    else:
+        b = pid_c // NC
+        t0 = (pid_c % NC) * C
+        eos = b * 0 + T
+    return b, t0, eos
+
+
+@triton.jit
+def _sequence_of_program(n, cu_ptr, chunk_first_ptr, T, NC, VARLEN: tl.constexpr):
+    """(batch row, first token, end token, first global chunk, chunk count) of sequence `n`."""
+    if VARLEN:
+        first = tl.load(chunk_first_ptr + n).to(tl.int64)
+        count = tl.load(chunk_first_ptr + n + 1).to(tl.int64) - first
+        bos = tl.load(cu_ptr + n).to(tl.int64)
+        eos = tl.load(cu_ptr + n + 1).to(tl.int64)
+        b = n * 0
+    else:
+        first = n * NC
+        count = n * 0 + NC
+        bos = n * 0
+        eos = n * 0 + T
+        b = n
+    return b, bos, eos, first, count
+
+
+@triton.jit
+def _load_rows(ptr, b, t, h, s_b, s_t, s_h, s_d, mask_t, Dk, DK: tl.constexpr, L2: tl.constexpr):
+    """A `[C, DK]` tile of q or k (rows = tokens `t`), fp32, L2-normalised per token when asked; and 1/norm."""
+    d = tl.arange(0, DK)
+    x = tl.load(
+        ptr + b * s_b + t[:, None] * s_t + h * s_h + d[None, :] * s_d,
+        mask=mask_t[:, None] & (d[None, :] < Dk), other=0.0,
+    ).to(tl.float32)
+    if L2:
+        r = 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6)
+    else:
+        r = tl.full(t.shape, 1.0, tl.float32)
+    return x * r[:, None], r
+
+
+@triton.jit
+def _load_cols(ptr, b, t, h, s_b, s_t, s_h, s_d, mask_t, Dk, DK: tl.constexpr, L2: tl.constexpr):
+    """The same tile loaded transposed, `[DK, C]`."""
+    d = tl.arange(0, DK)
+    x = tl.load(
+        ptr + b * s_b + t[None, :] * s_t + h * s_h + d[:, None] * s_d,
+        mask=mask_t[None, :] & (d[:, None] < Dk), other=0.0,
+    ).to(tl.float32)
+    if L2:
+        x = x * (1.0 / tl.sqrt(tl.sum(x * x, 0) + 1e-6))[None, :]
+    return x
+
+
+@triton.jit
+def _load_vec(ptr, b, t, h, s_b, s_t, s_h, mask_t):
+    return tl.load(ptr + b * s_b + t * s_t + h * s_h, mask=mask_t, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _prepare_kernel(
+    k_ptr, s_kb, s_kt, s_kh, s_kd,
+    v_ptr, s_vb, s_vt, s_vh, s_vd,
+    g_ptr, s_gb, s_gt, s_gh,
+    beta_ptr, s_bb, s_bt, s_bh,
+    w_ptr, u_ptr, tm_ptr,
+    cu_ptr, chunk_seq_ptr, chunk_first_ptr,
+    T, NC, NCH, G, Dk, Dv,
+    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, STORE_T: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per chunk and value head: T = (I + A)^-1 by forward substitution, W = T(βΓ⊙K), U = T(β⊙V)."""
+    pid_c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    hk = h // G
+    b, t0, eos = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    rows = tl.arange(0, C)
+    t = t0 + rows
+    mask_t = t < eos
+    k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    beta = _load_vec(beta_ptr, b, t, h, s_bb, s_bt, s_bh, mask_t)
+    gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
+
+    # At[r, c] = A[c, r] = β_c (k_c·k_r) exp(γ_c - γ_r) for c > r: column i of At is row i of A.
+    kk = tl.dot(k, kT, input_precision=PREC)
+    upper = rows[None, :] > rows[:, None]
+    At = tl.where(upper, beta[None, :] * kk * tl.exp(tl.where(upper, gam[None, :] - gam[:, None], 0.0)), 0.0)
+    eye = rows[:, None] == rows[None, :]
+    Tm = tl.where(eye, 1.0, 0.0)
+    for i in range(1, C):
+        a_i = tl.sum(tl.where(rows[None, :] == i, At, 0.0), 1)  # A[i, :] along the rows of Tm
+        Tm -= tl.where(rows[:, None] == i, tl.sum(a_i[:, None] * Tm, 0)[None, :], 0.0)
+
+    base = h * NCH + pid_c
+    d = tl.arange(0, DK)
+    w = tl.dot(Tm, k * (beta * tl.exp(gam))[:, None], input_precision=PREC)
+    tl.store(w_ptr + (base * C + rows[:, None]) * Dk + d[None, :], w, mask=d[None, :] < Dk)
+    e = tl.arange(0, DV)
+    mask_e = e < Dv
+    v = tl.load(
+        v_ptr + b * s_vb + t[:, None] * s_vt + h * s_vh + e[None, :] * s_vd,
+        mask=mask_t[:, None] & mask_e[None, :], other=0.0,
+    ).to(tl.float32)
+    u = tl.dot(Tm, v * beta[:, None], input_precision=PREC)
+    tl.store(u_ptr + (base * C + rows[:, None]) * Dv + e[None, :], u, mask=mask_e[None, :])
+    if STORE_T:
+        tl.store(tm_ptr + (base * C + rows[:, None]) * C + rows[None, :], Tm)
+
+
+@triton.jit
+def _forward_states_kernel(
+    q_ptr, s_qb, s_qt, s_qh, s_qd,
+    k_ptr, s_kb, s_kt, s_kh, s_kd,
+    g_ptr, s_gb, s_gt, s_gh,
+    w_ptr, u_ptr,
+    h0_ptr, s_h0n, s_h0h, s_h0d, s_h0e,
+    o_ptr, ht_ptr, hs_ptr, vn_ptr,
+    cu_ptr, chunk_first_ptr,
+    T, NC, NCH, Hv, G, Dk, Dv, scale,
+    C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    COMPUTE_O: tl.constexpr, STORE_STATES: tl.constexpr, PREC: tl.constexpr,
+):
+    """The sequential pass over chunks for Dv columns [pid_v*BV, +BV) of one value head of one sequence:
+    V_new = U - W S; O = scale(Q⊙Γ)S + M V_new; S <- exp(γ_C) S + K̃ᵀ V_new."""
+    pid_v = tl.program_id(0)
+    pid_nh = tl.program_id(1).to(tl.int64)
+    n = pid_nh // Hv
+    h = pid_nh % Hv
+    hk = h // G
+    b, bos, eos, first, count = _sequence_of_program(n, cu_ptr, chunk_first_ptr, T, NC, VARLEN)
+    rows = tl.arange(0, C)
+    d = tl.arange(0, DK)
+    mask_d = d < Dk
+    e = pid_v * BV + tl.arange(0, BV)
+    mask_e = e < Dv
+    mask_de = mask_d[:, None] & mask_e[None, :]
+    if HAS_H0:
+        S = tl.load(
+            h0_ptr + n * s_h0n + h * s_h0h + d[:, None] * s_h0d + e[None, :] * s_h0e, mask=mask_de, other=0.0
+        ).to(tl.float32)
+    else:
+        S = tl.zeros([DK, BV], dtype=tl.float32)
+    lower_incl = rows[None, :] <= rows[:, None]
+    for i in range(0, count):
+        c = first + i
+        t = bos + i * C + rows
+        mask_t = t < eos
+        gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
+        gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
+        base = h * NCH + c
+        w = tl.load(w_ptr + (base * C + rows[:, None]) * Dk + d[None, :], mask=mask_d[None, :], other=0.0)
+        u = tl.load(u_ptr + (base * C + rows[:, None]) * Dv + e[None, :], mask=mask_e[None, :], other=0.0)
+        vn = u - tl.dot(w, S, input_precision=PREC)
+        if STORE_STATES:
+            tl.store(hs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :], S, mask=mask_de)
+            tl.store(vn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], vn, mask=mask_e[None, :])
+        kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+        if COMPUTE_O:
+            q, _ = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+            q = q * scale
+            qk = tl.dot(q, kT, input_precision=PREC)
+            m = tl.where(lower_incl, qk * tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+            o = tl.dot(q * tl.exp(gam)[:, None], S, input_precision=PREC) + tl.dot(m, vn, input_precision=PREC)
+            tl.store(
+                o_ptr + ((b * T + t[:, None]) * Hv + h) * Dv + e[None, :],
+                o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :],
+            )
+        kT = kT * tl.exp(gam_last - gam)[None, :]
+        S = S * tl.exp(gam_last) + tl.dot(kT, vn, input_precision=PREC)
+    if STORE_HT:
+        tl.store(ht_ptr + ((n * Hv + h) * Dk + d[:, None]) * Dv + e[None, :], S, mask=mask_de)
+
+
+@triton.jit
+def _backward_states_kernel(
+    q_ptr, s_qb, s_qt, s_qh, s_qd,
+    k_ptr, s_kb, s_kt, s_kh, s_kd,
+    g_ptr, s_gb, s_gt, s_gh,
+    do_ptr, s_ob, s_ot, s_oh, s_oe,
+    w_ptr,
+    dht_ptr, s_dtn, s_dth, s_dtd, s_dte,
+    dhs_ptr, dvn_ptr, dh0_ptr,
+    cu_ptr, chunk_first_ptr,
+    T, NC, NCH, Hv, G, Dk, Dv, scale,
+    C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The reverse sequential pass: for each chunk from the last, store dS_C (the gradient of its end state),
+    dV_new = Mᵀ dO + K̃ dS_C, and dS <- exp(γ_C) dS_C + scale (Q⊙Γ)ᵀ dO - Wᵀ dV_new."""
+    pid_v = tl.program_id(0)
+    pid_nh = tl.program_id(1).to(tl.int64)
+    n = pid_nh // Hv
+    h = pid_nh % Hv
+    hk = h // G
+    b, bos, eos, first, count = _sequence_of_program(n, cu_ptr, chunk_first_ptr, T, NC, VARLEN)
+    rows = tl.arange(0, C)
+    d = tl.arange(0, DK)
+    mask_d = d < Dk
+    e = pid_v * BV + tl.arange(0, BV)
+    mask_e = e < Dv
+    mask_de = mask_d[:, None] & mask_e[None, :]
+    if HAS_DHT:
+        dS = tl.load(
+            dht_ptr + n * s_dtn + h * s_dth + d[:, None] * s_dtd + e[None, :] * s_dte, mask=mask_de, other=0.0
+        ).to(tl.float32)
+    else:
+        dS = tl.zeros([DK, BV], dtype=tl.float32)
+    upper_incl = rows[None, :] >= rows[:, None]
+    for j in range(0, count):
+        i = count - 1 - j
+        c = first + i
+        t = bos + i * C + rows
+        mask_t = t < eos
+        base = h * NCH + c
+        tl.store(dhs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :], dS, mask=mask_de)
+        gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
+        gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
+        k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+        qT = _load_cols(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2) * scale
+        # mT[j, i] = M[i, j] = scale (q_i·k_j) exp(γ_i - γ_j) for i >= j.
+        mT = tl.dot(k, qT, input_precision=PREC)
+        mT = tl.where(upper_incl, mT * tl.exp(tl.where(upper_incl, gam[None, :] - gam[:, None], 0.0)), 0.0)
+        do = tl.load(
+            do_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + e[None, :] * s_oe,
+            mask=mask_t[:, None] & mask_e[None, :], other=0.0,
+        ).to(tl.float32)
+        k = k * tl.exp(gam_last - gam)[:, None]
+        dvn = tl.dot(mT, do, input_precision=PREC) + tl.dot(k, dS, input_precision=PREC)
+        tl.store(dvn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], dvn, mask=mask_e[None, :])
+        wT = tl.load(w_ptr + (base * C + rows[None, :]) * Dk + d[:, None], mask=mask_d[:, None], other=0.0)
+        dS = (
+            dS * tl.exp(gam_last)
+            + tl.dot(qT * tl.exp(gam)[None, :], do, input_precision=PREC)
+            - tl.dot(wT, dvn, input_precision=PREC)
+        )
+    if STORE_DH0:
+        tl.store(dh0_ptr + ((n * Hv + h) * Dk + d[:, None]) * Dv + e[None, :], dS, mask=mask_de)
+
+
+@triton.jit
+def _backward_inputs_kernel(
+    q_ptr, s_qb, s_qt, s_qh, s_qd,
+    k_ptr, s_kb, s_kt, s_kh, s_kd,
+    v_ptr, s_vb, s_vt, s_vh, s_vd,
+    g_ptr, s_gb, s_gt, s_gh,
+    beta_ptr, s_bb, s_bt, s_bh,
+    do_ptr, s_ob, s_ot, s_oh, s_oe,
+    tm_ptr, hs_ptr, dhs_ptr, vn_ptr, dvn_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
+    cu_ptr, chunk_seq_ptr, chunk_first_ptr,
+    T, NC, NCH, Hk, G, Dk, Dv, scale,
+    C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Chunk-parallel: dq, dk of one key head (summed over its G value heads), and dv, dg, dβ of each of them."""
+    pid_c = tl.program_id(0).to(tl.int64)
+    hk = tl.program_id(1).to(tl.int64)
+    Hv = Hk * G
+    b, t0, eos = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    rows = tl.arange(0, C)
+    t = t0 + rows
+    mask_t = t < eos
+    d = tl.arange(0, DK)
+    mask_d = d < Dk
+    q, r_q = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+    k, r_k = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    q = q * scale
+    lower = rows[None, :] < rows[:, None]
+    lower_incl = rows[None, :] <= rows[:, None]
+    upper = rows[None, :] > rows[:, None]
+    upper_incl = rows[None, :] >= rows[:, None]
+    dq = tl.zeros([C, DK], dtype=tl.float32)  # gradient of scale·q̂
+    dk = tl.zeros([C, DK], dtype=tl.float32)  # gradient of k̂
+    for j in range(0, G):
+        h = hk * G + j
+        base = h * NCH + pid_c
+        beta = _load_vec(beta_ptr, b, t, h, s_bb, s_bt, s_bh, mask_t)
+        gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
+        gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
+        decay_q = tl.exp(gam)
+        decay_k = tl.exp(gam_last - gam)
+        tm_T = tl.load(tm_ptr + (base * C + rows[None, :]) * C + rows[:, None])  # Tᵀ
+        tm = tl.load(tm_ptr + (base * C + rows[:, None]) * C + rows[None, :])
+        dA = tl.zeros([C, C], dtype=tl.float32)
+        dA_T = tl.zeros([C, C], dtype=tl.float32)
+        dM = tl.zeros([C, C], dtype=tl.float32)
+        dM_T = tl.zeros([C, C], dtype=tl.float32)
+        dbeta = tl.zeros([C], dtype=tl.float32)
+        dgam = tl.zeros([C], dtype=tl.float32)
+        dgam_last = tl.sum(tl.zeros([C], dtype=tl.float32), 0)
+        for v0 in range(0, Dv, BV):
+            e = v0 + tl.arange(0, BV)
+            mask_e = e < Dv
+            mask_te = mask_t[:, None] & mask_e[None, :]
+            rows_ce = (base * C + rows[:, None]) * Dv + e[None, :]
+            cols_ce = (base * C + rows[None, :]) * Dv + e[:, None]
+            vn = tl.load(vn_ptr + rows_ce, mask=mask_e[None, :], other=0.0)
+            vn_T = tl.load(vn_ptr + cols_ce, mask=mask_e[:, None], other=0.0)
+            dvn = tl.load(dvn_ptr + rows_ce, mask=mask_e[None, :], other=0.0)
+            dvn_T = tl.load(dvn_ptr + cols_ce, mask=mask_e[:, None], other=0.0)
+            do = tl.load(
+                do_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + e[None, :] * s_oe, mask=mask_te, other=0.0
+            ).to(tl.float32)
+            do_T = tl.load(
+                do_ptr + b * s_ob + t[None, :] * s_ot + h * s_oh + e[:, None] * s_oe,
+                mask=mask_t[None, :] & mask_e[:, None], other=0.0,
+            ).to(tl.float32)
+            state = base * Dk * Dv + d[None, :] * Dv + e[:, None]
+            mask_ed = mask_e[:, None] & mask_d[None, :]
+            s0_T = tl.load(hs_ptr + state, mask=mask_ed, other=0.0)  # S0ᵀ [BV, DK]
+            dsc_T = tl.load(dhs_ptr + state, mask=mask_ed, other=0.0)  # dS_Cᵀ
+            v = tl.load(
+                v_ptr + b * s_vb + t[:, None] * s_vt + h * s_vh + e[None, :] * s_vd, mask=mask_te, other=0.0
+            ).to(tl.float32)
+
+            du = tl.dot(tm_T, dvn, input_precision=PREC)  # Tᵀ dV_new
+            du_T = tl.dot(dvn_T, tm, input_precision=PREC)
+            tl.store(
+                dv_ptr + ((b * T + t[:, None]) * Hv + h) * Dv + e[None, :],
+                (du * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mask_te,
+            )
+            dbeta += tl.sum(v * du, 1)
+            dA -= tl.dot(du, vn_T, input_precision=PREC)
+            dA_T -= tl.dot(vn, du_T, input_precision=PREC)
+            dM += tl.dot(do, vn_T, input_precision=PREC)
+            dM_T += tl.dot(vn, do_T, input_precision=PREC)
+            # inter-chunk read of the state: O += scale (Q⊙Γ) S0
+            x = tl.dot(do, s0_T, input_precision=PREC)
+            dq += x * decay_q[:, None]
+            dgam += decay_q * tl.sum(q * x, 1)
+            # state update: S_C += K̃ᵀ V_new
+            x = tl.dot(vn, dsc_T, input_precision=PREC)
+            dk += x * decay_k[:, None]
+            x = tl.sum(k * x, 1) * decay_k
+            dgam -= x
+            dgam_last += tl.sum(x, 0) + tl.exp(gam_last) * tl.sum(tl.sum(s0_T * dsc_T, 1), 0)
+            # W = T(βΓ⊙K): dW̃ = Tᵀ dW = -Tᵀ dV_new S0ᵀ
+            x = -tl.dot(du, s0_T, input_precision=PREC)
+            dk += x * (beta * decay_q)[:, None]
+            x = tl.sum(k * x, 1) * decay_q
+            dbeta += x
+            dgam += beta * x
+
+        # intra-chunk attention M = tril(scale Q Kᵀ ⊙ D)
+        decay = tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0))
+        decay_T = tl.exp(tl.where(upper_incl, gam[None, :] - gam[:, None], 0.0))
+        dM = tl.where(lower_incl, dM * decay, 0.0)
+        dM_T = tl.where(upper_incl, dM_T * decay_T, 0.0)
+        dq += tl.dot(dM, k, input_precision=PREC)
+        dk += tl.dot(dM_T, q, input_precision=PREC)
+        kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+        x = dM * tl.dot(q, kT, input_precision=PREC)  # dM ⊙ M
+        dgam += tl.sum(x, 1) - tl.sum(x, 0)
+        # A = strictly-lower(β_i (k_i·k_j) D_ij)
+        p = tl.where(lower, tl.dot(k, kT, input_precision=PREC) * decay, 0.0)
+        dA = tl.where(lower, dA, 0.0)
+        x = dA * p
+        dbeta += tl.sum(x, 1)
+        x = x * beta[:, None]
+        dgam += tl.sum(x, 1) - tl.sum(x, 0)
+        dA = dA * decay * beta[:, None]
+        dA_T = tl.where(upper, dA_T * decay_T * beta[None, :], 0.0)
+        dk += tl.dot(dA, k, input_precision=PREC) + tl.dot(dA_T, k, input_precision=PREC)
+        # dg = reverse cumsum of dγ (the γ_C terms reach every position)
+        dg = tl.sum(dgam, 0) - tl.cumsum(dgam, 0) + dgam + dgam_last
+        tl.store(dg_ptr + (b * T + t) * Hv + h, dg.to(dg_ptr.dtype.element_ty), mask=mask_t)
+        tl.store(dbeta_ptr + (b * T + t) * Hv + h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mask_t)
+
+    dq = dq * scale
+    if L2:
+        q_hat = q / scale
+        dq = r_q[:, None] * (dq - q_hat * tl.sum(q_hat * dq, 1)[:, None])
+        dk = r_k[:, None] * (dk - k * tl.sum(k * dk, 1)[:, None])
+    out = ((b * T + t[:, None]) * Hk + hk) * Dk + d[None, :]
+    mask_td = mask_t[:, None] & mask_d[None, :]
+    tl.store(dq_ptr + out, dq.to(dq_ptr.dtype.element_ty), mask=mask_td)
+    tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=mask_td)
