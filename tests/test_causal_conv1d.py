@@ -126,7 +126,7 @@ def test_causal_conv1d_cu_seqlens_equals_separate_runs(device):
     dy = torch.randn_like(y)
     (dx, dw) = torch.autograd.grad(y, (x, weight), dy)
     dw_sum = torch.zeros_like(dw)
-    for lo, hi in zip(cu, cu[1:]):
+    for lo, hi in zip(cu[:-1], cu[1:], strict=True):
         xi = x.detach()[..., lo:hi].requires_grad_()
         yi = causal_conv1d(xi, weight, None, "silu")
         dxi, dwi = torch.autograd.grad(yi, (xi, weight), dy[..., lo:hi])

@@ -38,8 +38,8 @@ def _check(inputs, dtype, device, input_dtypes=None, make_grad=None, tol=None):
     grads = [make_grad(g), make_grad(beta)]
     pairs = [(o, gr) for o, gr in zip((g, beta), grads, strict=True) if o.requires_grad]
     ref_pairs = [(o, gr.double()) for o, gr in zip((ref_g, ref_beta), grads, strict=True) if o.requires_grad]
-    torch.autograd.backward(*zip(*pairs))
-    torch.autograd.backward(*zip(*ref_pairs))
+    torch.autograd.backward([o for o, _ in pairs], [gr for _, gr in pairs])
+    torch.autograd.backward([o for o, _ in ref_pairs], [gr for _, gr in ref_pairs])
     for name, x, ref in zip(NAMES, xs, refs, strict=True):
         if not x.requires_grad:
             assert x.grad is None, f"{name} does not require grad but got a gradient"

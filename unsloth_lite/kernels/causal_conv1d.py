@@ -332,7 +332,8 @@ def causal_conv1d_reference(x, weight, bias=None, activation="silu", cu_seqlens=
     if cu_seqlens is not None:
         bounds = cu_seqlens.tolist()
         pieces = [
-            causal_conv1d_reference(x[..., lo:hi], weight, bias, activation) for lo, hi in zip(bounds, bounds[1:])
+            causal_conv1d_reference(x[..., lo:hi], weight, bias, activation)
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
         ]
         return torch.cat(pieces, dim=-1)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
