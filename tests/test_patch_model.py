@@ -143,15 +143,19 @@ def test_patch_names_the_missing_attribute(device):
         patch_model(model)
 
 
-def tiny_qwen3_5(device, dtype=torch.float32):
+QWEN3_5_MODULES = ("Qwen3_5RMSNorm", "Qwen3_5Attention", "Qwen3_5GatedDeltaNet", "Qwen3_5MLP", "Qwen3_5ForCausalLM")
+
+
+def tiny_qwen3_5(device, dtype=torch.float32, **overrides):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig(
+    settings = dict(
         vocab_size=151, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"],
         max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="sdpa",
     )
+    config = Qwen3_5TextConfig(**{**settings, **overrides})
     model = Qwen3_5ForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -160,12 +164,24 @@ def tiny_qwen3_5(device, dtype=torch.float32):
     return model.to(device=device, dtype=dtype)
 
 
-def test_patched_qwen3_5_matches_unpatched(device, torch_delta_rule):
-    """In float64, as the padded-batch test below (see QWEN3_5_GRADIENT_FLOOR)."""
+def assert_every_module_patched(model, module_classes) -> None:
+    """Every instance of `module_classes` runs its fused forward; each class occurs."""
+    seen = set()
+    for name, module in model.named_modules():
+        if type(module).__name__ in module_classes:
+            seen.add(type(module).__name__)
+            assert module.__dict__.get("_unsloth_lite_patched"), f"{name} ({type(module).__name__}) is not patched"
+    assert seen == set(module_classes), f"missing {set(module_classes) - seen}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_patched_qwen3_5_matches_unpatched(dtype, device, torch_delta_rule):
+    """Full fine-tune, every module on the fused path (the DeltaNet layers on our kernels). Float64 as the
+    padded-batch test below (see QWEN3_5_GRADIENT_FLOOR); float32 within the fp32 tolerances."""
     patched = assert_patched_matches(
-        tiny_qwen3_5(device, torch.float64), 1e-5, 1e-4, device, gradient_floor=QWEN3_5_GRADIENT_FLOOR
+        tiny_qwen3_5(device, dtype), 1e-5, 1e-4, device, gradient_floor=QWEN3_5_GRADIENT_FLOOR
     )
-    assert patched.model.layers[1].mlp.__dict__.get("_unsloth_lite_patched")
+    assert_every_module_patched(patched, QWEN3_5_MODULES)
 
 
 def _padded_batch(device, ignore_pads=True, left=False):

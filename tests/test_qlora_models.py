@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import assert_close
 from peft import LoraConfig, PeftModel, get_peft_model
-from test_patch_model import batch, tiny_model
+from test_patch_model import QWEN3_5_MODULES, assert_every_module_patched, batch, tiny_model, tiny_qwen3_5
 
 from unsloth_lite import add_lora, load_model, patch_model
 
@@ -79,13 +79,16 @@ def test_lora_dropout_keeps_peft_path(device, monkeypatch):
 def save_tiny_checkpoint(arch, path):
     # Every row a whole number of 64-element quantisation blocks: bitsandbytes 0.50's AVX-512 CPU kernel
     # (the reference here) reads the wrong absmax for rows that split a block.
-    model = tiny_model(arch, "cpu", hidden_size=64, intermediate_size=192)
+    if arch == "qwen3_5":
+        model = tiny_qwen3_5("cpu", intermediate_size=192)
+    else:
+        model = tiny_model(arch, "cpu", hidden_size=64, intermediate_size=192)
     model.save_pretrained(path)
     return path
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_4bit_lora_matches_peft(arch, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_5"])
+def test_4bit_lora_matches_peft(arch, tmp_path, monkeypatch, torch_delta_rule):
     """4-bit NF4 base (double quantisation) + LoRA: patched vs bitsandbytes + PEFT on the same weights."""
     if torch.cuda.is_available():
         pytest.skip("the GPU variant of this check runs in test_kernels_gpu")
@@ -120,7 +123,9 @@ def test_4bit_lora_matches_peft(arch, tmp_path, monkeypatch):
     out = patched(input_ids=input_ids, labels=labels)
     out.loss.backward()
 
-    assert calls["mlp"] == 2 and calls["projections"] == 4
+    assert calls["mlp"] == 2 and calls["projections"] == 4  # per layer: MLP, the mixer's inputs, its output
+    if arch == "qwen3_5":
+        assert_every_module_patched(patched, QWEN3_5_MODULES)
     assert_close(out.loss, expected.loss, 1e-2, "loss")
     expected_grads = lora_grads(reference)
     for name, grad in lora_grads(patched).items():

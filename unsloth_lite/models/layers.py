@@ -303,6 +303,10 @@ def causal_lm_forward(
         targets = shift_labels if shift_labels is not None else _shifted_labels(labels)
         if not return_logits and _causal_suffices(attention_mask, targets, position_ids, kwargs):
             attention_mask = None
+        if all(kwargs.get(name) is None for name in ("use_cache", "past_key_values", "cache")):
+            # A loss needs no cache: Hugging Face would otherwise build one from the config's use_cache and
+            # fill it with every layer's keys, values and recurrent states, which training then drops.
+            kwargs["use_cache"] = False
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     hidden_states = outputs.last_hidden_state
     loss = logits = None

@@ -71,7 +71,9 @@ def gated_deltanet_forward(self, hidden_states, *args, attention_mask=None, **kw
 
     gates = deltanet_gates if kernels else deltanet_gates_reference
     g, beta = gates(a, b, self.A_log, self.dt_bias)
-    delta_rule = chunk_gated_delta_rule if kernels else chunk_gated_delta_rule_reference
+    # The chunked kernel has no float64 (a test dtype): such models take the reference recurrence.
+    fused_rule = kernels and value.dtype != torch.float64
+    delta_rule = chunk_gated_delta_rule if fused_rule else chunk_gated_delta_rule_reference
     core, _ = delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
 
     norm = gated_rms_norm if kernels else gated_rms_norm_reference
