@@ -207,7 +207,7 @@ def _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use
         dq, dkk, dvv, dg, dbeta,
         lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, hk, hv // hk, dk, dv, scale,
-        C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), BV=min(32, max(16, triton.next_power_of_2(dv))),
+        C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), BV=16,
         L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype), num_warps=8, num_stages=1,
     )
     return dq, dkk, dvv, dg, dbeta
