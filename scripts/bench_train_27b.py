@@ -57,17 +57,20 @@ W2 = dict(
                          mrope_section=[11, 11, 10], mrope_interleaved=True),
 )
 TINY = dict(
-    W2, vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    W2, vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
     linear_value_head_dim=16, max_position_embeddings=256,
 )
 
 
 def model_config(tiny: bool, layers: int | None) -> dict:
+    """W2's config (or the tiny one), with `layers` decoder layers: every fourth full attention, or (tiny, for the
+    interpreter's sake) every second."""
     c = dict(TINY if tiny else W2)
     if layers:
         c["num_hidden_layers"] = layers
-    c["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+    period = 2 if tiny else 4
+    c["layer_types"] = ["full_attention" if (i + 1) % period == 0 else "linear_attention"
                         for i in range(c["num_hidden_layers"])]
     return c
 
@@ -165,9 +168,9 @@ def run_worker(args, variant: str) -> dict:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run (4-layer tiny model, interpreter)")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run (2-layer tiny model, interpreter)")
     parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny 64)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny 32)")
     parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers (keeps the pattern)")
     parser.add_argument("--all-linear", action="store_true", help="LoRA on the DeltaNet projections too")
     parser.add_argument("--warmup", type=int, default=2)
@@ -178,7 +181,7 @@ def parse_args(argv=None):
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--host-profile", action="store_true", help=argparse.SUPPRESS)  # read by `measure`
     args = parser.parse_args(argv)
-    args.seq = args.seq or (64 if args.tiny else 2048)
+    args.seq = args.seq or (32 if args.tiny else 2048)
     return args
 
 

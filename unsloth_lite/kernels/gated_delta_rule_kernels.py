@@ -396,7 +396,7 @@ def _backward_inputs_kernel(
         dgam += tl.sum(x, 1) - tl.sum(x, 0)
         dA = dA * decay * beta[:, None]
         dA_T = tl.where(upper, dA_T * decay_T * beta[None, :], 0.0)
-        dk += tl.dot(dA, k, input_precision=PREC) + tl.dot(dA_T, k, input_precision=PREC)
+        dk += tl.dot(dA + dA_T, k, input_precision=PREC)  # (G + Gᵀ) K
         # dg = reverse cumsum of dγ (the γ_C terms reach every position)
         dg = tl.sum(dgam, 0) - tl.cumsum(dgam, 0) + dgam + dgam_last
         tl.store(dg_ptr + (b * T + t) * Hv + h, dg.to(dg_ptr.dtype.element_ty), mask=mask_t)
