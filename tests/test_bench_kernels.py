@@ -40,3 +40,10 @@ def test_bench_sweep_tiny_mode_runs():
         assert f"| {direction} |" in out
     # the launchers' own choice: 4 RoPE forms, 2 q/k-norm directions, 1 chunk height
     assert out.count("| yes |") == 7
+
+
+def test_bench_deltanet_tiny_mode_runs():
+    out = run_tiny("bench_deltanet.py")
+    row = next(line for line in out.splitlines() if line.startswith("| unsloth_lite | 70 |"))
+    errors = [float(cell) for cell in row.split("|")[5:11]]
+    assert len(errors) == 6 and all(0 <= e < 1e-2 for e in errors), row  # bf16 against float64

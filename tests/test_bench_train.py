@@ -96,3 +96,22 @@ def test_random_alpaca_records(tmp_path):
     from unsloth_lite.training.data import load_records
 
     assert len(load_records(str(path))) == 5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
+def test_bench_train_27b_tiny_mode_runs(tmp_path):
+    """W2's script end to end on a tiny Qwen3.5 built in memory and quantised in place: both variants train and
+    start from the same loss."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
+    out = tmp_path / "out.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_train_27b.py", "--tiny", "--warmup", "1", "--steps", "1", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"hf", "unsloth_lite"}
+    for variant, row in rows.items():
+        assert "error" not in row, f"{variant}: {row['error']}\n{result.stdout}"
+        assert row["tokens_per_s"] > 0
+    assert abs(rows["hf"]["first_loss"] - rows["unsloth_lite"]["first_loss"]) < 1e-3 * rows["hf"]["first_loss"]
