@@ -18,6 +18,7 @@ from test_qlora_models import randomise_adapters, save_tiny_checkpoint
 
 from unsloth_lite.kernels import dequantize_nf4, fused_linear_cross_entropy
 from unsloth_lite.kernels.dequantize_nf4 import (
+    dequantize_nf4_reference,
     dequantize_nf4_row_range,
     dequantize_nf4_rows,
     dequantize_nf4_rows_reference,
@@ -187,9 +188,11 @@ def test_nf4_flce_argument_errors(device):
 def dense_dequantised_copy(reference, quantised):
     """`reference` with its embedding and lm_head replaced by the dense dequantised NF4 matrices of `quantised`."""
     dense = copy.deepcopy(reference)
-    with torch.no_grad():
-        dense.get_input_embeddings().weight.copy_(dequantize_nf4(quantised.get_input_embeddings().weight))
-        dense.get_output_embeddings().weight.copy_(dequantize_nf4(quantised.get_output_embeddings().weight))
+    with torch.no_grad():  # the reference (bit-identical to the kernel): these tests also run without Triton
+        for name in ("input", "output"):
+            weight = getattr(quantised, f"get_{name}_embeddings")().weight
+            dense_weight = dequantize_nf4_reference(weight.data, weight.quant_state)
+            getattr(dense, f"get_{name}_embeddings")().weight.copy_(dense_weight)
     return dense
 
 
@@ -286,7 +289,9 @@ def _matrix_bytes(module) -> int:
     state = getattr(weight, "quant_state", None)
     if state is None:
         return _bytes([weight])
-    extra = [state.absmax, state.code] + ([state.state2.absmax, state.state2.code, state.offset] if state.nested else [])
+    extra = [state.absmax, state.code]
+    if state.nested:
+        extra += [state.state2.absmax, state.state2.code, state.offset]
     return _bytes([weight.data] + extra)
 
 

@@ -649,13 +649,17 @@ def _fused_linear_cross_entropy_nf4(hidden, weight, labels, ignore_index, reduct
     n_rows, n_hidden = hidden.shape
     n_cols = int(qs.shape[0])
     if int(qs.shape[1]) != n_hidden:
-        raise ValueError(f"weight has shape {tuple(qs.shape)} but hidden has H={n_hidden}; weight must be [V, {n_hidden}]")
+        raise ValueError(
+            f"weight has shape {tuple(qs.shape)} but hidden has H={n_hidden}; weight must be [V, {n_hidden}]"
+        )
     if n_cols == 0:
         raise ValueError("weight has no rows: the vocabulary V must be at least 1")
     if n_hidden % qs.blocksize:
         raise ValueError(f"an NF4 weight needs H ({n_hidden}) to be a multiple of its blocksize ({qs.blocksize})")
     if qs.dtype != hidden.dtype:
-        raise ValueError(f"hidden has dtype {hidden.dtype} but the NF4 weight dequantises to {qs.dtype}; they must match")
+        raise ValueError(
+            f"hidden has dtype {hidden.dtype} but the NF4 weight dequantises to {qs.dtype}; they must match"
+        )
     if weight.requires_grad:
         raise ValueError("an NF4 weight must be frozen (requires_grad=False)")
     if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex \

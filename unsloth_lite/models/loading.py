@@ -36,7 +36,8 @@ def load_model(
 ):
     """Returns `(model, tokenizer)`, the model patched. With `load_in_4bit` the decoder's linear layers are
     stored in bitsandbytes NF4 with double quantisation and compute in `dtype`; embeddings and lm_head stay in
-    `dtype` unless `quantize_embeddings`, which stores them in NF4 too, frozen (`quantize_embeddings_nf4`). `max_seq_length` caps the tokenizer's `model_max_length` (and must fit the model's positions).
+    `dtype` unless `quantize_embeddings`, which stores them in NF4 too, frozen (`quantize_embeddings_nf4`).
+    `max_seq_length` caps the tokenizer's `model_max_length` (and must fit the model's positions).
     Other keyword arguments go to `AutoModelForCausalLM.from_pretrained` (`trust_remote_code` is off unless
     given). The tokenizer is None when the checkpoint ships none."""
     quantization_config = None
