@@ -58,7 +58,9 @@ def _fp32_to_bf16_rne(x):
 
 
 @triton.jit
-def _block_absmax(absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, blocks, mask, NESTED):
+def _block_absmax(
+    absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, blocks, mask, NESTED: tl.constexpr,
+):
     """fp32 absmax of quantization blocks `blocks` (any shape), the nested 8-bit form dequantized first."""
     if NESTED:
         qabsmax = tl.load(absmax_ptr + blocks, mask=mask, other=0).to(tl.int32)
