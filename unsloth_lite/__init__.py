@@ -24,6 +24,7 @@ _LAZY = {
     "add_lora": "unsloth_lite.models",
     "load_model": "unsloth_lite.models",
     "patch_model": "unsloth_lite.models",
+    "quantize_embeddings_nf4": "unsloth_lite.models",
 }
 
 
@@ -44,6 +45,7 @@ __all__ = [
     "lora_projections",
     "patch_model",
     "qk_norm_rope",
+    "quantize_embeddings_nf4",
     "rms_norm",
     "swiglu",
 ]

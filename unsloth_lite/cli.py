@@ -74,7 +74,7 @@ def load_base(recipe: Recipe, output_dir: pathlib.Path):
         kwargs["trust_remote_code"] = True
     model, tokenizer = load_model(
         str(path), load_in_4bit=spec.load_in_4bit, dtype=dtype, max_seq_length=spec.max_seq_length,
-        attn_implementation=spec.attn_implementation, **kwargs,
+        quantize_embeddings=spec.quantize_embeddings, attn_implementation=spec.attn_implementation, **kwargs,
     )
     if tokenizer is None:
         raise RecipeError(f"model.name_or_path: {spec.name_or_path} ships no tokenizer")
@@ -159,18 +159,20 @@ def _save_atomically(write, target: pathlib.Path) -> None:
     os.replace(staging, target)
 
 
-def _as_trained_in_nf4(model: torch.nn.Module) -> None:
-    """Replaces each decoder linear weight by its NF4 round trip (bitsandbytes' quantisation, double quant,
-    block 64, then dequantisation): exactly the base the adapter was trained on with `load_in_4bit`."""
+def _as_trained_in_nf4(model: torch.nn.Module, linears: bool = True, embeddings: bool = False) -> None:
+    """Replaces each decoder linear weight (with `linears`) and the input embedding and lm_head (with
+    `embeddings`) by its NF4 round trip (bitsandbytes' quantisation, double quant, block 64, then
+    dequantisation): exactly the base the adapter was trained on with `load_in_4bit` / `quantize_embeddings`."""
     import bitsandbytes as bnb
 
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
-            weight = module.weight.data
-            packed, state = bnb.functional.quantize_4bit(
-                weight, blocksize=64, compress_statistics=True, quant_type="nf4"
-            )
-            weight.copy_(bnb.functional.dequantize_4bit(packed, state))
+    weights = [m.weight.data for name, m in model.named_modules()
+               if linears and isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")]
+    if embeddings:
+        heads = [model.get_input_embeddings(), model.get_output_embeddings()]
+        weights += [m.weight.data for m in heads if m is not None]
+    for weight in {w.data_ptr(): w for w in weights}.values():  # a tied matrix once
+        packed, state = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
+        weight.copy_(bnb.functional.dequantize_4bit(packed, state))
 
 
 def merge_and_save(recipe: Recipe, base_path: str, adapter_dir: pathlib.Path, target: pathlib.Path) -> None:
@@ -181,8 +183,8 @@ def merge_and_save(recipe: Recipe, base_path: str, adapter_dir: pathlib.Path, ta
 
     dtype = torch_dtype(recipe.model.dtype)
     base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, device_map="cpu")
-    if recipe.model.load_in_4bit:
-        _as_trained_in_nf4(base)
+    if recipe.model.load_in_4bit or recipe.model.quantize_embeddings:
+        _as_trained_in_nf4(base, linears=recipe.model.load_in_4bit, embeddings=recipe.model.quantize_embeddings)
     merged = PeftModel.from_pretrained(base.float(), adapter_dir).merge_and_unload()
     merged = merged.to(dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
     _save_atomically(lambda d: merged.save_pretrained(d, safe_serialization=True), target)

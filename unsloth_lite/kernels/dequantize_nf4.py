@@ -18,6 +18,14 @@ are never contracted into an FMA: the result is bit-identical to bitsandbytes.
 
 Each program owns ROWS whole quantization blocks, a [ROWS, B / 2] tile of packed bytes: one absmax (or one
 nested absmax dequantization) per row, the two nibbles of each byte interleaved into a [ROWS, B] output tile.
+
+Parts of a 2-D weight `[V, H]`, never the whole dense matrix:
+
+* `dequantize_nf4_row_range`: rows [r0, r1) into a given buffer (the NF4 lm_head's vocabulary blocks). When H
+  is a multiple of B, those rows are the whole quantization blocks [r0·H/B, r1·H/B) and their bytes
+  [r0·H/2, r1·H/2): the kernel above, started at block r0·H/B (nested absmax blocks indexed globally).
+* `dequantize_nf4_rows`: a gather of arbitrary rows (an embedding lookup). Element e = row·H + c is decoded
+  on its own from byte e // 2 (high nibble when e is even) and absmax[e // B], so any H works.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from unsloth_lite.kernels.utils import check_kernel_device, empty
 
 # Output elements per program; a program covers max(1, TILE_ELEMENTS // blocksize) quantization blocks.
 TILE_ELEMENTS = 4096
+# Columns of a row-gather program's tile (its rows fill the rest of TILE_ELEMENTS).
+GATHER_BLOCK_COLS = 1024
 
 BNB_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,35 +57,79 @@ def _fp32_to_bf16_rne(x):
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
+@triton.jit
+def _block_absmax(
+    absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, blocks, mask, NESTED: tl.constexpr,
+):
+    """fp32 absmax of quantization blocks `blocks` (any shape), the nested 8-bit form dequantized first."""
+    if NESTED:
+        qabsmax = tl.load(absmax_ptr + blocks, mask=mask, other=0).to(tl.int32)
+        nested_scale = tl.load(nested_absmax_ptr + blocks // nested_blocksize, mask=mask, other=0.0)
+        absmax = tl.load(nested_code_ptr + qabsmax).to(tl.float32) * nested_scale.to(tl.float32)
+        return absmax + tl.load(offset_ptr).to(tl.float32)
+    return tl.load(absmax_ptr + blocks, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _to_output_dtype(values, out_ptr):
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        return _fp32_to_bf16_rne(values)
+    return values.to(out_ptr.dtype.element_ty)
+
+
 def _dequantize_nf4(
     packed_ptr, absmax_ptr, code_ptr,
     nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
     out_ptr,
-    n_elements, n_bytes, n_blocks,
+    n_elements, n_bytes, n_blocks, first_block,
     HALF_BLOCK: tl.constexpr, ROWS: tl.constexpr, NESTED: tl.constexpr,
 ):
-    blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # quantization blocks of this program
-    mask_blocks = blocks < n_blocks
-    if NESTED:
-        qabsmax = tl.load(absmax_ptr + blocks, mask=mask_blocks, other=0).to(tl.int32)
-        nested_scale = tl.load(nested_absmax_ptr + blocks // nested_blocksize, mask=mask_blocks, other=0.0)
-        absmax = tl.load(nested_code_ptr + qabsmax).to(tl.float32) * nested_scale.to(tl.float32)
-        absmax = absmax + tl.load(offset_ptr).to(tl.float32)
-    else:
-        absmax = tl.load(absmax_ptr + blocks, mask=mask_blocks, other=0.0).to(tl.float32)
+    # Quantization blocks of this program, counted from `first_block` (0 for the whole weight; a range of
+    # whole blocks writes its first block at out_ptr). n_elements, n_bytes and n_blocks end the range.
+    local_blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    blocks = first_block + local_blocks
+    absmax = _block_absmax(
+        absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, blocks, blocks < n_blocks, NESTED
+    )
 
     byte = blocks[:, None] * HALF_BLOCK + tl.arange(0, HALF_BLOCK)[None, :]
     packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
     high = tl.load(code_ptr + (packed >> 4)) * absmax[:, None]
     low = tl.load(code_ptr + (packed & 0xF)) * absmax[:, None]
     values = tl.interleave(high, low)  # [ROWS, 2 * HALF_BLOCK]: element 2i from byte i's high nibble
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        values = _fp32_to_bf16_rne(values)
-    else:
-        values = values.to(out_ptr.dtype.element_ty)
+    values = _to_output_dtype(values, out_ptr)
 
-    element = blocks[:, None] * (2 * HALF_BLOCK) + tl.arange(0, 2 * HALF_BLOCK)[None, :]
-    tl.store(out_ptr + element, values, mask=element < n_elements)
+    in_block = tl.arange(0, 2 * HALF_BLOCK)[None, :]
+    element = blocks[:, None] * (2 * HALF_BLOCK) + in_block
+    local_element = local_blocks[:, None] * (2 * HALF_BLOCK) + in_block
+    tl.store(out_ptr + local_element, values, mask=element < n_elements)
+
+
+@triton.jit
+def _gather_nf4_rows_kernel(
+    row_ids_ptr, packed_ptr, absmax_ptr, code_ptr,
+    nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+    out_ptr, n_ids, n_rows, n_cols,
+    BLOCKSIZE: tl.constexpr, BLOCK_IDS: tl.constexpr, BLOCK_COLS: tl.constexpr, NESTED: tl.constexpr,
+):
+    """Program (block of ids, block of columns): out[i, c] = W[row_ids[i], c]. Each element is decoded from
+    its own nibble and its quantization block's absmax, so rows need not hold whole blocks. Ids outside
+    [0, n_rows) give zero rows instead of reading out of bounds."""
+    ids = tl.program_id(0).to(tl.int64) * BLOCK_IDS + tl.arange(0, BLOCK_IDS)
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    rows = tl.load(row_ids_ptr + ids, mask=ids < n_ids, other=0).to(tl.int64)
+    mask_rows = (ids < n_ids) & (rows >= 0) & (rows < n_rows)
+    mask = mask_rows[:, None] & (cols < n_cols)[None, :]
+    element = rows[:, None] * n_cols + cols[None, :]
+    packed = tl.load(packed_ptr + element // 2, mask=mask, other=0).to(tl.int32)
+    nibble = tl.where(element % 2 == 0, packed >> 4, packed & 0xF)
+    absmax = _block_absmax(
+        absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, element // BLOCKSIZE, mask,
+        NESTED,
+    )
+    values = _to_output_dtype(tl.where(mask, tl.load(code_ptr + nibble) * absmax, 0.0), out_ptr)
+    out = ids[:, None] * n_cols + cols[None, :]
+    tl.store(out_ptr + out, values, mask=(ids < n_ids)[:, None] & (cols < n_cols)[None, :])
 
 
 def _quant_state_of(weight, quant_state):
@@ -264,8 +318,93 @@ def dequantize_nf4(weight, quant_state=None, out: torch.Tensor | None = None) ->
     else:
         _check_out(out, launch.shape, launch.dtype, device)
     if launch.n_elements:
-        launch.kernel[launch.grid](*launch.inputs, out, *launch.sizes, **launch.meta)
+        launch.kernel[launch.grid](*launch.inputs, out, *launch.sizes, 0, **launch.meta)
     return out
+
+
+def _matrix_shape(launch: _Launch, what: str) -> tuple[int, int]:
+    if len(launch.shape) != 2:
+        raise ValueError(f"{what} needs a 2-D weight [rows, cols]; quant_state.shape is {tuple(launch.shape)}")
+    return int(launch.shape[0]), int(launch.shape[1])
+
+
+def dequantize_nf4_row_range(weight, first_row: int, out: torch.Tensor, quant_state=None) -> torch.Tensor:
+    """Rows [first_row, first_row + len(out)) of a 2-D NF4 weight `[V, H]`, dense, written into `out`
+    (`[rows, H]`, contiguous, of `quant_state.dtype`): bit-identical to `dequantize_nf4(weight)[first_row:...]`
+    without touching the other rows. H must be a multiple of the blocksize, so that the rows are a run of whole
+    quantization blocks (the same kernel as `dequantize_nf4`, started at the range's first block)."""
+    launch = _launch(weight, quant_state)
+    n_rows, n_cols = _matrix_shape(launch, "dequantize_nf4_row_range")
+    blocksize = 2 * launch.meta["HALF_BLOCK"]
+    if n_cols % blocksize:
+        raise ValueError(f"rows of {n_cols} elements are not whole quantization blocks of {blocksize}")
+    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+        raise ValueError("out must be a 2-D tensor [rows, H]")
+    count = out.shape[0]
+    if not 0 <= first_row <= first_row + count <= n_rows:
+        raise ValueError(f"rows [{first_row}, {first_row + count}) are not within the weight's {n_rows} rows")
+    _check_out(out, (count, n_cols), launch.dtype, launch.inputs[0].device)
+    blocks_per_row = n_cols // blocksize
+    first_block, end_block = first_row * blocks_per_row, (first_row + count) * blocks_per_row
+    if end_block > first_block:
+        end_element = end_block * blocksize
+        grid = (triton.cdiv(end_block - first_block, launch.meta["ROWS"]),)
+        launch.kernel[grid](*launch.inputs, out, end_element, end_element // 2, end_block, first_block, **launch.meta)
+    return out
+
+
+def dequantize_nf4_rows(weight, row_ids: torch.Tensor, quant_state=None, out: torch.Tensor | None = None):
+    """The rows `row_ids` (an integer tensor of any shape) of a 2-D NF4 weight `[V, H]`, dense: a tensor of
+    `row_ids.shape + (H,)`, bit-identical to `dequantize_nf4(weight)[row_ids]`, the other rows never decoded
+    (an embedding lookup). Any H. Ids outside [0, V) give zero rows (not checked: no host synchronisation)."""
+    launch = _launch(weight, quant_state)
+    n_rows, n_cols = _matrix_shape(launch, "dequantize_nf4_rows")
+    device = launch.inputs[0].device
+    if not isinstance(row_ids, torch.Tensor) or row_ids.dtype.is_floating_point or row_ids.dtype.is_complex \
+            or row_ids.dtype == torch.bool:
+        raise ValueError("row_ids must be an integer tensor")
+    if row_ids.device != device:
+        raise ValueError(f"row_ids is on {row_ids.device} but weight is on {device}")
+    ids = row_ids.reshape(-1).contiguous()
+    shape = (*row_ids.shape, n_cols)
+    if out is None:
+        out = empty(shape, launch.dtype, device)
+    else:
+        _check_out(out, shape, launch.dtype, device)
+    if ids.numel() and n_cols:
+        block_cols = min(triton.next_power_of_2(n_cols), GATHER_BLOCK_COLS)
+        block_ids = max(1, TILE_ELEMENTS // block_cols)
+        grid = (triton.cdiv(ids.numel(), block_ids), triton.cdiv(n_cols, block_cols))
+        _gather_nf4_rows_kernel[grid](
+            ids, *launch.inputs, out, ids.numel(), n_rows, n_cols,
+            BLOCKSIZE=2 * launch.meta["HALF_BLOCK"], BLOCK_IDS=block_ids, BLOCK_COLS=block_cols,
+            NESTED=launch.meta["NESTED"], num_warps=4, enable_fp_fusion=False,
+        )
+    return out
+
+
+def _absmax_reference(qs, blocks: torch.Tensor) -> torch.Tensor:
+    """fp32 absmax of quantization blocks `blocks`, as `_block_absmax`."""
+    if qs.nested:
+        qabsmax = qs.absmax.reshape(-1)[blocks].to(torch.int64)
+        absmax = qs.state2.code.float()[qabsmax] * qs.state2.absmax.float()[blocks // qs.state2.blocksize]
+        return absmax + qs.offset.float()
+    return qs.absmax.reshape(-1).float()[blocks]
+
+
+def dequantize_nf4_rows_reference(packed: torch.Tensor, quant_state, row_ids: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch `dequantize_nf4_rows(packed, row_ids, quant_state)`: only the rows asked for are decoded
+    (ids must lie in [0, V))."""
+    qs = quant_state
+    n_cols = int(qs.shape[-1])
+    data = packed.detach().contiguous().reshape(-1)
+    if data.dtype != torch.uint8:
+        data = data.view(torch.uint8)
+    element = row_ids.reshape(-1, 1).to(torch.int64) * n_cols + torch.arange(n_cols, device=data.device)
+    byte = data[element // 2].to(torch.int64)
+    nibble = torch.where(element % 2 == 0, byte >> 4, byte & 0xF)
+    values = qs.code.float()[nibble] * _absmax_reference(qs, element // qs.blocksize)
+    return values.to(qs.dtype).reshape(*row_ids.shape, n_cols)
 
 
 def dequantize_nf4_reference(packed: torch.Tensor, quant_state) -> torch.Tensor:

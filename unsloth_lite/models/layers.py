@@ -30,6 +30,7 @@ from unsloth_lite.kernels.rms_norm import rms_norm, rms_norm_reference
 from unsloth_lite.kernels.rope import apply_rope, apply_rope_reference
 from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
+from unsloth_lite.models.quantized_embeddings import is_nf4_linear, nf4_linear
 
 IGNORE_INDEX = -100
 
@@ -261,10 +262,23 @@ def causal_lm_loss(hidden_states, lm_head, labels, num_items_in_batch=None, shif
 
 
 def lm_head_is_plain_linear(module) -> str | None:
+    """A plain Linear, or a bitsandbytes NF4 `Linear4bit` (`quantize_embeddings_nf4`), whose frozen
+    `Params4bit` weight the fused cross-entropy dequantises block by block."""
     head = module.lm_head
+    if is_nf4_linear(head):
+        state = head.weight.quant_state
+        if state.shape[1] % state.blocksize:
+            return f"the NF4 lm_head's rows of {state.shape[1]} are not whole quantisation blocks of {state.blocksize}"
+        return None
     if type(head) is not torch.nn.Linear:
-        return f"lm_head is a {type(head).__name__}, not a plain Linear"
+        return f"lm_head is a {type(head).__name__}, not a plain Linear or an NF4 Linear4bit"
     return None
+
+
+def _lm_head_logits(lm_head, hidden_states):
+    if is_nf4_linear(lm_head):  # never bitsandbytes' forward, which may repack the weight on a CPU
+        return nf4_linear(hidden_states, lm_head.weight, lm_head.bias)
+    return lm_head(hidden_states)
 
 
 def _causal_suffices(attention_mask, targets, position_ids, kwargs) -> bool:
@@ -317,7 +331,7 @@ def causal_lm_forward(
             kept = hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
         else:
             kept = hidden_states[:, logits_to_keep, :]
-        logits = self.lm_head(kept)
+        logits = _lm_head_logits(self.lm_head, kept)
     return CausalLMOutputWithPast(
         loss=loss,
         logits=logits,

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from unsloth_lite.models.patching import patch_model
+from unsloth_lite.models.quantized_embeddings import quantize_embeddings_nf4
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -30,11 +31,13 @@ def load_model(
     load_in_4bit: bool = True,
     dtype: torch.dtype = torch.bfloat16,
     max_seq_length: int | None = None,
+    quantize_embeddings: bool = False,
     **kwargs,
 ):
     """Returns `(model, tokenizer)`, the model patched. With `load_in_4bit` the decoder's linear layers are
     stored in bitsandbytes NF4 with double quantisation and compute in `dtype`; embeddings and lm_head stay in
-    `dtype`. `max_seq_length` caps the tokenizer's `model_max_length` (and must fit the model's positions).
+    `dtype` unless `quantize_embeddings`, which stores them in NF4 too, frozen (`quantize_embeddings_nf4`).
+    `max_seq_length` caps the tokenizer's `model_max_length` (and must fit the model's positions).
     Other keyword arguments go to `AutoModelForCausalLM.from_pretrained` (`trust_remote_code` is off unless
     given). The tokenizer is None when the checkpoint ships none."""
     quantization_config = None
@@ -60,6 +63,8 @@ def load_model(
     if tokenizer is not None and max_seq_length is not None:
         tokenizer.model_max_length = max_seq_length
     model.max_seq_length = max_seq_length or positions
+    if quantize_embeddings:
+        quantize_embeddings_nf4(model)
     return patch_model(model), tokenizer
 
 
