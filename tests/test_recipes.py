@@ -137,11 +137,17 @@ def test_checkpointing_section(tmp_path):
 
 
 def test_resume_from_checkpoint_bool_or_path(tmp_path):
-    assert load_recipe(write(tmp_path, with_("training", "resume_from_checkpoint", True))).training[
-        "resume_from_checkpoint"] is True
-    path = "runs/x/checkpoint-100"
-    assert load_recipe(write(tmp_path, with_("training", "resume_from_checkpoint", path))).training[
-        "resume_from_checkpoint"] == path
+    checkpoint = tmp_path / "run" / "checkpoint-100"
+    checkpoint.mkdir(parents=True)
+    raw = with_("training", "output_dir", str(tmp_path / "run"))
+    raw["training"]["resume_from_checkpoint"] = True
+    assert load_recipe(write(tmp_path, raw)).training["resume_from_checkpoint"] is True
+    raw["training"]["resume_from_checkpoint"] = str(checkpoint)
+    assert load_recipe(write(tmp_path, raw)).training["resume_from_checkpoint"] == str(checkpoint)
+    raw["training"]["resume_from_checkpoint"] = True
+    raw["training"]["output_dir"] = str(tmp_path / "new")
+    with pytest.raises(RecipeError, match=r"^training\.resume_from_checkpoint: true, but .*new holds no checkpoint"):
+        load_recipe(write(tmp_path, raw))
 
 
 def test_local_checkpoint_and_data(tmp_path):
