@@ -189,10 +189,6 @@ def check_training_values(training: dict, data_eval_fraction: float) -> None:
         if not (epochs > 0 and math.isfinite(epochs)):
             raise RecipeError(f"training.num_train_epochs: must be > 0 (or set training.max_steps), got {epochs}")
     _at_least(training, "warmup_steps", 0)
-    if max_steps > 0 and training.get("warmup_steps", 0) > max_steps:
-        raise RecipeError(
-            f"training.warmup_steps: {training['warmup_steps']} is more than training.max_steps={max_steps}"
-        )
     _in_unit(training, "warmup_ratio", closed=True)
     for key in ("weight_decay", "max_grad_norm", "adam_epsilon", "dataloader_num_workers", "save_total_limit"):
         _at_least(training, key, 0)
