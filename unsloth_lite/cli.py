@@ -59,6 +59,8 @@ def _check_chat_template(path: str, data_format: str, trust_remote_code: bool) -
 def prepare_base(recipe: Recipe, output_dir: pathlib.Path) -> pathlib.Path | str:
     """The base model's path. The built-in tiny model is first written to `output_dir/base_model`, so the
     adapter saved later points at a base that can be loaded again (for `--merge`, or by PEFT)."""
+    from transformers.utils import logging as transformers_logging
+
     from unsloth_lite.training.tiny import TINY_MODEL, build_tiny_qwen3, build_tiny_tokenizer
 
     path = recipe.model.name_or_path
@@ -66,7 +68,14 @@ def prepare_base(recipe: Recipe, output_dir: pathlib.Path) -> pathlib.Path | str
         path = output_dir / "base_model"
         if not (path / "config.json").exists():
             tokenizer = build_tiny_tokenizer()
-            build_tiny_qwen3(tokenizer, torch_dtype(recipe.model.dtype), seed=recipe.seed).save_pretrained(path)
+            model = build_tiny_qwen3(tokenizer, torch_dtype(recipe.model.dtype), seed=recipe.seed)
+            bars = transformers_logging.is_progress_bar_enabled()
+            transformers_logging.disable_progress_bar()  # one shard of a tiny model: no bar
+            try:
+                model.save_pretrained(path)
+            finally:
+                if bars:
+                    transformers_logging.enable_progress_bar()
             tokenizer.save_pretrained(path)
     return path
 
