@@ -144,6 +144,10 @@ CASES = {
         lambda t: data(jsonl(t, "ids.jsonl", json.dumps({"input_ids": ["a", "b"]})), "tokenized"),
         ["ids.jsonl line 1", "input_ids"],
     ),
+    "malformed csv": (
+        lambda t: data(jsonl(t, "bad.csv", "instruction,output", "a,b", '"unterminated,c'), "alpaca"),
+        ["data.path", "bad.csv", "ParserError"],
+    ),
     "empty data file": (lambda t: data(jsonl(t, "empty.jsonl"), "alpaca"), ["data.path", "empty.jsonl", "no records"]),
     "eval split too small": (
         lambda t: [*data(jsonl(t, "one.jsonl", alpaca()), "alpaca"), "data.eval_fraction=0.1"],

@@ -334,12 +334,15 @@ def train(recipe: Recipe, merge: bool = False) -> int:
     callbacks = []
     if recipe.data.path == ARITHMETIC_DATA and held_out is not None:
         callbacks.append(answer_accuracy_callback(tokenizer, held_out))
-    trainer = Trainer(
-        model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-        data_collator=PaddingCollator(tokenizer.pad_token_id, recipe.data.pad_to_multiple_of),
-        processing_class=tokenizer, callbacks=callbacks,
-        checkpointing=dataclasses.asdict(recipe.checkpointing) if args.gradient_checkpointing else None,
-    )
+    try:
+        trainer = Trainer(
+            model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+            data_collator=PaddingCollator(tokenizer.pad_token_id, recipe.data.pad_to_multiple_of),
+            processing_class=tokenizer, callbacks=callbacks,
+            checkpointing=dataclasses.asdict(recipe.checkpointing) if args.gradient_checkpointing else None,
+        )
+    except (ValueError, ImportError) as e:  # TrainingArguments values only the Trainer (or accelerate) rejects
+        raise RecipeError(f"training: {_one_line(e)}") from None
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     result = trainer.train(resume_from_checkpoint=resume)

@@ -24,8 +24,15 @@ FILE_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "p
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+    """The error's type and first line, and those of its root cause (datasets wraps the parser's error)."""
+    def line(e: BaseException) -> str:
+        text = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+    root = error
+    while root.__cause__ is not None or (root.__context__ is not None and not root.__suppress_context__):
+        root = root.__cause__ or root.__context__
+    return line(error) if root is error else f"{line(error)} ({line(root)})"
 
 
 def read_json_records(path: str) -> tuple[list[dict], list[str]]:
