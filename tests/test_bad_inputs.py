@@ -206,3 +206,21 @@ def test_bad_input_through_a_process(case, tmp_path):
 def test_debug_reraises(tmp_path):
     with pytest.raises(InputError, match=r"^training\.learning_rate: must be > 0"):
         cli.main([*argv("learning rate", tmp_path), "--debug"])
+
+
+def test_json_files_in_every_layout_still_load(tmp_path):
+    """The checked reader takes what `datasets` took: a JSON array, a mapping of columns, JSON lines (in a .json
+    file too, blank lines skipped)."""
+    from unsloth_lite.training.data import load_records
+
+    record = {"instruction": "add 1 and 2", "input": "", "output": "3"}
+    layouts = {
+        "array.json": json.dumps([record, record], indent=2),
+        "columns.json": json.dumps({key: [value, value] for key, value in record.items()}),
+        "lines.json": f"{json.dumps(record)}\n{json.dumps(record)}\n",
+        "lines.jsonl": f"{json.dumps(record)}\n\n{json.dumps(record)}\n",
+    }
+    for name, text in layouts.items():
+        (tmp_path / name).write_text(text)
+        dataset = load_records(str(tmp_path / name), data_format="alpaca")
+        assert dataset.to_list() == [record, record], name

@@ -4,11 +4,14 @@ checks those): model, LoRA, data and the values of the TrainingArguments fields,
 
 from __future__ import annotations
 
+import difflib
+import enum
 import glob
 import json
 import math
 import os
 import re
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -214,3 +217,34 @@ def _check_paths(training: dict) -> None:
     elif isinstance(resume, str):
         if not os.path.isdir(os.path.expanduser(resume)):
             raise RecipeError(f"training.resume_from_checkpoint: {resume} is not a checkpoint directory")
+
+
+def check_choice(key: str, value: Any, tp: Any) -> None:
+    """A string for a field annotated with an enum (optim, lr_scheduler_type, the strategies) must name one of
+    its members."""
+    enums = [a for a in (typing.get_args(tp) or (tp,)) if isinstance(a, type) and issubclass(a, enum.Enum)]
+    if not enums or not isinstance(value, str):
+        return
+    allowed = [str(member.value) for cls in enums for member in cls]
+    if value not in allowed:
+        close = difflib.get_close_matches(value, allowed, n=3)
+        hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+        raise RecipeError(f"{key}: unknown value {value!r}; {hint}expected one of {', '.join(allowed)}")
+
+
+def check_report_to(value: Any) -> None:
+    """training.report_to: integrations transformers knows, and that are installed."""
+    from transformers.integrations import get_available_reporting_integrations
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    names = [value] if isinstance(value, str) else list(value or [])
+    for name in names:
+        if name in ("none", "all"):
+            continue
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise RecipeError(
+                f"training.report_to: unknown integration {name!r}; expected none, all or one of "
+                f"{', '.join(INTEGRATION_TO_CALLBACK)}"
+            )
+        if name not in get_available_reporting_integrations():
+            raise RecipeError(f"training.report_to: {name} is not installed (pip install {name})")

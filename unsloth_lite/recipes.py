@@ -11,8 +11,9 @@ A recipe reads like this (see `recipe_files/` for complete ones)::
     seed: 42
 
 `load_recipe(path, overrides)` parses it with `yaml.safe_load`, applies command-line overrides such as
-`lora.r=8` or `training.learning_rate=2e-5`, and checks every key, type, range and path, raising a one-line
-`RecipeError` that names the offending key. Nothing is downloaded and no model is loaded here.
+`lora.r=8` or `training.learning_rate=2e-5`, and checks every key and type (here), range, choice and path
+(`recipe_checks`), raising a one-line `RecipeError` that names the offending key. Nothing is downloaded and no
+model is loaded here.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ from unsloth_lite.recipe_checks import (  # noqa: F401  (constants re-exported)
     DATA_FORMATS,
     DTYPES,
     SUPPORTED_MODEL_TYPES,
+    check_choice,
     check_data,
     check_lora,
     check_model,
+    check_report_to,
     check_training_values,
 )
 
@@ -274,42 +277,12 @@ def _validate_training(raw: Any) -> dict:
         if key not in fields:
             raise _unknown_training_key(key)
         out[key] = _typed(dotted, value, fields[key])
-        _check_choice(dotted, out[key], fields[key])
+        check_choice(dotted, out[key], fields[key])
     if "report_to" in out:
-        _check_report_to(out["report_to"])
+        check_report_to(out["report_to"])
     if out.get("output_dir") in (None, ""):
         raise RecipeError("training.output_dir: required (the directory for checkpoints and logs)")
     return out
-
-
-def _check_choice(key: str, value: Any, tp: Any) -> None:
-    """A string for a field annotated with an enum (optim, lr_scheduler_type, the strategies) must name one of
-    its members."""
-    enums = [a for a in (typing.get_args(tp) or (tp,)) if isinstance(a, type) and issubclass(a, enum.Enum)]
-    if not enums or not isinstance(value, str):
-        return
-    allowed = [str(member.value) for cls in enums for member in cls]
-    if value not in allowed:
-        close = difflib.get_close_matches(value, allowed, n=3)
-        hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
-        raise RecipeError(f"{key}: unknown value {value!r}; {hint}expected one of {', '.join(allowed)}")
-
-
-def _check_report_to(value: Any) -> None:
-    from transformers.integrations import get_available_reporting_integrations
-    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
-
-    names = [value] if isinstance(value, str) else list(value or [])
-    for name in names:
-        if name in ("none", "all"):
-            continue
-        if name not in INTEGRATION_TO_CALLBACK:
-            raise RecipeError(
-                f"training.report_to: unknown integration {name!r}; expected none, all or one of "
-                f"{', '.join(INTEGRATION_TO_CALLBACK)}"
-            )
-        if name not in get_available_reporting_integrations():
-            raise RecipeError(f"training.report_to: {name} is not installed (pip install {name})")
 
 
 # ----------------------------------------------------------------------------------------------------------------
