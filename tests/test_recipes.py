@@ -137,11 +137,17 @@ def test_checkpointing_section(tmp_path):
 
 
 def test_resume_from_checkpoint_bool_or_path(tmp_path):
-    assert load_recipe(write(tmp_path, with_("training", "resume_from_checkpoint", True))).training[
-        "resume_from_checkpoint"] is True
-    path = "runs/x/checkpoint-100"
-    assert load_recipe(write(tmp_path, with_("training", "resume_from_checkpoint", path))).training[
-        "resume_from_checkpoint"] == path
+    checkpoint = tmp_path / "run" / "checkpoint-100"
+    checkpoint.mkdir(parents=True)
+    raw = with_("training", "output_dir", str(tmp_path / "run"))
+    raw["training"]["resume_from_checkpoint"] = True
+    assert load_recipe(write(tmp_path, raw)).training["resume_from_checkpoint"] is True
+    raw["training"]["resume_from_checkpoint"] = str(checkpoint)
+    assert load_recipe(write(tmp_path, raw)).training["resume_from_checkpoint"] == str(checkpoint)
+    raw["training"]["resume_from_checkpoint"] = True
+    raw["training"]["output_dir"] = str(tmp_path / "new")
+    with pytest.raises(RecipeError, match=r"^training\.resume_from_checkpoint: true, but .*new holds no checkpoint"):
+        load_recipe(write(tmp_path, raw))
 
 
 def test_local_checkpoint_and_data(tmp_path):
@@ -294,6 +300,14 @@ BAD_OVERRIDES = {
     "training wrong type": ("training.learning_rate=abc", r"^training\.learning_rate: expected float"),
     "null required": ("data.path=null", r"^data\.path: expected str, got null$"),
     "bad yaml value": ("lora.target_modules=[a", r"override 'lora\.target_modules=\[a': value is not valid YAML"),
+    "negative learning rate": ("training.learning_rate=-1", r"^training\.learning_rate: must be > 0, got -1$"),
+    "zero batch": ("training.per_device_train_batch_size=0", r"^training\.per_device_train_batch_size: must be >= 1"),
+    "zero max_steps": ("training.max_steps=0", r"^training\.max_steps: must be >= 1 \(or -1"),
+    "zero logging_steps": ("training.logging_steps=0", r"^training\.logging_steps: must be > 0"),
+    "unknown optimiser": ("training.optim=adamw_foo", r"^training\.optim: unknown value 'adamw_foo'; did you mean"),
+    "unknown scheduler": ("training.lr_scheduler_type=cosinus", r"^training\.lr_scheduler_type: .*'cosine'"),
+    "unknown logger": ("training.report_to=[tensorboard, foo]", r"^training\.report_to: unknown integration 'foo'"),
+    "beta out of range": ("training.adam_beta2=1", r"^training\.adam_beta2: must be in \[0, 1\)"),
 }
 
 

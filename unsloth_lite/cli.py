@@ -1,7 +1,10 @@
-"""`unsloth-lite-train --recipe PATH [section.key=value ...] [--merge]` (also `python scripts/train.py`).
+"""`unsloth-lite-train --recipe PATH [section.key=value ...] [--merge] [--debug]` (also `python scripts/train.py`).
 
-The steps a person would take: read the recipe, load the model, add LoRA, load the data, train, save. Bad
-input (a recipe key, a path, a checkpoint that is not Qwen) is reported in one line and exits with code 2.
+The steps a person would take: read the recipe, load the data, load the model, add LoRA, train, save. Every
+input is checked before anything heavy loads where it can be (the recipe, the data records, the
+TrainingArguments, the model's config and its module names, from the config alone); bad input (a recipe key or
+value, a data file, line or record, a checkpoint, a LoRA target) is reported in one line naming it, with exit
+code 2 and no traceback (`--debug` re-raises instead).
 """
 
 from __future__ import annotations
@@ -12,12 +15,15 @@ import json
 import logging
 import os
 import pathlib
+import re
 import sys
 import tempfile
 
 import torch
 import yaml
 
+from unsloth_lite.errors import InputError
+from unsloth_lite.recipe_checks import check_max_seq_length
 from unsloth_lite.recipes import Recipe, RecipeError, load_recipe, recipe_to_dict, torch_dtype
 
 EXIT_USAGE = 2
@@ -50,50 +56,130 @@ def _check_chat_template(path: str, data_format: str, trust_remote_code: bool) -
         )
 
 
-def load_base(recipe: Recipe, output_dir: pathlib.Path):
-    """(patched model, tokenizer, base path). The built-in tiny model is first written to
-    `output_dir/base_model`, so the adapter saved later points at a base that can be loaded again (for
-    `--merge`, or by PEFT)."""
-    from unsloth_lite.models import load_model
+def prepare_base(recipe: Recipe, output_dir: pathlib.Path) -> pathlib.Path | str:
+    """The base model's path. The built-in tiny model is first written to `output_dir/base_model`, so the
+    adapter saved later points at a base that can be loaded again (for `--merge`, or by PEFT)."""
+    from transformers.utils import logging as transformers_logging
+
     from unsloth_lite.training.tiny import TINY_MODEL, build_tiny_qwen3, build_tiny_tokenizer
 
-    spec = recipe.model
-    path = spec.name_or_path
-    dtype = torch_dtype(spec.dtype)
+    path = recipe.model.name_or_path
     if path == TINY_MODEL:
         path = output_dir / "base_model"
         if not (path / "config.json").exists():
             tokenizer = build_tiny_tokenizer()
-            build_tiny_qwen3(tokenizer, dtype, seed=recipe.seed).save_pretrained(path)
+            model = build_tiny_qwen3(tokenizer, torch_dtype(recipe.model.dtype), seed=recipe.seed)
+            bars = transformers_logging.is_progress_bar_enabled()
+            transformers_logging.disable_progress_bar()  # one shard of a tiny model: no bar
+            try:
+                model.save_pretrained(path)
+            finally:
+                if bars:
+                    transformers_logging.enable_progress_bar()
             tokenizer.save_pretrained(path)
+    return path
+
+
+def targetable_modules(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """(names of the modules LoRA can wrap, the distinct last parts of the linear ones' names)."""
+    names, linear = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d)) and name:
+            names.append(name)
+            short = name.rsplit(".", 1)[-1]
+            if isinstance(module, torch.nn.Linear) and short not in linear:
+                linear.append(short)
+    return names, linear
+
+
+def check_target_modules(model: torch.nn.Module, targets) -> None:
+    """Each of `lora.target_modules` must match a module of the model as PEFT matches them (a name, or the
+    end of a dotted name; a single string other than all-linear is a regular expression)."""
+    if targets == "all-linear":
+        return
+    names, linear = targetable_modules(model)
+    if isinstance(targets, str):
+        missing = [] if any(re.fullmatch(targets, name) for name in names) else [targets]
+    else:
+        missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        raise RecipeError(
+            f"lora.target_modules: {', '.join(missing)} matches no module of the model; its linear modules are "
+            f"{', '.join(linear)} (or give all-linear)"
+        )
+
+
+def check_model_config(recipe: Recipe, path) -> bool:
+    """model.max_seq_length against the config's positions and the LoRA targets against the modules of a
+    weightless (meta) model built from the config; nothing is loaded. False where the config could not be
+    read or built (a hub model out of reach): then the loaded model is checked."""
+    import transformers
+
+    spec = recipe.model
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=spec.trust_remote_code)
+    except Exception:  # unreachable hub name, remote code: the model load reports it, naming the path
+        return False
+    check_max_seq_length(spec.max_seq_length, getattr(config.get_text_config(), "max_position_embeddings", None),
+                         f"the config of {spec.name_or_path}")
+    if recipe.lora.target_modules == "all-linear":
+        return True
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
+    except Exception:  # a config this transformers cannot build without weights: checked after loading
+        return False
+    check_target_modules(model, recipe.lora.target_modules)
+    return True
+
+
+def load_base(recipe: Recipe, path) -> tuple:
+    """(patched model, tokenizer) from the prepared base path; a failure to load is a RecipeError naming
+    model.name_or_path."""
+    from unsloth_lite.models import load_model
+
+    spec = recipe.model
     if recipe.data.format in ("alpaca", "chat") and not recipe.data.chat_template:
         _check_chat_template(str(path), recipe.data.format, spec.trust_remote_code)
     device_map = "cpu" if recipe.training.get("use_cpu") or not torch.cuda.is_available() else None
     kwargs = {"device_map": device_map} if device_map else {}
     if spec.trust_remote_code:
         kwargs["trust_remote_code"] = True
-    model, tokenizer = load_model(
-        str(path), load_in_4bit=spec.load_in_4bit, dtype=dtype, max_seq_length=spec.max_seq_length,
-        quantize_embeddings=spec.quantize_embeddings, attn_implementation=spec.attn_implementation, **kwargs,
-    )
+    try:
+        model, tokenizer = load_model(
+            str(path), load_in_4bit=spec.load_in_4bit, dtype=torch_dtype(spec.dtype),
+            max_seq_length=spec.max_seq_length, quantize_embeddings=spec.quantize_embeddings,
+            attn_implementation=spec.attn_implementation, **kwargs,
+        )
+    except (OSError, ValueError, ImportError) as e:
+        raise RecipeError(f"model.name_or_path: cannot load {spec.name_or_path}: {_one_line(e)}") from None
     if tokenizer is None:
         raise RecipeError(f"model.name_or_path: {spec.name_or_path} ships no tokenizer")
     if recipe.data.chat_template:
         tokenizer.chat_template = _chat_template(recipe.data.chat_template)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer, str(path)
+    return model, tokenizer
 
 
-def load_data(recipe: Recipe, tokenizer):
-    from unsloth_lite.training.data import load_records, tokenize_dataset
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def load_raw_data(recipe: Recipe):
+    """(training records, held-out records or None), every record checked for its format's fields."""
+    from unsloth_lite.training.data import load_records, split_records
 
     data = recipe.data
-    raw = load_records(data.path, data.split, seed=recipe.seed)
-    held_out = None
-    if data.eval_fraction > 0:
-        parts = raw.train_test_split(test_size=data.eval_fraction, seed=recipe.seed)
-        raw, held_out = parts["train"], parts["test"]
+    raw = load_records(data.path, data.split, seed=recipe.seed, data_format=data.format,
+                       text_field=data.text_field, responses_only=data.train_on_responses_only)
+    return split_records(raw, data.eval_fraction, seed=recipe.seed)
+
+
+def tokenize_data(recipe: Recipe, tokenizer, raw, held_out):
+    from unsloth_lite.training.data import tokenize_dataset
+
+    data = recipe.data
 
     def tokenize(dataset):
         return tokenize_dataset(
@@ -101,7 +187,20 @@ def load_data(recipe: Recipe, tokenizer):
             data.text_field,
         )
 
-    return tokenize(raw), (tokenize(held_out) if held_out is not None else None), held_out
+    return tokenize(raw), (tokenize(held_out) if held_out is not None else None)
+
+
+def training_arguments(recipe: Recipe, training: dict, evaluates: bool):
+    """TrainingArguments, built before the model loads; what it rejects is a RecipeError."""
+    import transformers
+
+    if not evaluates and training.get("eval_strategy", "no") != "no":
+        training["eval_strategy"] = "no"
+    training.setdefault("include_num_input_tokens_seen", "non_padding")  # for the throughput summary
+    try:
+        return transformers.TrainingArguments(**training, seed=recipe.seed)
+    except (ValueError, TypeError, ImportError) as e:
+        raise RecipeError(f"training: {_one_line(e)}") from None
 
 
 def answer_accuracy_callback(tokenizer, records, limit: int = 64):
@@ -210,36 +309,43 @@ def train(recipe: Recipe, merge: bool = False) -> int:
 
     training = dict(recipe.training)
     resume = training.pop("resume_from_checkpoint", None)
-    output_dir = pathlib.Path(training["output_dir"])
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
-    transformers.set_seed(recipe.seed)
+    _log(f"loading data {recipe.data.path}")
+    raw, held_out = load_raw_data(recipe)
+    args = training_arguments(recipe, training, evaluates=held_out is not None)
+    _log(f"{len(raw):,} training records" + (f", {len(held_out):,} held out" if held_out is not None else ""))
 
+    output_dir = pathlib.Path(training["output_dir"]).expanduser()
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RecipeError(f"training.output_dir: cannot create {output_dir}: {_one_line(e)}") from None
+    (output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     _log(f"loading {recipe.model.name_or_path}")
-    model, tokenizer, base_path = load_base(recipe, output_dir)
+    base_path = prepare_base(recipe, output_dir)
+    checked = check_model_config(recipe, base_path)
+    transformers.set_seed(recipe.seed)
+    model, tokenizer = load_base(recipe, base_path)
+    if not checked:
+        check_target_modules(model, recipe.lora.target_modules)
     lora = recipe.lora
     model = add_lora(
         model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
     )
     trainable, total = model.get_nb_trainable_parameters()
     _log(f"LoRA r={lora.r}: {trainable:,} trainable of {total:,} parameters")
-
-    _log(f"loading data {recipe.data.path}")
-    train_set, eval_set, held_out = load_data(recipe, tokenizer)
-    _log(f"{len(train_set):,} training rows" + (f", {len(eval_set):,} held out" if eval_set is not None else ""))
-    if eval_set is None and training.get("eval_strategy", "no") != "no":
-        training["eval_strategy"] = "no"
-    training.setdefault("include_num_input_tokens_seen", "non_padding")  # for the throughput summary
-    args = transformers.TrainingArguments(**training, seed=recipe.seed)
+    train_set, eval_set = tokenize_data(recipe, tokenizer, raw, held_out)
     callbacks = []
     if recipe.data.path == ARITHMETIC_DATA and held_out is not None:
         callbacks.append(answer_accuracy_callback(tokenizer, held_out))
-    trainer = Trainer(
-        model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-        data_collator=PaddingCollator(tokenizer.pad_token_id, recipe.data.pad_to_multiple_of),
-        processing_class=tokenizer, callbacks=callbacks,
-        checkpointing=dataclasses.asdict(recipe.checkpointing) if args.gradient_checkpointing else None,
-    )
+    try:
+        trainer = Trainer(
+            model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+            data_collator=PaddingCollator(tokenizer.pad_token_id, recipe.data.pad_to_multiple_of),
+            processing_class=tokenizer, callbacks=callbacks,
+            checkpointing=dataclasses.asdict(recipe.checkpointing) if args.gradient_checkpointing else None,
+        )
+    except (ValueError, ImportError) as e:  # TrainingArguments values only the Trainer (or accelerate) rejects
+        raise RecipeError(f"training: {_one_line(e)}") from None
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     result = trainer.train(resume_from_checkpoint=resume)
@@ -264,12 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="unsloth-lite-train", description="Fine-tune a Qwen model from a recipe.")
     parser.add_argument("--recipe", required=True, help="a recipe file, or the name of a packaged recipe")
     parser.add_argument("--merge", action="store_true", help="also write a merged 16-bit model to OUTPUT_DIR/merged")
+    parser.add_argument("--debug", action="store_true", help="on bad input, raise with a traceback instead of one line")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="recipe overrides")
     args = parser.parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         return train(recipe, merge=args.merge)
-    except RecipeError as error:
+    except InputError as error:
+        if args.debug:
+            raise
         print(f"unsloth-lite-train: error: {error}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -11,8 +11,9 @@ A recipe reads like this (see `recipe_files/` for complete ones)::
     seed: 42
 
 `load_recipe(path, overrides)` parses it with `yaml.safe_load`, applies command-line overrides such as
-`lora.r=8` or `training.learning_rate=2e-5`, and checks every key, type, range and path, raising a one-line
-`RecipeError` that names the offending key. Nothing is downloaded and no model is loaded here.
+`lora.r=8` or `training.learning_rate=2e-5`, and checks every key and type (here), range, choice and path
+(`recipe_checks`), raising a one-line `RecipeError` that names the offending key. Nothing is downloaded and no
+model is loaded here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import dataclasses
 import difflib
 import enum
 import functools
-import json
 import os
 import pathlib
 import re
@@ -34,29 +34,28 @@ from typing import Any
 
 import yaml
 
-RECIPE_DIR = pathlib.Path(__file__).resolve().parent / "recipe_files"
+from unsloth_lite.errors import RecipeError
+from unsloth_lite.recipe_checks import (  # noqa: F401  (constants re-exported)
+    ATTN_IMPLEMENTATIONS,
+    BUILTIN_DATASETS,
+    BUILTIN_MODELS,
+    DATA_FILE_SUFFIXES,
+    DATA_FORMATS,
+    DTYPES,
+    SUPPORTED_MODEL_TYPES,
+    check_choice,
+    check_data,
+    check_lora,
+    check_model,
+    check_report_to,
+    check_training_values,
+)
 
-DTYPES = ("float32", "bfloat16", "float16")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-DATA_FORMATS = ("alpaca", "chat", "text", "tokenized")
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_5", "qwen3_5_text")
-BUILTIN_MODELS = ("builtin:tiny-qwen3",)
-BUILTIN_DATASETS = ("builtin:arithmetic",)
-DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")
+RECIPE_DIR = pathlib.Path(__file__).resolve().parent / "recipe_files"
 TOP_LEVEL_KEYS = ("model", "lora", "data", "training", "checkpointing", "seed")
 
-# A hub repository id: "org/name" (models) or, for datasets, also a bare legacy "name".
-_HUB_MODEL_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_HUB_DATASET_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 # YAML 1.1 (PyYAML) reads `2e-5` as a string; float-typed keys accept such numeric strings.
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot be used; the message is one line naming the key (dotted) or the file."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).splitlines()))
 
 
 @dataclass
@@ -279,6 +278,9 @@ def _validate_training(raw: Any) -> dict:
         if key not in fields:
             raise _unknown_training_key(key)
         out[key] = _typed(dotted, value, fields[key])
+        check_choice(dotted, out[key], fields[key])
+    if "report_to" in out:
+        check_report_to(out["report_to"])
     if out.get("output_dir") in (None, ""):
         raise RecipeError("training.output_dir: required (the directory for checkpoints and logs)")
     return out
@@ -315,112 +317,6 @@ def _build_section(name: str, raw: Any):
     return cls(**values)
 
 
-def _choice(key: str, value: str, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise RecipeError(f"{key}: expected one of {', '.join(allowed)}, got {value!r}")
-
-
-def _looks_local(path: str) -> bool:
-    """A path the user meant as local (as opposed to a hub id like 'org/name')."""
-    if path.startswith(("/", "./", "../", "~", ".\\", "..\\")) or path in (".", ".."):
-        return True
-    if re.match(r"[A-Za-z]:[\\/]", path):  # a Windows drive
-        return True
-    parts = re.split(r"[\\/]", path)
-    if len(parts) > 2:  # hub ids have a single slash
-        return True
-    return len(parts) > 1 and os.path.exists(parts[0])
-
-
-def _validate_model(model: ModelSection) -> None:
-    _choice("model.dtype", model.dtype, DTYPES)
-    _choice("model.attn_implementation", model.attn_implementation, ATTN_IMPLEMENTATIONS)
-    if model.max_seq_length < 1:
-        raise RecipeError(f"model.max_seq_length: must be >= 1, got {model.max_seq_length}")
-    name = model.name_or_path
-    if name.startswith("builtin:"):
-        _choice("model.name_or_path", name, BUILTIN_MODELS)
-        return
-    model.name_or_path = name = os.path.expanduser(name)
-    if os.path.isdir(name):
-        config_path = os.path.join(name, "config.json")
-        if not os.path.isfile(config_path):
-            raise RecipeError(f"model.name_or_path: {name} has no config.json (not a Hugging Face checkpoint)")
-        try:
-            with open(config_path, encoding="utf-8") as f:
-                model_type = json.load(f).get("model_type")
-        except (OSError, ValueError, AttributeError) as e:
-            raise RecipeError(f"model.name_or_path: cannot read {config_path}: {e}") from None
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise RecipeError(
-                f"model.name_or_path: {name} is a {model_type!r} checkpoint; "
-                f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        return
-    if os.path.exists(name):
-        raise RecipeError(f"model.name_or_path: {name} is a file, not a checkpoint directory")
-    if _looks_local(name):
-        raise RecipeError(f"model.name_or_path: {name} does not exist")
-    if not _HUB_MODEL_RE.fullmatch(name):
-        raise RecipeError(
-            f"model.name_or_path: {name!r} is neither a local checkpoint directory nor a hub name like 'Qwen/Qwen3-8B'"
-        )
-
-
-def _validate_lora(lora: LoRASection) -> None:
-    if lora.r < 1:
-        raise RecipeError(f"lora.r: must be >= 1, got {lora.r}")
-    if lora.alpha < 1:
-        raise RecipeError(f"lora.alpha: must be >= 1, got {lora.alpha}")
-    if not 0.0 <= lora.dropout < 1.0:
-        raise RecipeError(f"lora.dropout: must be in [0, 1), got {lora.dropout}")
-    targets = lora.target_modules
-    if isinstance(targets, str):
-        if not targets.strip():
-            raise RecipeError("lora.target_modules: must not be empty")
-    elif not targets or any(not t.strip() for t in targets):
-        raise RecipeError(f"lora.target_modules: expected 'all-linear' or a non-empty list of names, got {targets!r}")
-
-
-def _validate_data(data: DataSection) -> None:
-    _choice("data.format", data.format, DATA_FORMATS)
-    if not 0.0 <= data.eval_fraction < 1.0:
-        raise RecipeError(f"data.eval_fraction: must be in [0, 1), got {data.eval_fraction}")
-    for key in ("split", "text_field"):
-        if not getattr(data, key):
-            raise RecipeError(f"data.{key}: must not be empty")
-    if data.pad_to_multiple_of < 1:
-        raise RecipeError(f"data.pad_to_multiple_of: must be >= 1, got {data.pad_to_multiple_of}")
-    path = data.path
-    if path.startswith("builtin:"):
-        _choice("data.path", path, BUILTIN_DATASETS)
-    else:
-        data.path = path = os.path.expanduser(path)
-        if os.path.isfile(path):
-            if not path.endswith(DATA_FILE_SUFFIXES):
-                raise RecipeError(f"data.path: {path} is not one of {', '.join(DATA_FILE_SUFFIXES)}")
-        elif os.path.isdir(path):
-            pass
-        elif _looks_local(path) or path.endswith(DATA_FILE_SUFFIXES):
-            raise RecipeError(f"data.path: {path} does not exist")
-        elif not _HUB_DATASET_RE.fullmatch(path):
-            raise RecipeError(
-                f"data.path: {path!r} is neither a local file or directory nor a hub dataset name like 'org/name'"
-            )
-    template = data.chat_template
-    if template is not None:
-        if not template.strip():
-            raise RecipeError("data.chat_template: must not be empty (use null for the tokenizer's template)")
-        is_template = "{{" in template or "{%" in template
-        if not is_template:
-            template_path = os.path.expanduser(template)
-            if not os.path.isfile(template_path):
-                raise RecipeError(
-                    f"data.chat_template: {template} is neither a Jinja template nor an existing .jinja file"
-                )
-            data.chat_template = template_path
-
-
 def _build_recipe(raw: Any, source: str) -> Recipe:
     if not isinstance(raw, dict):
         raise RecipeError(f"{source}: expected a mapping with keys {', '.join(TOP_LEVEL_KEYS)}, got {_describe(raw)}")
@@ -436,10 +332,11 @@ def _build_recipe(raw: Any, source: str) -> Recipe:
     seed = _typed("seed", raw.get("seed", 42), int)
     if not 0 <= seed < 2**32:
         raise RecipeError(f"seed: must be in [0, 2**32), got {seed}")
-    _validate_model(model)
-    _validate_lora(lora)
-    _validate_data(data)
+    check_model(model)
+    check_lora(lora)
+    check_data(data)
     training = _validate_training(raw["training"])
+    check_training_values(training, data.eval_fraction)
     checkpointing = _build_section("checkpointing", raw.get("checkpointing"))
     checkpointed = training.get("gradient_checkpointing") or training.get("activation_checkpointing")
     if dataclasses.asdict(checkpointing) != dataclasses.asdict(CheckpointingSection()) and not checkpointed:
