@@ -204,7 +204,7 @@ def training_arguments(recipe: Recipe, training: dict, evaluates: bool):
 
 
 def answer_accuracy_callback(tokenizer, records, limit: int = 64):
-    """After each evaluation, the held-out chat records' greedy answers checked against the references."""
+    """With each evaluation, the held-out chat records' greedy answers checked against the references."""
     import transformers
 
     from unsloth_lite.training.tiny import answer_accuracy
@@ -212,11 +212,18 @@ def answer_accuracy_callback(tokenizer, records, limit: int = 64):
     records = [records[i] for i in range(min(limit, len(records)))]
 
     class AnswerAccuracy(transformers.TrainerCallback):
-        def on_evaluate(self, args, state, control, model=None, metrics=None, **kwargs):
+        # The Trainer logs an evaluation's metrics (on_log) before on_evaluate runs, and this callback's on_log
+        # runs before the progress callback's, which prints: computed here, the accuracy is printed on the
+        # eval_loss line and kept in the same log_history entry (and in the metrics evaluate() returns).
+        def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+            if logs is None or "eval_loss" not in logs:
+                return
             accuracy = answer_accuracy(model, tokenizer, records)
-            state.log_history.append({"eval_answer_accuracy": accuracy, "step": state.global_step})
-            if metrics is not None:
-                metrics["eval_answer_accuracy"] = accuracy
+            logs["eval_answer_accuracy"] = accuracy
+            if state.log_history and state.log_history[-1].get("eval_loss") == logs["eval_loss"]:
+                state.log_history[-1]["eval_answer_accuracy"] = accuracy
+            else:
+                state.log_history.append({"eval_answer_accuracy": accuracy, "step": state.global_step})
 
     return AnswerAccuracy()
 
@@ -353,7 +360,9 @@ def train(recipe: Recipe, merge: bool = False) -> int:
     _log(", ".join(f"{key} {value}" for key, value in summary.items()))
     (output_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if eval_set is not None:
-        trainer.evaluate()
+        # The progress callback prints no logs once training has ended: the final evaluation is printed here.
+        final = trainer.evaluate()
+        _log(", ".join(f"{key} {final[key]:.4g}" for key in ("eval_loss", "eval_answer_accuracy") if key in final))
 
     trainer.save_model(str(output_dir))  # the adapter, in PEFT's format, and the tokenizer
     trainer.save_state()

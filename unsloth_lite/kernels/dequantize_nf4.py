@@ -408,14 +408,17 @@ def dequantize_nf4_rows_reference(packed: torch.Tensor, quant_state, row_ids: to
 
 
 def dequantize_nf4_reference(packed: torch.Tensor, quant_state) -> torch.Tensor:
-    """Plain-PyTorch `dequantize_nf4(packed, quant_state)`, same arithmetic (runs on any device, no Triton)."""
+    """Plain-PyTorch `dequantize_nf4(packed, quant_state)`, same arithmetic (runs on any device, no Triton).
+    It is the CPU path's dequantisation, run for every 4-bit product of a training step, hence one gather per
+    byte (a table of the byte's two code values) and one broadcast product per block."""
     qs = quant_state
     n = _numel(qs.shape)
     data = packed.detach().contiguous().reshape(-1)
     if data.dtype != torch.uint8:
         data = data.view(torch.uint8)
-    data = data[: (n + 1) // 2].to(torch.int64)
-    nibbles = torch.stack([data >> 4, data & 0xF], dim=1).reshape(-1)[:n]
+    code = qs.code.float()
+    byte_values = torch.stack([code.repeat_interleave(16), code.repeat(16)], dim=1)  # byte -> (high, low)
+    values = byte_values[data[: (n + 1) // 2].long()].reshape(-1)
     if qs.nested:
         qabsmax = qs.absmax.reshape(-1).to(torch.int64)
         nested_block = torch.arange(qabsmax.numel(), device=qabsmax.device) // qs.state2.blocksize
@@ -423,6 +426,8 @@ def dequantize_nf4_reference(packed: torch.Tensor, quant_state) -> torch.Tensor:
         absmax = absmax + qs.offset.float()
     else:
         absmax = qs.absmax.reshape(-1).float()
-    block = torch.arange(n, device=data.device) // qs.blocksize
-    values = qs.code.float()[nibbles] * absmax[block]
-    return values.to(qs.dtype).reshape(qs.shape)
+    n_blocks = triton.cdiv(n, qs.blocksize)
+    if values.numel() != n_blocks * qs.blocksize:  # the last block is partial
+        values = torch.nn.functional.pad(values[:n], (0, n_blocks * qs.blocksize - n))
+    values = values.view(n_blocks, qs.blocksize) * absmax[:n_blocks, None]
+    return values.reshape(-1)[:n].to(qs.dtype).reshape(qs.shape)

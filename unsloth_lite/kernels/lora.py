@@ -37,8 +37,25 @@ import itertools
 import torch
 
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4, dequantize_nf4_reference
-from unsloth_lite.kernels.swiglu import _swiglu_backward, _swiglu_forward
+from unsloth_lite.kernels.swiglu import (
+    _swiglu_backward,
+    _swiglu_forward,
+    swiglu_backward_reference,
+    swiglu_reference,
+)
 from unsloth_lite.kernels.utils import INTERPRET
+
+
+def _use_kernels(t: torch.Tensor) -> bool:
+    return t.is_cuda or INTERPRET
+
+
+def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return _swiglu_forward(g, u) if _use_kernels(g) else swiglu_reference(g, u)
+
+
+def _swiglu_grads(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, out):
+    return (_swiglu_backward if _use_kernels(g) else swiglu_backward_reference)(dh, g, u, out=out)
 
 
 @dataclasses.dataclass
@@ -89,11 +106,16 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 def base_weight(projection: LoRAProjection, dtype: torch.dtype) -> torch.Tensor:
     """The dense frozen weight `[out, in]` in `dtype`: the parameter itself, or an NF4 weight dequantised into
     the shared scratch buffer (valid until the next call)."""
-    base = projection.base
+    return dense_weight(projection.base, dtype)
+
+
+def dense_weight(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`base_weight` of a bare frozen weight (a dense parameter or an NF4 `Params4bit`)."""
     quant_state = getattr(base, "quant_state", None)
     if quant_state is None:
         return base if base.dtype == dtype else base.to(dtype)
-    if not (base.is_cuda or INTERPRET):
+    if not _use_kernels(base):
+        # Never bitsandbytes' CPU dequantisation: it misplaces absmax blocks in rows that split a block.
         return dequantize_nf4_reference(base.data, quant_state).to(dtype)
     shape = tuple(quant_state.shape)
     out = _scratch(shape[0] * shape[1], quant_state.dtype, base.device).view(shape)
@@ -195,7 +217,7 @@ class LoRAMLPFunction(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         gate_up = _Adapters((gate, up), x2d.dtype)
         (g, u), t_gate_up = _project_all(x2d, (gate, up), gate_up)
-        h = _swiglu_forward(g, u)
+        h = _swiglu(g, u)
         down_adapters = _Adapters((down,), x2d.dtype)
         (out,), t_down = _project_all(h, (down,), down_adapters, output_needed)
         ctx.projections, ctx.adapters = projections, (gate_up, down_adapters)
@@ -212,12 +234,52 @@ class LoRAMLPFunction(torch.autograd.Function):
             raise RuntimeError("the LoRA MLP backward reuses its saved activations and cannot run twice")
         ctx.buffers_reused = True
         dout2d = dout.reshape(-1, down.out_features)
-        h = _swiglu_forward(g, u)
+        h = _swiglu(g, u)
         dh, down_grads = _project_all_backward([dout2d], h, t_down, (down,), down_adapters)
         del h
-        dg, du = _swiglu_backward(dh, g, u, out=(g, u))  # g and u are dead from here on
+        dg, du = _swiglu_grads(dh, g, u, out=(g, u))  # g and u are dead from here on
         dx, gate_up_grads = _project_all_backward([dg, du], x2d, t_gate_up, (gate, up), gate_up)
         return (dx.view(ctx.input_shape), None, None, *gate_up_grads, *down_grads)
+
+
+class FrozenLinearFunction(torch.autograd.Function):
+    """x Wᵀ + b over a frozen base W. W comes from the shared scratch buffer, which the next dequantisation
+    overwrites, so autograd must not keep it: the backward dequantises W again, as the LoRA functions do."""
+
+    @staticmethod
+    def forward(ctx, x, base, bias):
+        x2d = x.reshape(-1, x.shape[-1])
+        weight = dense_weight(base.weight, x2d.dtype)
+        if bias is None:
+            y = torch.matmul(x2d, weight.t())
+        else:
+            y = torch.addmm(bias.to(x2d.dtype), x2d, weight.t())
+        ctx.base, ctx.input_shape = base, x.shape
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dx = d_bias = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.matmul(dy2d, dense_weight(ctx.base.weight, dy2d.dtype)).view(ctx.input_shape)
+        if ctx.needs_input_grad[2]:
+            d_bias = dy2d.sum(0).to(ctx.bias_dtype)
+        return dx, None, d_bias
+
+
+@dataclasses.dataclass
+class _FrozenBase:
+    """Keeps the base out of autograd's view of the arguments (a `Params4bit` is a tensor subclass)."""
+
+    weight: torch.Tensor
+
+
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x Wᵀ + b` in x's dtype for a frozen W, dense or NF4 (dequantised on the fly, by the kernel on CUDA and
+    under the interpreter, by its PyTorch reference otherwise); gradients for x and b."""
+    return FrozenLinearFunction.apply(x, _FrozenBase(weight), bias)
 
 
 def lora_projections(

@@ -182,3 +182,18 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def sigmoid_gate_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     return (x.to(acc) * torch.sigmoid(gate.to(acc))).to(x.dtype)
+
+
+def swiglu_backward_reference(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out=None):
+    """(dg, du) of `swiglu_reference`, as the backward kernel computes them; `out` as `_swiglu_backward`'s
+    (may be gate and up themselves: both results are formed before either is written)."""
+    acc = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    g, u, dh = gate.to(acc), up.to(acc), dh.to(acc)
+    sig = torch.sigmoid(g)
+    du = dh * g * sig
+    dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+    if out is None:
+        return dg.to(gate.dtype), du.to(up.dtype)
+    out[0].copy_(dg)
+    out[1].copy_(du)
+    return out

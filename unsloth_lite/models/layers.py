@@ -5,7 +5,10 @@ keeps the module's call signature, so the rest of the Hugging Face model (decode
 the attention implementation it was loaded with, PEFT's LoRA layers) is untouched.
 
 Kernels run on CUDA tensors, or on CPU tensors under `TRITON_INTERPRET=1`; a model on the CPU otherwise uses
-the plain-PyTorch references, which compute the same functions.
+the plain-PyTorch references, which compute the same functions. The LoRA projections take the fused path on
+every device, and bitsandbytes' 4-bit layers outside it take `linear4bit_forward`: NF4 weights are always
+dequantised by our own code, never by bitsandbytes' CPU kernels (which misplace absmax blocks in rows that
+split a block, and whose eval-mode inference path repacks the weights into a layout with no autograd).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from unsloth_lite.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
 )
-from unsloth_lite.kernels.lora import LoRAProjection, frozen_projection, lora_mlp, lora_projections
+from unsloth_lite.kernels.lora import LoRAProjection, frozen_linear, frozen_projection, lora_mlp, lora_projections
 from unsloth_lite.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from unsloth_lite.kernels.rms_norm import rms_norm, rms_norm_reference
 from unsloth_lite.kernels.rope import apply_rope, apply_rope_reference
@@ -107,6 +110,8 @@ def _lora_projection(layer) -> LoRAProjection | None:
     quant_state = getattr(weight, "quant_state", None)
     if weight.requires_grad or (quant_state is not None and quant_state.quant_type != "nf4"):
         return None
+    if getattr(quant_state, "packing_format_for_cpu", False):
+        return None  # repacked before patching; the base layer's own forward (linear4bit_forward) unpacks it
     bias = base.bias
     if bias is not None and bias.requires_grad:
         return None
@@ -114,11 +119,63 @@ def _lora_projection(layer) -> LoRAProjection | None:
 
 
 def _lora_projections(module, names, x) -> tuple[LoRAProjection, ...] | None:
-    """All of `names` as fused LoRA projections, or None (then each projection runs its own forward)."""
-    if not use_kernels(x):
-        return None
+    """All of `names` as fused LoRA projections, or None (then each projection runs its own forward). On every
+    device: on the CPU the fused functions dequantise through the PyTorch reference, where PEFT's path would
+    run bitsandbytes' CPU matmuls."""
     projections = tuple(_lora_projection(getattr(module, name)) for name in names)
     return None if any(p is None for p in projections) else projections
+
+
+def linear4bit_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' NF4 `Linear4bit`, x Wᵀ + b in x's dtype (as the fused LoRA path computes its base
+    product), W dequantised by our kernel or its reference. Used for every 4-bit layer the fused path does not
+    cover: no adapter, an adapter PEFT keeps on its own path (dropout, DoRA), a base layer PEFT calls."""
+    weight = self.weight
+    if getattr(weight, "quant_state", None) is None:
+        # The weight lost its state in a conversion (FSDP, `.to`); bitsandbytes restores it from the module.
+        from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+        fix_4bit_weight_quant_state_from_module(self)
+        weight = self.weight
+    if getattr(weight.quant_state, "packing_format_for_cpu", False):
+        _unpack_cpu_inference_layout(self)
+        weight = self.weight
+    return frozen_linear(x, weight, self.bias)
+
+
+def _unpack_cpu_inference_layout(module) -> None:
+    """A weight bitsandbytes repacked for its CPU inference kernel (an eval-mode forward before patching)
+    back in NF4 rows. bitsandbytes' inverse re-quantises the absmax it had rounded to bfloat16, so the base
+    differs slightly from the loaded one: said once."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+    _warn_once(
+        "unsloth_lite: a 4-bit weight was repacked by bitsandbytes' CPU inference path before patching; "
+        "unpacked with its scales rounded to bfloat16 (patch the model before any eval-mode forward)"
+    )
+    weight = module.weight
+    weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+    module.quant_state = weight.quant_state
+
+
+def is_nf4_linear4bit(module) -> str | None:
+    """bitsandbytes' own `Linear4bit` (not PEFT's LoRA layer of the same name, which wraps one as its base
+    layer) with an NF4 weight; FP4 keeps bitsandbytes' forward."""
+    import bitsandbytes as bnb
+
+    if not isinstance(module, bnb.nn.Linear4bit):
+        return f"{type(module).__module__}.{type(module).__name__} is not bitsandbytes' Linear4bit"
+    if getattr(module.weight, "quant_type", None) != "nf4":
+        return f"4-bit weight of type {getattr(module.weight, 'quant_type', None)!r}, not NF4"
+    return None
+
+
+def disable_cpu_repacking(module) -> None:
+    """bitsandbytes repacks a CPU weight for its inference kernel in an eval-mode forward without grad, in
+    place, and keeps it so: every later product, training included, then runs `gemv_4bit`, which has no
+    autograd. That forward is replaced by `linear4bit_forward`; clearing the flag it tests keeps the weight in
+    NF4 rows even if bitsandbytes' forward is called directly."""
+    module.support_avx512bf16_for_cpu = False
 
 
 def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

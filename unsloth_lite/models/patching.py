@@ -28,6 +28,7 @@ class Rule:
     forward: Callable
     requires: tuple[str, ...] = ()
     check: Callable[[torch.nn.Module], str | None] | None = None  # returns why the module can't take it
+    on_patch: Callable[[torch.nn.Module], None] | None = None  # prepares a module that takes the forward
 
 
 ARCHITECTURES: dict[str, tuple[Rule, ...]] = {}
@@ -77,6 +78,8 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
         reason = rule.check(module) if rule.check else None
         if reason:
             continue  # this instance keeps Hugging Face's forward
+        if rule.on_patch:
+            rule.on_patch(module)
         module.forward = types.MethodType(rule.forward, module)
         setattr(module, PATCHED_FLAG, True)
     return model

@@ -9,13 +9,14 @@ from unsloth_lite.models.layers import (
     swiglu_mlp_forward,
 )
 from unsloth_lite.models.patching import Rule, register
-from unsloth_lite.models.qwen3 import ATTENTION_ATTRIBUTES
+from unsloth_lite.models.qwen3 import ATTENTION_ATTRIBUTES, LINEAR4BIT_RULES
 
 RULES = (
     Rule("Qwen2RMSNorm", rms_norm_forward, ("weight", "variance_epsilon")),
     Rule("Qwen2Attention", rope_attention_forward, ATTENTION_ATTRIBUTES),
     Rule("Qwen2MLP", swiglu_mlp_forward, ("gate_proj", "up_proj", "down_proj", "config"), check=mlp_uses_silu),
     Rule("Qwen2ForCausalLM", causal_lm_forward, ("model", "lm_head"), check=lm_head_is_plain_linear),
+    *LINEAR4BIT_RULES,
 )
 
 register("qwen2", RULES)

@@ -2,6 +2,9 @@
 
 from unsloth_lite.models.layers import (
     causal_lm_forward,
+    disable_cpu_repacking,
+    is_nf4_linear4bit,
+    linear4bit_forward,
     lm_head_is_plain_linear,
     mlp_uses_silu,
     qk_norm_rope_attention_forward,
@@ -12,6 +15,12 @@ from unsloth_lite.models.patching import Rule, register
 
 ATTENTION_ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx", "config")
 
+# Every architecture's 4-bit layers (bitsandbytes' Linear4bit and its NF4 subclass): dequantised by our code.
+LINEAR4BIT_RULES = tuple(
+    Rule(name, linear4bit_forward, ("weight", "bias"), check=is_nf4_linear4bit, on_patch=disable_cpu_repacking)
+    for name in ("Linear4bit", "LinearNF4")
+)
+
 RULES = (
     Rule("Qwen3RMSNorm", rms_norm_forward, ("weight", "variance_epsilon")),
     Rule(
@@ -20,6 +29,7 @@ RULES = (
     ),
     Rule("Qwen3MLP", swiglu_mlp_forward, ("gate_proj", "up_proj", "down_proj", "config"), check=mlp_uses_silu),
     Rule("Qwen3ForCausalLM", causal_lm_forward, ("model", "lm_head"), check=lm_head_is_plain_linear),
+    *LINEAR4BIT_RULES,
 )
 
 register("qwen3", RULES)

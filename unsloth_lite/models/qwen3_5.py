@@ -10,6 +10,7 @@ from unsloth_lite.models.layers import (
     zero_centred_rms_norm_forward,
 )
 from unsloth_lite.models.patching import Rule, register
+from unsloth_lite.models.qwen3 import LINEAR4BIT_RULES
 from unsloth_lite.models.qwen3_5_layers import (
     DELTANET_PROJECTIONS,
     deltanet_checks,
@@ -33,6 +34,7 @@ RULES = (
     ),
     Rule("Qwen3_5MLP", swiglu_mlp_forward, ("gate_proj", "up_proj", "down_proj", "config"), check=mlp_uses_silu),
     Rule("Qwen3_5ForCausalLM", causal_lm_forward, ("model", "lm_head"), check=lm_head_is_plain_linear),
+    *LINEAR4BIT_RULES,
 )
 
 register("qwen3_5_text", RULES)

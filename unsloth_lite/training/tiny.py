@@ -47,6 +47,12 @@ def build_tiny_qwen3(tokenizer, dtype: torch.dtype = torch.float32, seed: int = 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
+        # LoRA leaves lm_head frozen at its initial weights. At the usual std of 0.02 its rows have norm ~0.23,
+        # and the final norm holds hidden states at norm ~sqrt(hidden), which caps every logit near 2.6: no
+        # answer could reach much more than 10% probability, so the loss plateaus far from zero and training
+        # crawls. Rows of norm ~1 leave the adapters room to make the answers confident.
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, config.hidden_size**-0.5)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model.to(dtype)
