@@ -111,6 +111,8 @@ def load_records(
 
 
 def _load_with_datasets(path: str, extension: str, split: str) -> datasets.Dataset:
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a parser logs its traceback; ours is one line
     try:
         if os.path.isfile(path):
             if extension not in FILE_LOADERS:
@@ -128,6 +130,8 @@ def _load_with_datasets(path: str, extension: str, split: str) -> datasets.Datas
         raise
     except Exception as e:  # datasets, pyarrow and the hub raise many types; each names its problem
         raise DataError(f"data.path: cannot load {path}: {_first_line(e)}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
     if isinstance(dataset, datasets.DatasetDict):
         raise DataError(f"data.split: {path} has splits {', '.join(dataset)}; name one")
     return dataset
