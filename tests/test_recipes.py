@@ -63,7 +63,7 @@ def test_tiny_recipe_contents():
     assert recipe.lora == LoRASection(r=128, alpha=128, dropout=0.0, target_modules="all-linear")
     assert recipe.data.path == "builtin:arithmetic" and recipe.data.format == "chat"
     assert recipe.data.eval_fraction == pytest.approx(0.1)
-    assert recipe.training["learning_rate"] == pytest.approx(3e-3)
+    assert recipe.training["learning_rate"] == pytest.approx(1.2e-3)
 
 
 def test_large_recipes_use_explicit_projections():
