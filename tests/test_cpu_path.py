@@ -226,3 +226,25 @@ def test_odd_width_layers_cpu_interpreted(tmp_path):
 @pytest.mark.gpu
 def test_odd_width_layers_cuda(tmp_path):
     check_odd_width_layers(str(tmp_path / "model"), "cuda")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_5"])
+def test_every_4bit_layer_takes_our_forward(arch, tmp_path):
+    """Qwen2, Qwen3 and Qwen3.5 (Gated DeltaNet and gated attention projections included): every bitsandbytes
+    4-bit layer runs `linear4bit_forward`, before and after PEFT wraps it; PEFT's LoRA layers keep theirs."""
+    import bitsandbytes as bnb
+    from test_patch_model import tiny_model, tiny_qwen3_5
+
+    from unsloth_lite.models.layers import linear4bit_forward
+
+    base = tiny_qwen3_5("cpu") if arch == "qwen3_5" else tiny_model(arch, "cpu", hidden_size=64, intermediate_size=96)
+    base.save_pretrained(tmp_path / "model")
+    model, _ = load_model(str(tmp_path / "model"), load_in_4bit=True, dtype=torch.float32, device_map="cpu")
+    model = add_lora(model, r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj"])
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) > 4
+    for layer in layers:
+        assert getattr(layer.forward, "__func__", None) is linear4bit_forward, type(layer)
+        assert not layer.support_avx512bf16_for_cpu
+    wrappers = [m for m in model.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    assert wrappers and all(getattr(w.forward, "__func__", None) is not linear4bit_forward for w in wrappers)

@@ -60,10 +60,10 @@ def test_tiny_recipe_contents():
     recipe = load_recipe("tiny_qwen")
     assert recipe.model.name_or_path == "builtin:tiny-qwen3" and recipe.model.load_in_4bit is True
     assert recipe.model.dtype == "float32" and recipe.model.max_seq_length == 128
-    assert recipe.lora == LoRASection(r=64, alpha=64, dropout=0.0, target_modules="all-linear")
+    assert recipe.lora == LoRASection(r=128, alpha=128, dropout=0.0, target_modules="all-linear")
     assert recipe.data.path == "builtin:arithmetic" and recipe.data.format == "chat"
     assert recipe.data.eval_fraction == pytest.approx(0.1)
-    assert recipe.training["learning_rate"] == pytest.approx(3e-3)
+    assert recipe.training["learning_rate"] == pytest.approx(1.2e-3)
 
 
 def test_large_recipes_use_explicit_projections():
