@@ -11,8 +11,8 @@ forward and the backward of all five inputs from a random output gradient. Varia
 - `fla`: flash-linear-attention's `chunk_gated_delta_rule`, where installed, with its Hopper guard bypassed
   (triton < 3.7.1 miscompiles its gated backward on Hopper for some block configurations): timing only, its
   errors are reported but not to be trusted.
-- `hf_torch`: transformers' `torch_chunk_gated_delta_rule` (the PyTorch path Qwen3.5 falls back to), which
-  repeats q and k to the value heads itself.
+- `hf_torch`: transformers' `torch_chunk_gated_delta_rule` (the PyTorch path Qwen3.5 falls back to), q and k
+  repeated to the value heads first, as Qwen3.5's layer does.
 Errors: ||x - ref|| / ||ref|| of the output and of the gradients of q, k, v, g and beta against the float64
 token-by-token recurrence from the same bf16 inputs (`--error-max-seq` bounds the sequence lengths where that
 reference is computed: its autograd graph keeps every state).
@@ -73,6 +73,10 @@ def hf_torch():
     rule = getattr(rule, "__wrapped__", rule)  # the PyTorch function even where a hub kernel is bound
 
     def run(q, k, v, g, beta):
+        # Qwen3.5's layer repeats q and k to the value heads before calling it (transformers 5.1x; later
+        # releases repeat inside the function, which then sees equal head counts).
+        group = v.shape[2] // q.shape[2]
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
         return rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
 
     return run

@@ -89,7 +89,10 @@ def build_model(c: dict, device: torch.device, dtype: torch.dtype):
             model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**c, attn_implementation="sdpa"))
     finally:
         torch.set_default_dtype(default_dtype)
-    return quantize_linears_nf4(model, dtype)
+    model = quantize_linears_nf4(model, dtype)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the bf16 weights' blocks: reserved figures then describe training alone
+    return model
 
 
 def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_linear: bool):
