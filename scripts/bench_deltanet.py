@@ -133,7 +133,7 @@ def main(argv=None) -> int:
             row = dict(variant=variant, seq=seq)
             try:
                 out, grads = forward_backward(fn, inputs, grad_out)
-                row["ms"] = round(bench_ms(lambda fn=fn: forward_backward(fn, inputs, grad_out), device), 3)
+                row["ms"] = round(bench_ms(lambda f=fn, x=inputs, d=grad_out: forward_backward(f, x, d), device), 3)
             except Exception as error:  # a peer that fails is reported, never a crash of the run
                 rows.append(dict(row, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
                 continue

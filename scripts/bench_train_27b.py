@@ -2,6 +2,7 @@
 Hugging Face + PEFT + bitsandbytes (with and without flash-linear-attention) and unsloth-lite, in one run.
 
     python scripts/bench_train_27b.py --out bench_train_w2.json                # on a GPU: W2
+    python scripts/bench_train_27b.py --check-gradients --out w2_gradients.json  # patched vs HF, one model
     TRITON_INTERPRET=1 python scripts/bench_train_27b.py --tiny                # CPU smoke run
 
 Model: `qwen3_5_text` as published for Qwen3.5-27B (hidden 5120, 64 layers as 16 x [3 Gated DeltaNet + 1 gated
@@ -123,11 +124,61 @@ def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_li
     return model
 
 
+def check_gradients(c: dict, device: torch.device, dtype: torch.dtype, seq: int) -> dict:
+    """One model, one batch: the loss and every LoRA gradient of Hugging Face's forwards (its PyTorch delta
+    rule) against the same model patched. The adapters' B start random (PEFT's zeros would leave every A
+    gradient zero)."""
+    sys.modules["fla"] = None
+    from peft import LoraConfig, get_peft_model
+
+    import unsloth_lite
+
+    torch.manual_seed(SEED)
+    model = get_peft_model(build_model(c, device, dtype), LoraConfig(
+        r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=ATTENTION_MLP, bias="none",
+        task_type="CAUSAL_LM",
+    ))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.02)
+    model.train()
+    ids = torch.randint(0, c["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(SEED)).to(device)
+
+    def loss_and_grads():
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    reference_loss, reference = loss_and_grads()
+    unsloth_lite.patch_model(model)
+    loss, grads = loss_and_grads()
+    errors = {n: float((grads[n].double() - g.double()).norm() / g.double().norm()) for n, g in reference.items()}
+    total = sum(float((grads[n].double() - g.double()).norm()) ** 2 for n, g in reference.items()) ** 0.5
+    total /= sum(float(g.double().norm()) ** 2 for g in reference.values()) ** 0.5
+    worst = max(errors, key=errors.get)
+    return dict(
+        loss=float(loss), reference_loss=float(reference_loss),
+        loss_rel_diff=abs(float(loss) - float(reference_loss)) / abs(float(reference_loss)),
+        lora_grads=len(errors), grad_rel_err_all=total, grad_rel_err_max=errors[worst], grad_worst=worst,
+    )
+
+
 def worker_main(args) -> int:
     device = torch.device("cpu" if args.tiny else "cuda", 0 if not args.tiny else None)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     c = model_config(args.tiny, args.layers)
     result = dict(variant=args.worker, seq=args.seq, layers=c["num_hidden_layers"], all_linear=args.all_linear)
+    if args.worker == "check_gradients":
+        try:
+            result.update(check_gradients(c, device, dtype, args.seq))
+        except (Exception, SystemExit) as error:
+            traceback.print_exc()
+            result.update(_error(error))
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        return 0
     try:
         start = time.perf_counter()
         model = load(args.worker, c, device, dtype, args.all_linear)
@@ -176,6 +227,9 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny 32)")
     parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers (keeps the pattern)")
     parser.add_argument("--all-linear", action="store_true", help="LoRA on the DeltaNet projections too")
+    parser.add_argument("--check-gradients", action="store_true",
+                        help="instead of timing: first-step loss and LoRA gradients, patched vs Hugging Face's "
+                             "PyTorch path, on one model")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--worker-timeout", type=float, default=900)
@@ -195,6 +249,12 @@ def main(argv=None) -> int:
     device = bench_device(args.tiny)
     if device is None:
         return 1
+    if args.check_gradients:
+        row = run_worker(args, "check_gradients")
+        print(json.dumps(row, indent=1))
+        write_json(args.out, dict(environment=environment(device), config=model_config(args.tiny, args.layers),
+                                  check_gradients=row))
+        return 0 if "error" not in row else 1
     variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
     rows = [run_worker(args, v) for v in variants]
     baseline = next((r for r in rows if r["variant"] == "hf_fla" and r.get("step_s")), None)
