@@ -14,8 +14,8 @@ from peft import LoraConfig, get_peft_model
 from test_patch_model import tiny_model, tiny_qwen3_5
 
 import unsloth_lite
-from unsloth_lite.models import patch_model
 from unsloth_lite.models import layers as model_layers
+from unsloth_lite.models import patch_model
 from unsloth_lite.models.packing import block_diagonal_causal_mask, packed_sequence_kwargs, varlen_attention
 from unsloth_lite.training.data import PaddingCollator
 from unsloth_lite.training.packing import IGNORE_INDEX, PackingCollator, pack_dataset, pack_documents
@@ -185,7 +185,7 @@ def test_pack_dataset_rows():
     for row in rows:
         assert len(row["input_ids"]) == len(row["labels"]) == len(row["position_ids"])
         starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
-        pieces = [row["input_ids"][a:b] for a, b in zip(starts, starts[1:])]
+        pieces = [row["input_ids"][a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
         assert all(piece in [d["input_ids"] for d in docs] for piece in pieces)
 
 
