@@ -83,6 +83,11 @@ CASES = {
     ),
     # recipe sections
     "eval_fraction": (lambda t: ["data.eval_fraction=1.0"], ["data.eval_fraction", "[0, 1)"]),
+    "packing not a bool": (lambda t: ["data.packing=sometimes"], ["data.packing", "bool", "'sometimes'"]),
+    "packing budget below max_seq_length": (
+        lambda t: ["data.packing=true", "data.packing_tokens=64"],
+        ["data.packing_tokens", "64", "model.max_seq_length 128", "data.packing=false"],
+    ),
     "lora r": (lambda t: ["lora.r=0"], ["lora.r", ">= 1"]),
     "lora alpha": (lambda t: ["lora.alpha=0"], ["lora.alpha"]),
     "lora dropout": (lambda t: ["lora.dropout=1.5"], ["lora.dropout", "[0, 1)"]),

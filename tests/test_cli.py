@@ -134,6 +134,17 @@ def test_tokenizer_without_chat_template_is_exit_2(tmp_path):
     assert len(lines) == 1 and "data.chat_template" in lines[0] and "no chat template" in lines[0], result.stderr
 
 
+def test_tiny_recipe_trains_packed(tmp_path):
+    """data.packing=true: the conversations packed into rows of 128 tokens, 4 rows a micro-batch."""
+    out = tmp_path / "run"
+    result = run(f"training.output_dir={out}", "training.max_steps=4", *QUICK, "data.packing=true",
+                 "data.packing_tokens=128", "training.per_device_train_batch_size=4",
+                 "training.per_device_eval_batch_size=4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rows of 128 tokens" in result.stdout
+    assert len(losses(out)) == 4 and all(0 < loss < 20 for loss in losses(out).values())
+
+
 def test_qwen3_5_recipe_loads_and_trains(tmp_path):
     """The flagship recipe on a tiny Qwen3.5 (Gated DeltaNet + full attention layers) built from a config."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -156,7 +167,7 @@ def test_qwen3_5_recipe_loads_and_trains(tmp_path):
         [sys.executable, "scripts/train.py", "--recipe", "qlora_qwen27b.yaml",
          f"model.name_or_path={tmp_path / 'model'}", f"data.path={tmp_path / 'data.jsonl'}", "model.dtype=float32",
          "training.bf16=false", "model.max_seq_length=64", "training.max_steps=2", "training.logging_steps=1",
-         "training.gradient_accumulation_steps=2",
+         "training.gradient_accumulation_steps=2", "data.packing_tokens=256",  # packed (the recipe's default)
          "training.save_strategy=no", "training.report_to=none", f"training.output_dir={out}"],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
     )

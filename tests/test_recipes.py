@@ -128,6 +128,27 @@ def test_defaults_and_optional_sections(tmp_path):
     assert recipe.data.split == "train" and recipe.data.train_on_responses_only is True
 
 
+@pytest.mark.parametrize(("data_format", "packed"), [("alpaca", True), ("chat", True), ("text", False),
+                                                      ("tokenized", False)])
+def test_packing_default_per_format(data_format, packed, tmp_path):
+    """Packing is on by default for the instruction formats; `false` (or `true`) given is kept."""
+    raw = {**BASE, "data": {"path": "org/data", "format": data_format}}
+    recipe = load_recipe(write(tmp_path, raw))
+    assert recipe.data.packing is packed and recipe.data.packing_tokens == 8192
+    assert load_recipe(write(tmp_path, raw), [f"data.packing={str(not packed).lower()}"]).data.packing is not packed
+    assert load_recipe(recipe_to_dict_path(tmp_path, recipe)).data.packing is packed
+
+
+def recipe_to_dict_path(tmp_path, recipe):
+    return write(tmp_path, yaml.safe_dump(recipe_to_dict(recipe)), name="round_trip.yaml")
+
+
+def test_shipped_recipes_packing():
+    assert load_recipe("qlora_qwen3_8b").data.packing is True
+    assert load_recipe("qlora_qwen3_8b", ["data.packing=false"]).data.packing is False
+    assert load_recipe("tiny_qwen").data.packing is False
+
+
 def test_checkpointing_section(tmp_path):
     assert load_recipe(write(tmp_path, BASE)).checkpointing == CheckpointingSection()
     raw = {**BASE, "training": {**BASE["training"], "gradient_checkpointing": True},
@@ -230,6 +251,14 @@ BAD_FILES = {
         lambda t: {**BASE, "checkpointing": {"offload_to_cpu": True}},
         r"^checkpointing: its options need training\.gradient_checkpointing: true$",
     ),
+    "packing_tokens out of range": (
+        lambda t: with_("data", "packing_tokens", 0), r"^data\.packing_tokens: must be >= 1, got 0$"
+    ),
+    "packing_tokens below max_seq_length": (
+        lambda t: with_("data", "packing_tokens", 512),
+        r"^data\.packing_tokens: 512 cannot hold a document of model\.max_seq_length 2048 tokens",
+    ),
+    "packing not a bool": (lambda t: with_("data", "packing", "yes please"), r"^data\.packing: expected bool or null"),
     "pad_to_multiple_of out of range": (
         lambda t: with_("data", "pad_to_multiple_of", 0), r"^data\.pad_to_multiple_of: must be >= 1, got 0$"
     ),

@@ -190,6 +190,24 @@ def tokenize_data(recipe: Recipe, tokenizer, raw, held_out):
     return tokenize(raw), (tokenize(held_out) if held_out is not None else None)
 
 
+def batching(recipe: Recipe, tokenizer, train_set, eval_set):
+    """(train set, eval set, collator): with data.packing the documents packed into rows of
+    data.packing_tokens and laid out padding-free, else the documents padded per batch."""
+    from unsloth_lite.training.data import PaddingCollator
+    from unsloth_lite.training.packing import PackingCollator, pack_dataset
+
+    data = recipe.data
+    if not data.packing:
+        return train_set, eval_set, PaddingCollator(tokenizer.pad_token_id, data.pad_to_multiple_of)
+    documents = len(train_set)
+    train_set = pack_dataset(train_set, data.packing_tokens, seed=recipe.seed)
+    if eval_set is not None:
+        eval_set = pack_dataset(eval_set, data.packing_tokens, seed=recipe.seed)
+    _log(f"packed {documents:,} documents into {len(train_set):,} rows of {data.packing_tokens:,} tokens "
+         "(data.packing=false for padded batches)")
+    return train_set, eval_set, PackingCollator(tokenizer.pad_token_id, data.packing_tokens)
+
+
 def training_arguments(recipe: Recipe, training: dict, evaluates: bool):
     """TrainingArguments, built before the model loads; what it rejects is a RecipeError."""
     import transformers
@@ -311,7 +329,6 @@ def train(recipe: Recipe, merge: bool = False) -> int:
 
     from unsloth_lite.models import add_lora
     from unsloth_lite.training import Trainer
-    from unsloth_lite.training.data import PaddingCollator
     from unsloth_lite.training.tiny import ARITHMETIC_DATA
 
     training = dict(recipe.training)
@@ -341,13 +358,14 @@ def train(recipe: Recipe, merge: bool = False) -> int:
     trainable, total = model.get_nb_trainable_parameters()
     _log(f"LoRA r={lora.r}: {trainable:,} trainable of {total:,} parameters")
     train_set, eval_set = tokenize_data(recipe, tokenizer, raw, held_out)
+    train_set, eval_set, collator = batching(recipe, tokenizer, train_set, eval_set)
     callbacks = []
     if recipe.data.path == ARITHMETIC_DATA and held_out is not None:
         callbacks.append(answer_accuracy_callback(tokenizer, held_out))
     try:
         trainer = Trainer(
             model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-            data_collator=PaddingCollator(tokenizer.pad_token_id, recipe.data.pad_to_multiple_of),
+            data_collator=collator,
             processing_class=tokenizer, callbacks=callbacks,
             checkpointing=dataclasses.asdict(recipe.checkpointing) if args.gradient_checkpointing else None,
         )

@@ -138,6 +138,21 @@ def check_data(data) -> None:
             data.chat_template = template_path
 
 
+PACKED_BY_DEFAULT = ("alpaca", "chat")
+
+
+def check_packing(data, model) -> None:
+    """data.packing (null resolved per format: on for the instruction formats) and its budget, which must
+    hold the longest document, model.max_seq_length tokens."""
+    if data.packing is None:
+        data.packing = data.format in PACKED_BY_DEFAULT
+    if data.packing_tokens < 1:
+        raise RecipeError(f"data.packing_tokens: must be >= 1, got {data.packing_tokens}")
+    if data.packing and data.packing_tokens < model.max_seq_length:
+        raise RecipeError(
+            f"data.packing_tokens: {data.packing_tokens} cannot hold a document of model.max_seq_length "
+            f"{model.max_seq_length} tokens; expected at least {model.max_seq_length} (or data.packing=false)"
+        )
 
 
 def check_max_seq_length(max_seq_length: int, positions: Any, config_path: str) -> None:

@@ -47,6 +47,7 @@ from unsloth_lite.recipe_checks import (  # noqa: F401  (constants re-exported)
     check_data,
     check_lora,
     check_model,
+    check_packing,
     check_report_to,
     check_training_values,
 )
@@ -87,6 +88,10 @@ class DataSection:
     train_on_responses_only: bool = True
     text_field: str = "text"
     pad_to_multiple_of: int = 1
+    # Documents packed into rows of `packing_tokens` (padding-free, `unsloth_lite.training.packing`); null:
+    # on for the instruction formats (alpaca, chat), off for text and tokenized. false: padded batches.
+    packing: bool | None = None
+    packing_tokens: int = 8192
 
 
 @dataclass
@@ -335,6 +340,7 @@ def _build_recipe(raw: Any, source: str) -> Recipe:
     check_model(model)
     check_lora(lora)
     check_data(data)
+    check_packing(data, model)
     training = _validate_training(raw["training"])
     check_training_values(training, data.eval_fraction)
     checkpointing = _build_section("checkpointing", raw.get("checkpointing"))

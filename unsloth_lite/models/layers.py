@@ -33,6 +33,7 @@ from unsloth_lite.kernels.rms_norm import rms_norm, rms_norm_reference
 from unsloth_lite.kernels.rope import apply_rope, apply_rope_reference
 from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
+from unsloth_lite.models.packing import packed_sequence_kwargs, varlen_attention
 from unsloth_lite.models.quantized_embeddings import is_nf4_linear, nf4_linear
 
 IGNORE_INDEX = -100
@@ -235,16 +236,23 @@ def _update_cache(cache, key, value, layer_idx, kwargs):
 def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, output_gate=None):
     """The rest of Hugging Face's attention forward, unchanged: cache, the configured attention
     implementation (SDPA by default; it passes GQA to SDPA without repeating KV heads when there is no mask),
-    `output_gate(attention output)` where the architecture gates it, output projection."""
-    if cache is not None:
-        key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
-    eager = sys.modules[type(self).__module__].eager_attention_forward
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
-    attn_output, attn_weights = interface(
-        self, query, key, value, attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None), **kwargs,
-    )
+    `output_gate(attention output)` where the architecture gates it, output projection. A packed batch
+    (`cu_seq_lens_q` among the kwargs, from `causal_lm_forward`) without cache or sliding window attends
+    document by document through `varlen_attention` instead, whatever the implementation; the block-diagonal
+    mask Hugging Face built from the position ids is then not read."""
+    dropout = 0.0 if not self.training else self.attention_dropout
+    sliding_window = getattr(self, "sliding_window", None)
+    if cache is None and sliding_window is None and kwargs.get("cu_seq_lens_q") is not None:
+        attn_output, attn_weights = varlen_attention(query, key, value, kwargs, self.scaling, dropout), None
+    else:
+        if cache is not None:
+            key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
+        eager = sys.modules[type(self).__module__].eager_attention_forward
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+        attn_output, attn_weights = interface(
+            self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling,
+            sliding_window=sliding_window, **kwargs,
+        )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     if output_gate is not None:
         attn_output = output_gate(attn_output)
@@ -355,6 +363,14 @@ def _causal_suffices(attention_mask, targets, position_ids, kwargs) -> bool:
     return bool(right_padded & (mask | (targets.to(mask.device) == IGNORE_INDEX)).all())
 
 
+def _without_cache(kwargs) -> bool:
+    """No cache given, nor asked for explicitly (the config's default does not count: a packed forward,
+    training or scoring, has no use for one)."""
+    return kwargs.get("use_cache") is not True and all(
+        kwargs.get(name) is None for name in ("past_key_values", "cache")
+    )
+
+
 def causal_lm_forward(
     self,
     input_ids=None,
@@ -378,6 +394,15 @@ def causal_lm_forward(
             # A loss needs no cache: Hugging Face would otherwise build one from the config's use_cache and
             # fill it with every layer's keys, values and recurrent states, which training then drops.
             kwargs["use_cache"] = False
+    if attention_mask is None and kwargs.get("cu_seq_lens_q") is None and _without_cache(kwargs):
+        # A packed row (positions restarting at 0 at each document): its document offsets, found once here,
+        # keep every token mixer of every layer within each document.
+        packed = packed_sequence_kwargs(position_ids)
+        if packed is not None:
+            kwargs.update(packed, use_cache=False)
+    elif kwargs.get("cu_seq_lens_q") is not None and kwargs.get("max_length_q") is None:
+        cu_seqlens = kwargs["cu_seq_lens_q"]  # given by the caller without lengths: one host sync
+        kwargs["max_length_q"] = kwargs["max_length_k"] = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     hidden_states = outputs.last_hidden_state
     loss = logits = None

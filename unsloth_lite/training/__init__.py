@@ -1,5 +1,6 @@
-"""Training: the Trainer drop-in, data pipeline, and the embedded tiny default."""
+"""Training: the Trainer drop-in, data pipeline (padding and packing), and the embedded tiny default."""
 
+from unsloth_lite.training.packing import PackingCollator, pack_dataset
 from unsloth_lite.training.trainer import Trainer
 
-__all__ = ["Trainer"]
+__all__ = ["PackingCollator", "Trainer", "pack_dataset"]

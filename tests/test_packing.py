@@ -1,0 +1,244 @@
+"""Padding-free packing: documents packed into one row (positions restarting at 0 at each) train exactly as
+the same documents padded apart, on Qwen2, Qwen3 and Qwen3.5 (attention, DeltaNet and conv state kept within
+each document); the collator's layout; gradient accumulation over packed micro-batches through the Trainer.
+On CUDA (tests marked `gpu`) the same in bfloat16 through torch's `varlen_attn`."""
+
+import copy
+
+import datasets
+import pytest
+import torch
+import transformers
+from helpers import assert_close
+from peft import LoraConfig, get_peft_model
+from test_patch_model import tiny_model, tiny_qwen3_5
+
+import unsloth_lite
+from unsloth_lite.models import layers as model_layers
+from unsloth_lite.models import patch_model
+from unsloth_lite.models.packing import block_diagonal_causal_mask, packed_sequence_kwargs, varlen_attention
+from unsloth_lite.training.data import PaddingCollator
+from unsloth_lite.training.packing import IGNORE_INDEX, PackingCollator, pack_dataset, pack_documents
+
+ARCHS = ["qwen2", "qwen3", "qwen3_5"]
+LENGTHS = (9, 4, 13, 6)  # odd and uneven, one shorter than Qwen3.5's conv kernel is wide plus one
+PAD = 0
+
+
+def lora_model(arch, device, dtype=torch.float32):
+    """A tiny model with LoRA on every linear layer, B initialised non-zero so every A gets a gradient."""
+    base = tiny_qwen3_5(device, dtype) if arch == "qwen3_5" else tiny_model(arch, device, dtype)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    return get_peft_model(base, config)
+
+
+def documents(lengths=LENGTHS, vocab=151):
+    """Token ids and labels per document, the first two tokens of each a prompt that is not trained on."""
+    docs = []
+    for n in lengths:
+        ids = torch.randint(1, vocab, (n,)).tolist()
+        docs.append({"input_ids": ids, "labels": [IGNORE_INDEX] * 2 + ids[2:]})
+    return docs
+
+
+def lora_gradients(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def loss_and_gradients(model, batch, device):
+    model.zero_grad(set_to_none=True)
+    out = model(**{key: value.to(device) for key, value in batch.items()})
+    out.loss.backward()
+    return out.loss.detach(), lora_gradients(model)
+
+
+def assert_gradients_close(got, expected, tol):
+    assert got.keys() == expected.keys() and got
+    for name in expected:
+        assert_close(got[name], expected[name], tol, f"grad {name}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_batch_equals_documents_padded(arch, device, monkeypatch):
+    """Loss and every LoRA gradient of the documents packed into one row (with padding at its tail) equal
+    those of the same documents in a padded batch, run through the unpatched model (fp32: 1e-5, 1e-4). The
+    patched model's attention goes through `varlen_attention`."""
+    reference = lora_model(arch, device)
+    patched = patch_model(copy.deepcopy(reference))
+    docs = documents()
+    packed = PackingCollator(PAD, max_tokens=40)(docs)
+    padded = PaddingCollator(PAD)(docs)
+    calls = []
+    monkeypatch.setattr(model_layers, "varlen_attention", lambda *a, **k: calls.append(1) or varlen_attention(*a, **k))
+
+    expected_loss, expected_grads = loss_and_gradients(reference, padded, device)
+    loss, grads = loss_and_gradients(patched, packed, device)
+    assert calls, "the packed batch did not take varlen_attention"
+    assert_close(loss, expected_loss, 1e-5, "loss")
+    assert_gradients_close(grads, expected_grads, 1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_document_loss_does_not_depend_on_its_neighbours(arch, device):
+    """A document's loss is the same alone in a row and packed beside others (whose labels are ignored)."""
+    model = patch_model(lora_model(arch, device))
+    docs = documents()
+    alone = PackingCollator(PAD, max_tokens=16)([docs[2]])
+    others = [{**d, "labels": [IGNORE_INDEX] * len(d["labels"])} for d in docs]
+    beside = PackingCollator(PAD, max_tokens=40)([{"input_ids": sum((d["input_ids"] for d in docs), []),
+                                                  "labels": sum((d["labels"] for d in others[:2]), [])
+                                                  + docs[2]["labels"] + others[3]["labels"],
+                                                  "position_ids": sum((list(range(n)) for n in LENGTHS), [])}])
+    with torch.no_grad():
+        expected = model(**{k: v.to(device) for k, v in alone.items()}).loss
+        got = model(**{k: v.to(device) for k, v in beside.items()}).loss
+    assert_close(got, expected, 1e-5, "loss of the document packed beside others")
+
+
+def test_gradient_accumulation_over_packed_micro_batches(device):
+    """Two packed micro-batches (different numbers of targets) accumulated with `num_items_in_batch`, the
+    count the Trainer takes from `labels[..., 1:]`, give the loss and gradients of one packed batch of all."""
+    model = patch_model(lora_model("qwen3", device))
+    docs = documents((9, 4, 13, 6, 11))
+    collate = PackingCollator(PAD, max_tokens=24)
+    micro = [collate(docs[:2]), collate(docs[2:])]
+    count = sum(int((b["labels"][..., 1:] != IGNORE_INDEX).sum()) for b in micro)
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for batch in micro:
+        loss = model(**{k: v.to(device) for k, v in batch.items()}, num_items_in_batch=torch.tensor(count)).loss
+        loss.backward()
+        total += loss.detach()
+    accumulated = lora_gradients(model)
+    whole_loss, whole = loss_and_gradients(model, collate(docs), device)
+    assert_close(total, whole_loss, 1e-5, "accumulated loss")
+    assert_gradients_close(accumulated, whole, 1e-4)
+
+
+def _args(tmp_path, **overrides):
+    settings = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=1,
+        learning_rate=0.5, optim="sgd", max_grad_norm=0.0, report_to="none", use_cpu=True, save_strategy="no",
+        dataloader_num_workers=0, lr_scheduler_type="constant", logging_steps=1, seed=3,
+    )
+    return transformers.TrainingArguments(**{**settings, **overrides})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Trainer runs on the CPU here")
+def test_trainer_accumulates_packed_batches_as_one(tmp_path):
+    """Through unsloth_lite.Trainer (SGD, one optimiser step): two packed rows as two accumulated
+    micro-batches move the weights exactly as the same rows in one micro-batch; the Trainer's
+    `num_items_in_batch` normalises both over the step's real targets."""
+    model = lora_model("qwen3", "cpu")
+    rows = pack_dataset(datasets.Dataset.from_list(documents((9, 4, 13, 6, 11, 3))), max_tokens=16)
+    assert len(rows) >= 2
+    rows = rows.select(range(2))
+    collator = PackingCollator(PAD, max_tokens=16)
+    trained = {}
+    for name, args in {"accumulated": _args(tmp_path / "a"),
+                       "one batch": _args(tmp_path / "b", per_device_train_batch_size=2,
+                                          gradient_accumulation_steps=1)}.items():
+        trainer = unsloth_lite.Trainer(model=copy.deepcopy(model), args=args, train_dataset=rows,
+                                       data_collator=collator)
+        trainer.train()
+        trained[name] = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    before = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    for name, weight in trained["one batch"].items():
+        assert_close(trained["accumulated"][name] - before[name], weight - before[name], 1e-4, f"update {name}")
+
+
+def test_collator_layout():
+    """One row of batch dimension 1 and a fixed shape; positions restart at 0 at each document and at the
+    padding; first-token and padding labels ignored; each packed feature padded to the budget."""
+    docs = documents((5, 3, 4))
+    rows = [{"input_ids": docs[0]["input_ids"] + docs[1]["input_ids"],
+             "labels": docs[0]["labels"] + docs[1]["labels"], "position_ids": [0, 1, 2, 3, 4, 0, 1, 2]},
+            {"input_ids": docs[2]["input_ids"], "labels": [7, 8, 9, 10]}]  # a plain document: its own row
+    batch = PackingCollator(pad_token_id=PAD, max_tokens=10)(rows)
+    assert {k: tuple(v.shape) for k, v in batch.items()} == {k: (1, 20) for k in ("input_ids", "labels",
+                                                                                   "position_ids")}
+    assert batch["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
+    assert batch["input_ids"][0, 8:10].tolist() == [PAD, PAD] and batch["input_ids"][0, 14:].eq(PAD).all()
+    labels = batch["labels"][0].tolist()
+    assert labels[:8] == [IGNORE_INDEX] * 2 + docs[0]["input_ids"][2:] + [IGNORE_INDEX] * 2 + docs[1]["input_ids"][2:]
+    assert labels[8:10] == [IGNORE_INDEX] * 2 and labels[10:14] == [IGNORE_INDEX, 8, 9, 10]
+    assert labels[14:] == [IGNORE_INDEX] * 6
+    with pytest.raises(ValueError, match="exceeds the packing budget of 4"):
+        PackingCollator(PAD, max_tokens=4)(rows)
+
+
+def test_pack_documents_fills_rows_within_budget():
+    lengths = [int(n) for n in torch.randint(1, 50, (300,))] + [50, 0]
+    rows = pack_documents(lengths, max_tokens=64, seed=1)
+    assert sorted(i for row in rows for i in row) == [i for i, n in enumerate(lengths) if n]
+    assert all(sum(lengths[i] for i in row) <= 64 for row in rows)
+    assert len(rows) <= -(-sum(lengths) // 64) * 1.1  # nearly full rows
+    assert rows == pack_documents(lengths, max_tokens=64, seed=1)
+    with pytest.raises(ValueError, match="document 300 has 50 tokens, more than the packing budget of 49"):
+        pack_documents(lengths, max_tokens=49)
+
+
+def test_pack_dataset_rows():
+    docs = documents((5, 3, 4, 7))
+    rows = pack_dataset(datasets.Dataset.from_list(docs), max_tokens=10)
+    assert sum(len(r["input_ids"]) for r in rows) == 19 and all(len(r["input_ids"]) <= 10 for r in rows)
+    for row in rows:
+        assert len(row["input_ids"]) == len(row["labels"]) == len(row["position_ids"])
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
+        pieces = [row["input_ids"][a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        assert all(piece in [d["input_ids"] for d in docs] for piece in pieces)
+
+
+def test_packed_sequence_kwargs_and_mask():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    packed = packed_sequence_kwargs(positions)
+    assert packed["cu_seq_lens_q"].dtype == torch.int32
+    assert packed["cu_seq_lens_q"].tolist() == packed["cu_seq_lens_k"].tolist() == [0, 3, 5, 9]
+    assert packed["max_length_q"] == packed["max_length_k"] == 4
+    for unpacked in (None, torch.arange(6)[None], torch.tensor([[2, 3, 0, 1]]), torch.tensor([[0, 1, 0], [0, 1, 2]])):
+        assert packed_sequence_kwargs(unpacked) is None
+    mask = block_diagonal_causal_mask(packed["cu_seq_lens_q"], 9)
+    expected = torch.zeros(9, 9, dtype=torch.bool)
+    for a, b in ((0, 3), (3, 5), (5, 9)):
+        expected[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    assert torch.equal(mask, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_bf16_on_cuda_through_varlen_attn(arch):
+    """bfloat16 on CUDA: the packed row goes through torch's `varlen_attn` (with grouped KV heads) and
+    matches the padded batch through the unpatched model within bf16 tolerances."""
+    from unsloth_lite.models.packing import _uses_varlen_attn
+
+    reference = lora_model(arch, "cuda", torch.bfloat16)
+    patched = patch_model(copy.deepcopy(reference))
+    docs = documents((37, 5, 120, 64, 1, 200))
+    packed = PackingCollator(PAD, max_tokens=512)(docs)
+    padded = PaddingCollator(PAD)(docs)
+    assert _uses_varlen_attn(torch.empty(1, device="cuda", dtype=torch.bfloat16), 0.0)
+    expected_loss, expected_grads = loss_and_gradients(reference, padded, "cuda")
+    loss, grads = loss_and_gradients(patched, packed, "cuda")
+    assert_close(loss.float(), expected_loss.float(), 1e-2, "loss")
+    for name in expected_grads:
+        assert_close(grads[name].float(), expected_grads[name].float(), 5e-2, f"grad {name}")
+
+
+@pytest.mark.gpu
+def test_varlen_attention_matches_fallback_on_cuda():
+    """The varlen_attn path against the block-diagonal SDPA fallback (float32 on the same device), forward and
+    gradients, with grouped KV heads."""
+    lengths = [17, 1, 130, 64, 300]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    packed = {"cu_seq_lens_q": cu, "max_length_q": max(lengths)}
+    total = sum(lengths)
+    q = torch.randn(1, 8, total, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, total, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    out = varlen_attention(q, k, v, packed, 64**-0.5)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    expected = varlen_attention(*leaves, packed, 64**-0.5)  # float32: the SDPA fallback
+    expected_grads = torch.autograd.grad(expected.square().sum(), leaves)
+    assert_close(out.float(), expected, 1e-2, "output")
+    for name, got, ref in zip("qkv", grads, expected_grads, strict=True):
+        assert_close(got.float(), ref, 2e-2, f"grad {name}")
