@@ -57,8 +57,10 @@ W2 = dict(
     rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                          mrope_section=[11, 11, 10], mrope_interleaved=True),
 )
+# Every linear's input a multiple of 64: bitsandbytes' CPU kernels (the Hugging Face variants' path in --tiny)
+# dequantise rows that split a 64-element block wrongly.
 TINY = dict(
-    W2, vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    W2, vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
     linear_value_head_dim=16, max_position_embeddings=256,
 )

@@ -115,3 +115,19 @@ def test_bench_train_27b_tiny_mode_runs(tmp_path):
         assert "error" not in row, f"{variant}: {row['error']}\n{result.stdout}"
         assert row["tokens_per_s"] > 0
     assert abs(rows["hf"]["first_loss"] - rows["unsloth_lite"]["first_loss"]) < 1e-3 * rows["hf"]["first_loss"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
+def test_bench_train_27b_checks_gradients(tmp_path):
+    """--check-gradients on the tiny Qwen3.5: the patched model's first-step loss and LoRA gradients equal
+    Hugging Face's on the same 4-bit weights (fp32, every linear's rows whole quantisation blocks)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
+    out = tmp_path / "out.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_train_27b.py", "--tiny", "--check-gradients", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    row = json.loads(out.read_text())["check_gradients"]
+    assert row["lora_grads"] == 20  # A and B of the DeltaNet layer's 3 MLP projections and the attention layer's 7
+    assert row["loss_rel_diff"] < 1e-5 and row["grad_rel_err_max"] < 1e-4, row
