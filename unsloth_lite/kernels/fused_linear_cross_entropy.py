@@ -559,6 +559,30 @@ class FusedLinearCrossEntropyNF4Function(torch.autograd.Function):
         return dh, None, None, None, None, None, None
 
 
+def _check_labels(labels, n_rows: int) -> None:
+    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex \
+            or labels.dtype == torch.bool:
+        what = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels must be an integer tensor, got {what}")
+    if labels.shape != (n_rows,):
+        raise ValueError(f"labels has shape {tuple(labels.shape)}; expected ({n_rows},), one label per row of hidden")
+
+
+def _common_arguments(hidden, weight, labels, bias, ignore_index, reduction: str, softcap):
+    """Checks shared by the dense and NF4 paths; returns labels as contiguous int64, ignore_index as an int and
+    softcap as a float (or None)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if softcap is not None:
+        softcap = float(softcap)
+        if not softcap > 0:
+            raise ValueError(f"softcap must be positive (or None), got {softcap}")
+    tensors = [("hidden", hidden), ("weight", weight), ("labels", labels)]
+    check_same_device(tensors + ([("bias", bias)] if bias is not None else []))
+    check_kernel_device("hidden", hidden)
+    return labels.to(torch.int64).contiguous(), int(ignore_index), softcap
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -599,29 +623,14 @@ def fused_linear_cross_entropy(
         raise ValueError("weight has no rows: the vocabulary V must be at least 1")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden has dtype {hidden.dtype} but weight has dtype {weight.dtype}; they must match")
-    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex \
-            or labels.dtype == torch.bool:
-        what = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
-        raise ValueError(f"labels must be an integer tensor, got {what}")
-    if labels.shape != (n_rows,):
-        raise ValueError(f"labels has shape {tuple(labels.shape)}; expected ({n_rows},), one label per row of hidden")
+    _check_labels(labels, n_rows)
     if bias is not None:
         check_float("bias", bias)
         if bias.shape != (n_cols,):
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({n_cols},), one entry per row of weight")
         if bias.dtype != hidden.dtype:
             raise ValueError(f"bias has dtype {bias.dtype} but hidden has dtype {hidden.dtype}; they must match")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if softcap is not None:
-        softcap = float(softcap)
-        if not softcap > 0:
-            raise ValueError(f"softcap must be positive (or None), got {softcap}")
-    tensors = [("hidden", hidden), ("weight", weight), ("labels", labels)]
-    check_same_device(tensors + ([("bias", bias)] if bias is not None else []))
-    check_kernel_device("hidden", hidden)
-    labels = labels.to(torch.int64).contiguous()
-    ignore_index = int(ignore_index)
+    labels, ignore_index, softcap = _common_arguments(hidden, weight, labels, bias, ignore_index, reduction, softcap)
 
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -662,29 +671,14 @@ def _fused_linear_cross_entropy_nf4(hidden, weight, labels, ignore_index, reduct
         )
     if weight.requires_grad:
         raise ValueError("an NF4 weight must be frozen (requires_grad=False)")
-    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex \
-            or labels.dtype == torch.bool:
-        what = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
-        raise ValueError(f"labels must be an integer tensor, got {what}")
-    if labels.shape != (n_rows,):
-        raise ValueError(f"labels has shape {tuple(labels.shape)}; expected ({n_rows},), one label per row of hidden")
+    _check_labels(labels, n_rows)
     if bias is not None:
         check_float("bias", bias)
         if bias.shape != (n_cols,) or bias.dtype != hidden.dtype:
             raise ValueError(f"bias must be [{n_cols}] of hidden's dtype, got {tuple(bias.shape)} {bias.dtype}")
         if bias.requires_grad and torch.is_grad_enabled():
             raise ValueError("a bias with an NF4 weight must be frozen (its gradient is not computed)")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if softcap is not None:
-        softcap = float(softcap)
-        if not softcap > 0:
-            raise ValueError(f"softcap must be positive (or None), got {softcap}")
-    tensors = [("hidden", hidden), ("weight", weight), ("labels", labels)]
-    check_same_device(tensors + ([("bias", bias)] if bias is not None else []))
-    check_kernel_device("hidden", hidden)
-    labels = labels.to(torch.int64).contiguous()
-    ignore_index = int(ignore_index)
+    labels, ignore_index, softcap = _common_arguments(hidden, weight, labels, bias, ignore_index, reduction, softcap)
     if not (torch.is_grad_enabled() and hidden.requires_grad):
         row_loss, _ = _nf4_cross_entropy(hidden, weight, labels, bias, ignore_index, softcap)
         return _reduce(row_loss, labels, ignore_index, reduction)[0]
