@@ -61,10 +61,13 @@ def assert_gradients_close(got, expected, tol):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_packed_batch_equals_documents_padded(arch, device, monkeypatch):
     """Loss and every LoRA gradient of the documents packed into one row (with padding at its tail) equal
-    those of the same documents in a padded batch, run through the unpatched model (fp32: 1e-5, 1e-4). The
-    patched model's attention goes through `varlen_attention`."""
+    those of the same documents in a padded batch, run through the unpatched model in float64 (fp32: 1e-5,
+    1e-4; Qwen3.5 2e-4: the gradient of the decay gate `a` is a reverse cumulative sum over the chunked
+    recurrence of terms that largely cancel, so fp32 rounding is a larger fraction of it than elsewhere).
+    The patched model's attention goes through `varlen_attention`."""
     reference = lora_model(arch, device)
     patched = patch_model(copy.deepcopy(reference))
+    reference.double()
     docs = documents()
     packed = PackingCollator(PAD, max_tokens=40)(docs)
     padded = PaddingCollator(PAD)(docs)
@@ -75,7 +78,7 @@ def test_packed_batch_equals_documents_padded(arch, device, monkeypatch):
     loss, grads = loss_and_gradients(patched, packed, device)
     assert calls, "the packed batch did not take varlen_attention"
     assert_close(loss, expected_loss, 1e-5, "loss")
-    assert_gradients_close(grads, expected_grads, 1e-4)
+    assert_gradients_close(grads, expected_grads, 2e-4 if arch == "qwen3_5" else 1e-4)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
