@@ -43,6 +43,7 @@ from unsloth_lite.kernels.rope import (
     token_rows,
 )
 from unsloth_lite.kernels.utils import (
+    INTERPRET,
     accumulator_dtype,
     check_float,
     empty,
@@ -54,6 +55,8 @@ from unsloth_lite.kernels.utils import (
 # Backward: head vectors a program, one warp (the best of a sweep on an H200 at Qwen3's D = 128 and at
 # Qwen3.5's D = 256 with a 64-wide rotary part).
 BACKWARD_HEAD_VECTORS_PER_PROGRAM = 4
+if INTERPRET:  # the interpreter's cost is per operation, not per element: fewer, taller tiles
+    BACKWARD_HEAD_VECTORS_PER_PROGRAM = 64
 # Forward: warps a program, with as many head vectors as fill their threads with one 16-byte vector per
 # chunk (same sweep: 85% of copy at Qwen3's shape against 74% for the backward's tile, level at Qwen3.5's).
 FORWARD_WARPS = 2
