@@ -58,6 +58,8 @@ def qwen3_config_dir(tmp_path, **config):
 CASES = {
     # TrainingArguments values
     "learning rate": (lambda t: ["training.learning_rate=-1"], ["training.learning_rate", "> 0"]),
+    "compile backend": (lambda t: ["training.torch_compile_backend=turbo"],
+                        ["training.torch_compile_backend", "turbo", "inductor"]),
     "zero learning rate": (lambda t: ["training.learning_rate=0"], ["training.learning_rate"]),
     "train batch size": (lambda t: ["training.per_device_train_batch_size=0"], ["per_device_train_batch_size", ">= 1"]),
     "eval batch size": (lambda t: ["training.per_device_eval_batch_size=0"], ["per_device_eval_batch_size"]),

@@ -216,7 +216,21 @@ def check_training_values(training: dict, data_eval_fraction: float) -> None:
     _steps(training, "save_steps", "save_strategy", "steps")
     if data_eval_fraction > 0:
         _steps(training, "eval_steps", "eval_strategy", "no")
+    _check_compile_backend(training.get("torch_compile_backend"))
     _check_paths(training)
+
+
+def _check_compile_backend(backend: Any) -> None:
+    """TrainingArguments takes any string; torch.compile would reject an unknown one only on the first step."""
+    if backend is None:
+        return
+    import torch._dynamo
+
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise RecipeError(
+            f"training.torch_compile_backend: unknown backend {backend!r}; expected one of "
+            f"{', '.join(torch._dynamo.list_backends())}"
+        )
 
 
 def _check_paths(training: dict) -> None:
