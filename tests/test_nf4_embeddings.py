@@ -31,7 +31,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import bitsandbytes as bnb
 
-flce = importlib.import_module("unsloth_lite.kernels.fused_linear_cross_entropy")
+flce_nf4 = importlib.import_module("unsloth_lite.kernels.fused_linear_cross_entropy_nf4")
 
 REDUCTIONS = ["mean", "sum", "none"]
 IGNORE = -100
@@ -139,8 +139,8 @@ def test_nf4_flce_matches_dense_dequantised(dtype, reduction, device):
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_nf4_flce_several_chunks_softcap_and_frozen_bias(reduction, device, monkeypatch):
     n, h, v = 37, 192, 257
-    monkeypatch.setattr(flce, "NF4_CHUNK_BYTES", 12 * (64 * 4 + h * 8))  # 12 rows fit: chunks of 8, the last of 5
-    assert flce.nf4_chunk_rows(n, h, 64, 4, need_dh=True) == 8
+    monkeypatch.setattr(flce_nf4, "NF4_CHUNK_BYTES", 12 * (64 * 4 + h * 8))  # 12 rows fit: chunks of 8, the last of 5
+    assert flce_nf4.nf4_chunk_rows(n, h, 64, 4, need_dh=True) == 8
     hidden, weight, labels = _inputs(n, h, v, torch.float32, device, logit_std=4.0)
     bias = 0.5 * torch.randn(v, device=device)
     check_nf4_flce(hidden, weight, labels, reduction, softcap=3.0, bias=bias)
