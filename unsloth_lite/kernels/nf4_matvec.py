@@ -105,7 +105,7 @@ def _check_args(x, weight, bias, lora_a, lora_b, n_out, n_in):
     rows = x.numel() // max(n_in, 1)
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"nf4_matvec takes 1 to {MAX_ROWS} rows of x, got {rows}")
-    if x.requires_grad or (lora_a is not None and lora_a.requires_grad) or (lora_b is not None and lora_b.requires_grad):
+    if any(t is not None and t.requires_grad for t in (x, lora_a, lora_b)):
         raise ValueError("nf4_matvec is inference only (no autograd); run it under torch.no_grad()")
     check_kernel_device("x", x)
     if x.device != weight.device:
@@ -176,7 +176,8 @@ def nf4_matvec_reference(
     qs = quant_state if quant_state is not None else weight.quant_state
     packed = weight.data if isinstance(weight, torch.nn.Parameter) else weight
     dense = dequantize_nf4_reference(packed, qs).to(x.dtype)
-    y = torch.nn.functional.linear(x, dense, None if bias is None else bias.to(x.dtype))
+    linear = torch.nn.functional.linear
+    y = linear(x, dense, None if bias is None else bias.to(x.dtype))
     if lora_a is not None and lora_a.shape[0] > 0:
-        y = y + scale * torch.nn.functional.linear(torch.nn.functional.linear(x, lora_a.to(x.dtype)), lora_b.to(x.dtype))
+        y = y + scale * linear(linear(x, lora_a.to(x.dtype)), lora_b.to(x.dtype))
     return y
