@@ -105,7 +105,7 @@ def _check_args(x, weight, bias, lora_a, lora_b, n_out, n_in):
     rows = x.numel() // max(n_in, 1)
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"nf4_matvec takes 1 to {MAX_ROWS} rows of x, got {rows}")
-    if any(t is not None and t.requires_grad for t in (x, lora_a, lora_b)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, lora_a, lora_b)):
         raise ValueError("nf4_matvec is inference only (no autograd); run it under torch.no_grad()")
     check_kernel_device("x", x)
     if x.device != weight.device:
