@@ -24,6 +24,7 @@ from test_patch_model import tiny_model, tiny_qwen3_5
 
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.models import patch_model
+from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
 from unsloth_lite.models.quantize import quantize_linears_nf4
 
 TESTS_DIR = pathlib.Path(__file__).parent
@@ -89,6 +90,7 @@ def assert_same_greedy_tokens(
     assert got.shape == (prompt_shape[0], prompt_shape[1] + new_tokens)
     mismatch = (got != expected).nonzero().tolist()
     assert not mismatch, f"{arch} {variant} {cache_implementation}: first differing token at {mismatch[0]}"
+    return patched
 
 
 # variant, cache implementation (None: Hugging Face's default dynamic cache)
@@ -160,10 +162,35 @@ def test_sampling_runs_and_is_reproducible(device):
     assert torch.equal(patched.generate(prompt, **kwargs), first)
 
 
+def captured_decode_steps(model) -> int:
+    return sum(
+        step.graph is not None
+        for module in model.modules()
+        for step in module.__dict__.get(GRAPHS_ATTRIBUTE, {}).values()
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["dense", "4bit+lora"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_greedy_tokens_match_cuda(arch, variant):
-    """bf16 on CUDA, the decode step captured as a CUDA graph (static cache): the first 32 greedy tokens."""
-    assert_same_greedy_tokens(arch, variant, "static", 32, "cuda", torch.bfloat16)
+    """bf16 on CUDA, random weights: the first 32 greedy tokens, dynamic cache (eager decode steps) and static
+    cache (the decode step replayed as a CUDA graph)."""
+    patched = assert_same_greedy_tokens(arch, variant, "static", 32, "cuda", torch.bfloat16)
+    assert captured_decode_steps(patched) == 1
     assert_same_greedy_tokens(arch, variant, None, 32, "cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_match_eager_steps():
+    """fp32 on CUDA: 64 tokens with the graph (two batch sizes, a second generate over a reused cache) against
+    the unpatched model."""
+    for batch in (1, 3):
+        reference, patched = model_pair("qwen3_5", "4bit+lora", "cuda")
+        prompt = torch.randint(0, 151, (batch, 7), device="cuda")
+        kwargs = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0,
+                      cache_implementation="static")
+        expected = reference.generate(prompt, **kwargs)
+        for _ in range(2):
+            assert torch.equal(patched.generate(prompt, **kwargs), expected)
+        assert captured_decode_steps(patched) == 1

@@ -36,6 +36,7 @@ from unsloth_lite.kernels.rope import apply_rope, apply_rope_reference
 from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
 from unsloth_lite.models.decode import grouped_attention, grouped_attention_applies, is_decode_rows, project_rows
+from unsloth_lite.models.decode_graph import decode_graph_applies, graphed_decode_step
 from unsloth_lite.models.packing import packed_sequence_kwargs, varlen_attention
 from unsloth_lite.models.quantized_embeddings import is_nf4_linear, nf4_linear
 
@@ -385,7 +386,18 @@ def _without_cache(kwargs) -> bool:
     )
 
 
-def causal_lm_forward(
+def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
+    """Causal-LM head. With labels the loss comes from the hidden states through the fused linear
+    cross-entropy and no logits are formed, unless `return_logits=True`; without labels, logits as usual.
+    A decode step over a static cache on CUDA replays a CUDA graph (`decode_graph.py`)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if decode_graph_applies(input_ids, labels, cache):
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        return graphed_decode_step(self, _causal_lm_forward, cache, inputs)
+    return _causal_lm_forward(self, input_ids, attention_mask, position_ids, labels, **kwargs)
+
+
+def _causal_lm_forward(
     self,
     input_ids=None,
     attention_mask=None,
@@ -395,8 +407,6 @@ def causal_lm_forward(
     return_logits=None,
     **kwargs,
 ):
-    """Causal-LM head. With labels the loss comes from the hidden states through the fused linear
-    cross-entropy and no logits are formed, unless `return_logits=True`; without labels, logits as usual."""
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     targets = None
