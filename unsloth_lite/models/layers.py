@@ -9,6 +9,8 @@ the plain-PyTorch references, which compute the same functions. The LoRA project
 every device, and bitsandbytes' 4-bit layers outside it take `linear4bit_forward`: NF4 weights are always
 dequantised by our own code, never by bitsandbytes' CPU kernels (which misplace absmax blocks in rows that
 split a block, and whose eval-mode inference path repacks the weights into a layout with no autograd).
+Forwards without gradients over at most 8 rows (decoding) take `decode.py`'s matrix-vector projections and
+grouped attention.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from unsloth_lite.kernels.rms_norm import rms_norm, rms_norm_reference
 from unsloth_lite.kernels.rope import apply_rope, apply_rope_reference
 from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
+from unsloth_lite.models.decode import grouped_attention, grouped_attention_applies, is_decode_rows, project_rows
+from unsloth_lite.models.decode_graph import decode_graph_applies, graphed_decode_step
 from unsloth_lite.models.packing import packed_sequence_kwargs, varlen_attention
 from unsloth_lite.models.quantized_embeddings import is_nf4_linear, nf4_linear
 
@@ -192,6 +196,9 @@ def zero_centred_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Te
 
 def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     projections = _lora_projections(self, ("gate_proj", "up_proj", "down_proj"), x)
+    if projections is not None and is_decode_rows(x):
+        gate, up = project_rows(projections[:2], x)
+        return project_rows(projections[2:], (swiglu if use_kernels(gate) else swiglu_reference)(gate, up))[0]
     if projections is not None:
         return lora_mlp(x, *projections, output_needed=not getattr(_RECOMPUTATION, "active", False))
     gate, up = self.gate_proj(x), self.up_proj(x)
@@ -207,6 +214,8 @@ def project(self, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor
     """The projections `names` of one input: fused (one saved input, one dx) where each is a LoRA layer or a
     frozen linear layer, else each through its own forward."""
     projections = _lora_projections(self, names, x)
+    if projections is not None and is_decode_rows(x):
+        return project_rows(projections, x)
     if projections is not None:
         return lora_projections(x, projections)
     return tuple(getattr(self, name)(x) for name in names)
@@ -239,11 +248,15 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
     `output_gate(attention output)` where the architecture gates it, output projection. A packed batch
     (`cu_seq_lens_q` among the kwargs, from `causal_lm_forward`) without cache or sliding window attends
     document by document through `varlen_attention` instead, whatever the implementation; the block-diagonal
-    mask Hugging Face built from the position ids is then not read."""
+    mask Hugging Face built from the position ids is then not read. One new token per sequence over a cache
+    (decoding) takes `grouped_attention`, which never repeats the KV heads, even under a mask."""
     dropout = 0.0 if not self.training else self.attention_dropout
     sliding_window = getattr(self, "sliding_window", None)
     if cache is None and sliding_window is None and kwargs.get("cu_seq_lens_q") is not None:
         attn_output, attn_weights = varlen_attention(query, key, value, kwargs, self.scaling, dropout), None
+    elif grouped_attention_applies(self, query, attention_mask, cache):  # decoding: KV heads never repeated
+        key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
+        attn_output, attn_weights = grouped_attention(query, key, value, attention_mask, self.scaling), None
     else:
         if cache is not None:
             key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
@@ -263,6 +276,8 @@ def output_projection(self, name: str, x: torch.Tensor) -> torch.Tensor:
     """A token mixer's output projection, whose product a checkpoint's recomputation that kept the residual
     stream after it leaves uncomputed."""
     projection = _lora_projections(self, (name,), x)
+    if projection is not None and is_decode_rows(x):
+        return project_rows(projection, x)[0]
     if projection is not None:
         output_needed = not getattr(_RECOMPUTATION, "attention_output_unused", False)
         return lora_projections(x, projection, output_needed=output_needed)[0]
@@ -371,7 +386,18 @@ def _without_cache(kwargs) -> bool:
     )
 
 
-def causal_lm_forward(
+def causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
+    """Causal-LM head. With labels the loss comes from the hidden states through the fused linear
+    cross-entropy and no logits are formed, unless `return_logits=True`; without labels, logits as usual.
+    A decode step over a static cache on CUDA replays a CUDA graph (`decode_graph.py`)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if decode_graph_applies(input_ids, labels, cache):
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        return graphed_decode_step(self, _causal_lm_forward, cache, inputs)
+    return _causal_lm_forward(self, input_ids, attention_mask, position_ids, labels, **kwargs)
+
+
+def _causal_lm_forward(
     self,
     input_ids=None,
     attention_mask=None,
@@ -381,8 +407,6 @@ def causal_lm_forward(
     return_logits=None,
     **kwargs,
 ):
-    """Causal-LM head. With labels the loss comes from the hidden states through the fused linear
-    cross-entropy and no logits are formed, unless `return_logits=True`; without labels, logits as usual."""
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     shift_labels = kwargs.pop("shift_labels", None)
     targets = None

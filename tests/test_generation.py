@@ -1,0 +1,196 @@
+"""Generation through the patched model's Hugging Face `generate`: the same greedy tokens as the unpatched model,
+tiny Qwen2, Qwen3 and Qwen3.5 in fp32 on the CPU, dense or 4-bit base, with or without a LoRA adapter, dynamic
+and static caches.
+
+The 4-bit models' reference is the unpatched model with each NF4 layer replaced by a dense layer holding the
+dequantised weight (bitsandbytes' own CPU kernels are not a reference: see test_cpu_path). The 64-token runs
+take the PyTorch references (a subprocess without Triton's interpreter); in this process the decoding kernels
+themselves run for a few tokens (interpreted on the CPU), and on CUDA in bf16 with the CUDA graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from test_patch_model import tiny_model, tiny_qwen3_5
+
+from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
+from unsloth_lite.models import patch_model
+from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
+from unsloth_lite.models.quantize import quantize_linears_nf4
+
+TESTS_DIR = pathlib.Path(__file__).parent
+ARCHS = ["qwen2", "qwen3", "qwen3_5"]
+
+
+def tiny(arch, device, dtype):
+    # Room for the 7-token prompt and 64 new tokens.
+    if arch == "qwen3_5":
+        return tiny_qwen3_5(device, dtype, max_position_embeddings=128)
+    return tiny_model(arch, device, dtype, max_position_embeddings=128)
+
+
+def dequantised_copy(model):
+    """`model` with every bitsandbytes 4-bit layer replaced by an `nn.Linear` of its dequantised weight."""
+    dense = copy.deepcopy(model)
+    for name, module in list(dense.named_modules()):
+        if type(module).__name__ != "Linear4bit":
+            continue
+        weight = dequantize_nf4_reference(module.weight.data, module.weight.quant_state)
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None)
+        linear = linear.to(device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if module.bias is not None:
+                linear.bias.copy_(module.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(dense.get_submodule(parent), child, linear)
+    return dense
+
+
+def with_adapter(model, seed: int):
+    """LoRA on every linear layer, initialised at random (B too), so the adapter changes the outputs."""
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    return get_peft_model(model, config)
+
+
+def model_pair(arch, variant, device="cpu", dtype=torch.float32):
+    """(reference, patched): the unpatched model and a patched copy of the same weights. Variants: dense or
+    `4bit` base, `+lora`."""
+    base = tiny(arch, device, dtype).eval()
+    if variant.startswith("4bit"):
+        base = quantize_linears_nf4(base, dtype)
+        reference = dequantised_copy(base)
+    else:
+        reference = copy.deepcopy(base)
+    if variant.endswith("+lora"):
+        base, reference = with_adapter(base, 0), with_adapter(reference, 0)
+    return reference.eval(), patch_model(base).eval()
+
+
+def assert_same_greedy_tokens(
+    arch, variant, cache_implementation, new_tokens, device="cpu", dtype=torch.float32, prompt_shape=(2, 7)
+):
+    reference, patched = model_pair(arch, variant, device, dtype)
+    prompt = torch.randint(0, 151, prompt_shape, device=device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if cache_implementation:
+        kwargs["cache_implementation"] = cache_implementation
+    expected = reference.generate(prompt, **kwargs)
+    got = patched.generate(prompt, **kwargs)
+    assert got.shape == (prompt_shape[0], prompt_shape[1] + new_tokens)
+    mismatch = (got != expected).nonzero().tolist()
+    assert not mismatch, f"{arch} {variant} {cache_implementation}: first differing token at {mismatch[0]}"
+    return patched
+
+
+# variant, cache implementation (None: Hugging Face's default dynamic cache)
+LONG_RUNS = [("dense", "static"), ("dense+lora", None), ("4bit+lora", "static")]
+
+
+def check_64_tokens() -> None:
+    torch.manual_seed(0)
+    for arch in ARCHS:
+        for variant, cache_implementation in LONG_RUNS:
+            assert_same_greedy_tokens(arch, variant, cache_implementation, 64)
+
+
+def test_64_greedy_tokens_match_without_interpreter():
+    """Every architecture and variant, one subprocess (the imports are paid once)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR.parent), str(TESTS_DIR), env.get("PYTHONPATH", "")])
+    code = "import test_generation as t; t.check_64_tokens()"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def count_decode_calls(monkeypatch):
+    """Counts the decoding kernels' calls where the models' forwards call them."""
+    calls = {}
+    targets = {
+        "unsloth_lite.models.decode": ["nf4_matvec"],
+        "unsloth_lite.models.layers": ["grouped_attention"],
+        "unsloth_lite.models.qwen3_5_layers": ["conv_state_update", "delta_rule_step"],
+    }
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    for module_name, names in targets.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            calls[name] = 0
+            monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    return calls
+
+
+# The interpreter is slow: the kernels run for a few tokens, each architecture with one cache kind.
+KERNEL_RUNS = [("qwen2", "static"), ("qwen3", None), ("qwen3_5", "static")]
+
+
+@pytest.mark.parametrize("arch,cache_implementation", KERNEL_RUNS, ids=lambda v: str(v))
+def test_greedy_tokens_match_on_decoding_kernels(arch, cache_implementation, device, monkeypatch):
+    """A 4-bit base with an adapter, the decoding kernels run (interpreted on the CPU), every one called."""
+    calls = count_decode_calls(monkeypatch)
+    assert_same_greedy_tokens(arch, "4bit+lora", cache_implementation, 3, device, prompt_shape=(2, 4))
+    assert calls["nf4_matvec"] and calls["grouped_attention"]
+    if arch == "qwen3_5":
+        assert calls["conv_state_update"] and calls["delta_rule_step"]
+
+
+def test_sampling_runs_and_is_reproducible(device):
+    _, patched = model_pair("qwen3", "dense+lora", device)
+    prompt = torch.randint(0, 151, (1, 5), device=device)
+    kwargs = dict(max_new_tokens=3, do_sample=True, top_k=20, temperature=0.8, pad_token_id=0)
+    torch.manual_seed(1)
+    first = patched.generate(prompt, **kwargs)
+    torch.manual_seed(1)
+    assert torch.equal(patched.generate(prompt, **kwargs), first)
+
+
+def captured_decode_steps(model) -> int:
+    return sum(
+        step.graph is not None
+        for module in model.modules()
+        for step in module.__dict__.get(GRAPHS_ATTRIBUTE, {}).values()
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["dense", "4bit+lora"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_greedy_tokens_match_cuda(arch, variant):
+    """bf16 on CUDA, random weights: the first 32 greedy tokens, dynamic cache (eager decode steps) and static
+    cache (the decode step replayed as a CUDA graph)."""
+    patched = assert_same_greedy_tokens(arch, variant, "static", 32, "cuda", torch.bfloat16)
+    assert captured_decode_steps(patched) == 1
+    assert_same_greedy_tokens(arch, variant, None, 32, "cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_match_eager_steps():
+    """fp32 on CUDA: 64 tokens with the graph (two batch sizes, a second generate over a reused cache) against
+    the unpatched model."""
+    for batch in (1, 3):
+        reference, patched = model_pair("qwen3_5", "4bit+lora", "cuda")
+        prompt = torch.randint(0, 151, (batch, 7), device="cuda")
+        kwargs = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0,
+                      cache_implementation="static")
+        expected = reference.generate(prompt, **kwargs)
+        for _ in range(2):
+            assert torch.equal(patched.generate(prompt, **kwargs), expected)
+        assert captured_decode_steps(patched) == 1

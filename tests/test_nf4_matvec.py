@@ -1,0 +1,81 @@
+"""`nf4_matvec` (decoding's 4-bit projection, LoRA unmerged) against the product with the dequantised weight,
+in float64: odd shapes (rows that split a quantisation block, odd element counts), 1 to 8 rows, bias, adapter."""
+
+import pytest
+import torch
+from helpers import TOLERANCE, assert_close, dtype_id
+from test_dequantize_nf4 import quantize
+
+from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
+from unsloth_lite.kernels.nf4_matvec import nf4_matvec, nf4_matvec_reference
+
+# (out, in): 96 and 160 split 64-element blocks across rows; 515 is odd (a byte holds two rows' nibbles).
+SHAPES = [(48, 96), (33, 160), (17, 515), (130, 64)]
+
+
+def float64_reference(x, weight, bias, lora_a, lora_b, scale):
+    dense = dequantize_nf4_reference(weight.data, weight.quant_state).double()
+    y = x.double() @ dense.t()
+    if bias is not None:
+        y = y + bias.double()
+    if lora_a is not None:
+        y = y + scale * (x.double() @ lora_a.double().t()) @ lora_b.double().t()
+    return y
+
+
+def make_case(shape, rows, dtype, nested, blocksize, with_bias, rank, device):
+    n_out, n_in = shape
+    weight = quantize(shape, dtype, nested, blocksize, device)
+    x = torch.randn(rows, n_in, dtype=dtype, device=device)
+    bias = torch.randn(n_out, dtype=dtype, device=device) if with_bias else None
+    lora_a = lora_b = None
+    if rank:
+        lora_a = 0.3 * torch.randn(rank, n_in, device=device)  # PEFT keeps fp32 adapters
+        lora_b = 0.3 * torch.randn(n_out, rank, device=device)
+    return x, weight, bias, lora_a, lora_b
+
+
+def check(shape, rows, dtype, nested, blocksize, with_bias, rank, device):
+    x, weight, bias, lora_a, lora_b = make_case(shape, rows, dtype, nested, blocksize, with_bias, rank, device)
+    got = nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5)
+    assert got.dtype == dtype and got.shape == (rows, shape[0])
+    expected = float64_reference(x, weight, bias, lora_a, lora_b, 0.5)
+    assert_close(got, expected, TOLERANCE[dtype], "y")
+    reference = nf4_matvec_reference(x, weight, bias, lora_a, lora_b, scale=0.5)
+    assert_close(reference, expected, TOLERANCE[dtype], "reference y")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_nf4_matvec_shapes(shape, dtype):
+    check(shape, rows=3, dtype=dtype, nested=True, blocksize=64, with_bias=True, rank=4, device="cpu")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_nf4_matvec_rows(rows):
+    check((40, 96), rows, torch.float32, nested=False, blocksize=64, with_bias=False, rank=0, device="cpu")
+
+
+def test_nf4_matvec_blocksize_128_leading_dims_and_strided_x():
+    weight = quantize((24, 200), torch.float32, True, 128, "cpu")
+    x = torch.randn(2, 200, 3, dtype=torch.float32)[..., 1]  # a strided view
+    lora_a, lora_b = torch.randn(3, 200), torch.randn(24, 3)
+    got = nf4_matvec(x.view(2, 1, 200), weight, lora_a=lora_a, lora_b=lora_b, scale=2.0)
+    assert got.shape == (2, 1, 24)
+    assert_close(got.view(2, 24), float64_reference(x, weight, None, lora_a, lora_b, 2.0), 1e-5, "y")
+
+
+def test_nf4_matvec_refuses_grad_and_too_many_rows():
+    weight = quantize((8, 64), torch.float32, False, 64, "cpu")
+    with pytest.raises(ValueError, match="inference only"):
+        nf4_matvec(torch.randn(1, 64, requires_grad=True), weight)
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        nf4_matvec(torch.randn(9, 64), weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("shape", [*SHAPES, (5120, 5120), (17408, 5120)], ids=str)
+def test_nf4_matvec_cuda(shape, rows, dtype):
+    check(shape, rows, dtype, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")

@@ -1,0 +1,183 @@
+"""NF4 matrix-vector product for decoding: a few rows of activations times a bitsandbytes 4-bit weight, the
+weight read once in its packed form and dequantised in registers, with an unmerged LoRA adapter.
+
+For x `[M, K]` (M ≤ 8 rows: one new token per sequence of a small batch), W `[N, K]` stored as NF4 (layout,
+absmax and double quantisation as in `dequantize_nf4.py`), bias b `[N]`, adapter A `[r, K]`, B `[N, r]`, scale s:
+
+    W[n, k] = dtype_W(code[q[e]] · absmax[e // blocksize])      e = n·K + k, q[e] the e-th nibble
+    t       = x Aᵀ                                              (rank r, fp32, one small product)
+    y[m, n] = Σ_k x[m, k] · W[n, k] + b[n] + s · Σ_j t[m, j] · B[n, j]
+
+dtype_W is `quant_state.dtype`: each weight element is rounded to it exactly as `dequantize_nf4` writes it, so
+the product equals x · dequantize_nf4(W)ᵀ up to the order of the fp32 sums. The sums run in fp32; y is written
+in x's dtype. At one token per step a decoder reads every weight once per token, so the speed is the number of
+weight bytes read: half a byte per element here, against two for a dequantised bf16 copy (plus its write).
+
+Each program owns BLOCK_N output features for all M rows; it walks K in tiles of BLOCK_K, decodes the tile's
+nibbles (element e from byte e // 2, high nibble when e is even, so any K works, rows that split a quantisation
+block included) and accumulates elementwise products reduced with `tl.sum` (a matrix-vector product has too few
+rows for tensor cores).
+
+Inference only: no autograd (the weight is frozen and generation needs no gradient); `nf4_matvec` refuses
+inputs that require grad.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from unsloth_lite.kernels.dequantize_nf4 import (
+    _block_absmax,
+    _fp32_to_bf16_rne,
+    _launch,
+    dequantize_nf4_reference,
+)
+from unsloth_lite.kernels.utils import INTERPRET, check_float, check_kernel_device, empty
+
+MAX_ROWS = 8
+# Output features per program: N / BLOCK_N programs keep every SM busy at the hidden sizes of real models.
+BLOCK_N = 16
+BLOCK_K = 256 if INTERPRET else 128  # the interpreter's cost is per operation: fewer, wider tiles
+
+
+@triton.jit
+def _nf4_matvec_kernel(
+    x_ptr, x_row_stride, x_col_stride,
+    packed_ptr, absmax_ptr, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+    bias_ptr, t_ptr, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
+    out_ptr, out_row_stride,
+    n_rows, n_out, n_in, rank,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, WEIGHT_BF16: tl.constexpr, WEIGHT_FP16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    mask_features = features < n_out
+    mask_rows = rows < n_rows
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask_cols = cols < n_in
+        mask_tile = mask_features[:, None] & mask_cols[None, :]
+        element = features[:, None].to(tl.int64) * n_in + cols[None, :]
+        packed = tl.load(packed_ptr + element // 2, mask=mask_tile, other=0).to(tl.int32)
+        nibble = tl.where(element % 2 == 0, packed >> 4, packed & 0xF)
+        absmax = _block_absmax(
+            absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, element // BLOCKSIZE,
+            mask_tile, NESTED,
+        )
+        w = tl.load(code_ptr + nibble) * absmax  # [BLOCK_N, BLOCK_K], as dequantize_nf4 computes it in fp32
+        if WEIGHT_BF16:  # rounded to the weight's dtype as the dense weight holds it
+            w = _fp32_to_bf16_rne(w).to(tl.float32)
+        if WEIGHT_FP16:
+            w = w.to(tl.float16).to(tl.float32)
+        w = tl.where(mask_tile, w, 0.0)
+        x = tl.load(
+            x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride,
+            mask=mask_rows[:, None] & mask_cols[None, :], other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + features, mask=mask_features, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        ranks = tl.arange(0, BLOCK_R)
+        mask_ranks = ranks < rank
+        t = tl.load(t_ptr + rows[:, None] * rank + ranks[None, :], mask=mask_rows[:, None] & mask_ranks[None, :],
+                    other=0.0)
+        lora_b = tl.load(
+            lora_b_ptr + features[:, None] * lora_b_row_stride + ranks[None, :] * lora_b_col_stride,
+            mask=mask_features[:, None] & mask_ranks[None, :], other=0.0,
+        ).to(tl.float32)
+        acc += scale * tl.sum(t[:, None, :] * lora_b[None, :, :], axis=2)
+    out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_rows[:, None] & mask_features[None, :])
+
+
+def _check_args(x, weight, bias, lora_a, lora_b, n_out, n_in):
+    check_float("x", x)
+    if x.dtype == torch.float64:
+        raise ValueError("nf4_matvec computes in fp32; x has dtype float64 (use nf4_matvec_reference)")
+    if x.shape[-1] != n_in:
+        raise ValueError(f"x has {x.shape[-1]} features but the weight takes {n_in}")
+    rows = x.numel() // max(n_in, 1)
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"nf4_matvec takes 1 to {MAX_ROWS} rows of x, got {rows}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, lora_a, lora_b)):
+        raise ValueError("nf4_matvec is inference only (no autograd); run it under torch.no_grad()")
+    check_kernel_device("x", x)
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
+    if bias is not None and tuple(bias.shape) != (n_out,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({n_out},)")
+    if (lora_a is None) != (lora_b is None):
+        raise ValueError("lora_a and lora_b go together")
+    if lora_a is not None:
+        rank = lora_a.shape[0]
+        if tuple(lora_a.shape) != (rank, n_in) or tuple(lora_b.shape) != (n_out, rank):
+            raise ValueError(
+                f"adapter shapes A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)} do not fit a weight [{n_out}, {n_in}]"
+            )
+
+
+def nf4_matvec(
+    x: torch.Tensor,
+    weight,
+    bias: torch.Tensor | None = None,
+    lora_a: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    scale: float = 1.0,
+    quant_state=None,
+) -> torch.Tensor:
+    """`x dequant(W)ᵀ + b + scale · (x Aᵀ) Bᵀ` for x `[..., K]` of 1 to 8 rows and W a 2-D NF4 `Params4bit`
+    `[N, K]` (or packed bytes with `quant_state`); returns `[..., N]` in x's dtype. No autograd."""
+    launch = _launch(weight, quant_state)
+    if len(launch.shape) != 2:
+        raise ValueError(f"nf4_matvec needs a 2-D weight; quant_state.shape is {tuple(launch.shape)}")
+    n_out, n_in = int(launch.shape[0]), int(launch.shape[1])
+    _check_args(x, weight, bias, lora_a, lora_b, n_out, n_in)
+    x2d = x.reshape(-1, n_in)
+    n_rows = x2d.shape[0]
+    out = empty((n_rows, n_out), x.dtype, x.device)
+    has_lora = lora_a is not None and lora_a.shape[0] > 0
+    t = torch.matmul(x2d.float(), lora_a.float().t()).contiguous() if has_lora else out
+    rank = lora_a.shape[0] if has_lora else 0
+    lora_b_arg = lora_b if has_lora else out
+    packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize = launch.inputs
+    _nf4_matvec_kernel[(triton.cdiv(n_out, BLOCK_N),)](
+        x2d, x2d.stride(0), x2d.stride(1),
+        packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize,
+        bias if bias is not None else out, t, lora_b_arg, lora_b_arg.stride(0), lora_b_arg.stride(1), float(scale),
+        out, out.stride(0),
+        n_rows, n_out, n_in, rank,
+        BLOCKSIZE=2 * launch.meta["HALF_BLOCK"], NESTED=launch.meta["NESTED"],
+        WEIGHT_BF16=launch.dtype == torch.bfloat16, WEIGHT_FP16=launch.dtype == torch.float16,
+        HAS_BIAS=bias is not None, HAS_LORA=has_lora,
+        BLOCK_M=max(2, triton.next_power_of_2(n_rows)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        BLOCK_R=max(2, triton.next_power_of_2(rank)),
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return out.view(*x.shape[:-1], n_out)
+
+
+def nf4_matvec_reference(
+    x: torch.Tensor,
+    weight,
+    bias: torch.Tensor | None = None,
+    lora_a: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    scale: float = 1.0,
+    quant_state=None,
+) -> torch.Tensor:
+    """Plain-PyTorch `nf4_matvec`: the weight dequantised by `dequantize_nf4_reference`, any number of rows, the
+    product in x's dtype (the CPU path without the interpreter)."""
+    qs = quant_state if quant_state is not None else weight.quant_state
+    packed = weight.data if isinstance(weight, torch.nn.Parameter) else weight
+    dense = dequantize_nf4_reference(packed, qs).to(x.dtype)
+    linear = torch.nn.functional.linear
+    y = linear(x, dense, None if bias is None else bias.to(x.dtype))
+    if lora_a is not None and lora_a.shape[0] > 0:
+        y = y + scale * linear(linear(x, lora_a.to(x.dtype)), lora_b.to(x.dtype))
+    return y

@@ -1,0 +1,77 @@
+"""Decoding: the projections and the attention of a forward over a few rows (one new token per sequence), as
+Hugging Face's `generate` runs them after the prompt.
+
+A forward without gradients over at most `MAX_ROWS` rows reads every weight once for a handful of products,
+so its speed is the bytes read: each NF4 base goes through `nf4_matvec` (packed weight read once, dequantised
+in registers, LoRA unmerged), never dequantised to a dense copy first. Attention of one new token over the
+cache groups the query heads that share a KV head (`[B, Hkv, G, D]`: the G heads take the place of query
+positions), so the KV heads are never repeated. The norms, RoPE and gates stay on their fused kernels, which
+take one token as they take many.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unsloth_lite.kernels.lora import LoRAProjection
+from unsloth_lite.kernels.nf4_matvec import MAX_ROWS, nf4_matvec, nf4_matvec_reference
+from unsloth_lite.kernels.utils import INTERPRET
+
+# Attention implementations whose mask (None, or 4-D boolean or additive) SDPA reads as they do.
+GROUPED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def is_decode_rows(x: torch.Tensor) -> bool:
+    """A forward without gradients over 1 to MAX_ROWS rows (tokens of all sequences together)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return not torch.is_grad_enabled() and 1 <= rows <= MAX_ROWS
+
+
+def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`x Wᵀ + b + s (x Aᵀ) Bᵀ` for each projection of the rows `x`: NF4 bases through `nf4_matvec` (its
+    PyTorch reference off the kernels' devices, and for float64), dense bases through one product each."""
+    kernels = (x.is_cuda or INTERPRET) and x.dtype != torch.float64
+    outputs = []
+    for p in projections:
+        adapter = (p.lora_a, p.lora_b) if p.rank else (None, None)
+        if getattr(p.base, "quant_state", None) is not None:
+            matvec = nf4_matvec if kernels else nf4_matvec_reference
+            outputs.append(matvec(x, p.base, p.bias, *adapter, scale=p.scale))
+            continue
+        weight = p.base if p.base.dtype == x.dtype else p.base.to(x.dtype)
+        y = torch.nn.functional.linear(x, weight, None if p.bias is None else p.bias.to(x.dtype))
+        if p.rank:
+            y = y + p.scale * torch.nn.functional.linear(
+                torch.nn.functional.linear(x, p.lora_a.to(x.dtype)), p.lora_b.to(x.dtype)
+            )
+        outputs.append(y)
+    return tuple(outputs)
+
+
+def grouped_attention_applies(module, query: torch.Tensor, attention_mask, cache) -> bool:
+    """One new token per sequence over a cache, full attention, a mask SDPA reads as the model's
+    implementation does: the grouped form below. Anything else keeps the model's attention function."""
+    if cache is None or query.shape[2] != 1 or torch.is_grad_enabled():
+        return False
+    if getattr(module, "sliding_window", None) is not None:
+        return False
+    if module.config._attn_implementation not in GROUPED_ATTENTION_IMPLEMENTATIONS:
+        return False
+    return attention_mask is None or (torch.is_tensor(attention_mask) and attention_mask.dim() == 4)
+
+
+def grouped_attention(query, key, value, attention_mask, scaling: float) -> torch.Tensor:
+    """Attention of one token: query `[B, Hq, 1, D]`, key and value `[B, Hkv, L, D]` (the cache, not repeated),
+    mask None or `[B, 1, 1, ≥L]` (boolean: True attends; or additive). Query head h reads KV head h // G, as
+    Hugging Face's `repeat_kv` pairs them. Returns `[B, 1, Hq, D]`, the layout the output projection reads."""
+    batch, n_q_heads, _, head_dim = query.shape
+    n_kv_heads = key.shape[1]
+    grouped = query.reshape(batch, n_kv_heads, n_q_heads // n_kv_heads, head_dim)
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, :, -1:, : key.shape[-2]]
+        if attention_mask.dtype not in (torch.bool, query.dtype):
+            attention_mask = attention_mask.to(query.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped, key, value, attn_mask=attention_mask, scale=scaling
+    )
+    return out.reshape(batch, 1, n_q_heads, head_dim)
