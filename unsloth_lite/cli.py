@@ -1,16 +1,20 @@
 """The console commands: argv parsing, and bad input reported in one line with exit code 2.
 
     unsloth-lite-train --recipe PATH [section.key=value ...] [--merge] [--debug]     (also scripts/train.py)
+    unsloth-lite-generate --model PATH [--adapter RUN_DIR] (--prompt TEXT | --chat) [--max-new-tokens N]
+                                                                                     (also scripts/generate.py)
 
-The work itself is callable from Python: `unsloth_lite.training.run.run_recipe`. Bad input (a recipe key or
-value, a data file, line or record, a checkpoint, a LoRA target, an argument) is reported in one line naming
-it, with exit code 2 and no traceback (`--debug` re-raises instead).
+The work itself is callable from Python: `unsloth_lite.training.run.run_recipe`, and
+`unsloth_lite.training.generation`'s `load_for_generation`, `generate` and `chat`. Bad input (a recipe key or
+value, a data file, line or record, a checkpoint, a LoRA target, an adapter, an argument) is reported in one
+line naming it, with exit code 2 and no traceback (`--debug` re-raises instead).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Callable
 
@@ -62,6 +66,71 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return report_input_errors(prog, args.debug, train)
+
+
+def _number(kind, low: float, high: float = math.inf, low_open: bool = False):
+    """An argparse type: a `kind` number in [low, high] (low excluded with `low_open`)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            expected = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or value > high:
+            bounds = f"> {low}" if low_open else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}" + (f" and <= {high}" if high < math.inf else "")
+                                             + f", got {text}")
+        return value
+
+    return parse
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    """`unsloth-lite-generate`: text from a base with an optional trained adapter, streamed as it comes, with
+    the decoding rate and time to first token at the end (on stderr)."""
+    prog = "unsloth-lite-generate"
+    parser = OneLineArgumentParser(
+        prog=prog, description="Generate text with a Qwen model and, optionally, a LoRA adapter trained by "
+        "unsloth-lite-train (unmerged).")
+    parser.add_argument("--model", required=True, help="the base: a checkpoint directory or a hub name")
+    parser.add_argument("--adapter", help="a training run's output_dir, or a PEFT adapter directory")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="generate a continuation of this text")
+    what.add_argument("--chat", action="store_true",
+                      help="a conversation in the tokenizer's chat template, one user message per line of stdin")
+    parser.add_argument("--max-new-tokens", type=_number(int, 1), default=256, help="per answer (default 256)")
+    parser.add_argument("--temperature", type=_number(float, 0.0), default=0.0,
+                        help="sample at this temperature (default 0: greedy)")
+    parser.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True), default=1.0,
+                        help="nucleus sampling's probability mass, with --temperature (default 1)")
+    parser.add_argument("--no-4bit", dest="load_in_4bit", action="store_false",
+                        help="keep the base's linear layers in --dtype instead of NF4")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="compute dtype (default bfloat16)")
+    parser.add_argument("--debug", action="store_true", help="on bad input, raise with a traceback instead of one line")
+    args = parser.parse_args(argv)
+
+    def run() -> int:
+        import torch
+
+        from unsloth_lite.training import generation
+
+        model, tokenizer = generation.load_for_generation(
+            args.model, args.adapter, load_in_4bit=args.load_in_4bit, dtype=getattr(torch, args.dtype))
+        settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+
+        def stats(line: str) -> None:
+            print(f"{prog}: {line}", file=sys.stderr, flush=True)
+
+        if args.chat:
+            generation.chat(model, tokenizer, sys.stdin, on_stats=stats, **settings)
+        else:
+            prompt = tokenizer(args.prompt)["input_ids"]
+            stats(generation.generate(model, tokenizer, prompt, on_text=generation.print_text, **settings).stats())
+        return 0
+
+    return report_input_errors(prog, args.debug, run)
 
 
 if __name__ == "__main__":
