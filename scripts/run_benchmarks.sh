@@ -32,3 +32,7 @@ step recipe python -m unsloth_lite.cli --recipe qlora_qwen3_8b.yaml "model.name_
     data.path=/tmp/alpaca.jsonl training.max_steps=10 training.logging_steps=2 training.save_strategy=no \
     training.report_to=none training.output_dir=/tmp/qlora_qwen3_8b
 cp /tmp/qlora_qwen3_8b/train_summary.json /tmp/qlora_qwen3_8b/trainer_state.json "$out/" 2>/dev/null
+step generate_cli python scripts/generate.py --model "$checkpoint" --adapter /tmp/qlora_qwen3_8b \
+    --prompt "t1 t2 t3 t4" --max-new-tokens 64
+step generate python scripts/bench_generate.py ${unsloth_site:+--unsloth-site "$unsloth_site"} --measure-bandwidth \
+    --out "$out/bench_generate.json"

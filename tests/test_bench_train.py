@@ -131,3 +131,59 @@ def test_bench_train_27b_checks_gradients(tmp_path):
     row = json.loads(out.read_text())["check_gradients"]
     assert row["lora_grads"] == 20  # A and B of the DeltaNet layer's 3 MLP projections and the attention layer's 7
     assert row["loss_rel_diff"] < 1e-5 and row["grad_rel_err_max"] < 1e-4, row
+
+
+def bench_generate():
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module("bench_generate")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
+def test_bench_generate_tiny_mode_runs(tmp_path):
+    """W3's script end to end on both tiny shapes: decoding is timed and the patched model's greedy tokens equal
+    Hugging Face's on the same NF4 weights."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
+    out = tmp_path / "out.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_generate.py", "--tiny", "--variants", "hf,unsloth_lite", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {(r["shape"], r["variant"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(s, v) for s in ("qwen3_8b", "qwen3_5_27b") for v in ("hf", "unsloth_lite")}
+    for key, row in rows.items():
+        assert "error" not in row, f"{key}: {row['error']}\n{result.stdout}"
+        assert row["new_tokens"] == 4 and row["decode_tokens_per_s"] > 0 and row["ttft_ms"] > 0, row
+        assert 0 < row["bound_fraction"] < 1, row
+    for shape in ("qwen3_8b", "qwen3_5_27b"):
+        assert rows[(shape, "unsloth_lite")]["same_tokens_as_hf"] == 4, rows[(shape, "unsloth_lite")]
+
+
+def test_bench_generate_bytes_per_token_match_benchmarks():
+    """BENCHMARKS.md's W3 reads: 3.6 GB of NF4 decoder weights + 1.24 GB lm_head at the 8B shape (~870 tokens/s
+    at 4.27 TB/s), 12.6 GB of NF4 at the 27B shape; LoRA r=16 adds its adapters."""
+    bg = bench_generate()
+    w3b = bg.bytes_per_token("qwen3_8b", bg.shape_config("qwen3_8b", False), context=192)
+    assert w3b["nf4_linears"] == pytest.approx(3.6e9, rel=0.01) and w3b["lm_head"] == 2 * 4096 * 151936
+    assert 4270e9 / w3b["total"] == pytest.approx(870, rel=0.02)
+    assert w3b["kv_cache"] == 36 * 2 * 8 * 128 * 2 * 192
+    w3 = bg.bytes_per_token("qwen3_5_27b", bg.shape_config("qwen3_5_27b", False), context=192)
+    assert w3["nf4_linears"] == pytest.approx(12.6e9, rel=0.01) and w3["deltanet_state"] > 0
+    with_lora = bg.bytes_per_token("qwen3_5_27b", bg.shape_config("qwen3_5_27b", False), context=192, lora=True)
+    assert with_lora["total"] - w3["total"] == with_lora["lora"] > 0
+
+
+def test_bench_generate_writes_a_checkpoint_in_shards(tmp_path):
+    """The checkpoint Unsloth loads at the 27B shape, written a shard at a time, loads whole."""
+    from transformers import AutoModelForCausalLM
+
+    bg = bench_generate()
+    c = bg.shape_config("qwen3_5_27b", tiny=True)
+    path = bg.write_checkpoint_in_shards("qwen3_5_27b", c, tmp_path / "ckpt", torch.device("cpu"), torch.float32,
+                                         shard_bytes=2**17)
+    assert len(list(path.glob("model-*-of-*.safetensors"))) > 2
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.config.model_type == "qwen3_5_text" and model.config.num_hidden_layers == 2
+    assert float(model.lm_head.weight.detach().std()) == pytest.approx(0.02, rel=0.05)

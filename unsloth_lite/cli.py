@@ -1,30 +1,25 @@
-"""`unsloth-lite-train --recipe PATH [section.key=value ...] [--merge] [--debug]` (also `python scripts/train.py`).
+"""The console commands: argv parsing, and bad input reported in one line with exit code 2.
 
-The steps a person would take: read the recipe, load the data, load the model, add LoRA, train, save. Every
-input is checked before anything heavy loads where it can be (the recipe, the data records, the
-TrainingArguments, the model's config and its module names, from the config alone); bad input (a recipe key or
-value, a data file, line or record, a checkpoint, a LoRA target) is reported in one line naming it, with exit
-code 2 and no traceback (`--debug` re-raises instead).
+    unsloth-lite-train --recipe PATH [section.key=value ...] [--merge] [--debug]     (also scripts/train.py)
+    unsloth-lite-generate --model PATH [--adapter RUN_DIR] (--prompt TEXT | --chat) [--max-new-tokens N]
+                                                                                     (also scripts/generate.py)
+
+The work itself is callable from Python: `unsloth_lite.training.run.run_recipe`, and
+`unsloth_lite.training.generation`'s `load_for_generation`, `generate` and `chat`. Bad input (a recipe key or
+value, a data file, line or record, a checkpoint, a LoRA target, an adapter, an argument) is reported in one
+line naming it, with exit code 2 and no traceback (`--debug` re-raises instead).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
-import os
-import pathlib
-import re
+import math
 import sys
-import tempfile
-
-import torch
-import yaml
+from collections.abc import Callable
 
 from unsloth_lite.errors import InputError
-from unsloth_lite.recipe_checks import check_max_seq_length
-from unsloth_lite.recipes import Recipe, RecipeError, load_recipe, recipe_to_dict, torch_dtype
+from unsloth_lite.recipes import load_recipe
 
 EXIT_USAGE = 2
 
@@ -33,381 +28,109 @@ EXIT_USAGE = 2
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
-def _log(message: str) -> None:
-    print(f"unsloth-lite-train: {message}", flush=True)
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An argument error is one line, `PROG: error: MESSAGE`, with exit code 2, as input errors are (argparse's
+    own adds the usage, on lines of its own)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (--help for usage)\n")
 
 
-def _chat_template(value: str) -> str:
-    return pathlib.Path(value).read_text() if os.path.isfile(value) else value
-
-
-def _check_chat_template(path: str, data_format: str, trust_remote_code: bool) -> None:
-    """Fails before the (long) model load if the instruction formats would find no chat template."""
-    from transformers import AutoTokenizer
-
+def report_input_errors(prog: str, debug: bool, work: Callable[[], int]) -> int:
+    """`work()`'s exit code; an `InputError` is printed as one line on stderr with exit code 2, or re-raised
+    with `debug`."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):
-        return  # no loadable tokenizer: load_model's own error names the path
-    if not tokenizer.chat_template:
-        raise RecipeError(
-            f"data.chat_template: the tokenizer of {path} has no chat template, which the {data_format} format "
-            "needs; give one (a Jinja template or a .jinja file)"
-        )
-
-
-def prepare_base(recipe: Recipe, output_dir: pathlib.Path) -> pathlib.Path | str:
-    """The base model's path. The built-in tiny model is first written to `output_dir/base_model`, so the
-    adapter saved later points at a base that can be loaded again (for `--merge`, or by PEFT)."""
-    from transformers.utils import logging as transformers_logging
-
-    from unsloth_lite.training.tiny import TINY_MODEL, build_tiny_qwen3, build_tiny_tokenizer
-
-    path = recipe.model.name_or_path
-    if path == TINY_MODEL:
-        path = output_dir / "base_model"
-        if not (path / "config.json").exists():
-            tokenizer = build_tiny_tokenizer()
-            model = build_tiny_qwen3(tokenizer, torch_dtype(recipe.model.dtype), seed=recipe.seed)
-            bars = transformers_logging.is_progress_bar_enabled()
-            transformers_logging.disable_progress_bar()  # one shard of a tiny model: no bar
-            try:
-                model.save_pretrained(path)
-            finally:
-                if bars:
-                    transformers_logging.enable_progress_bar()
-            tokenizer.save_pretrained(path)
-    return path
-
-
-def targetable_modules(model: torch.nn.Module) -> tuple[list[str], list[str]]:
-    """(names of the modules LoRA can wrap, the distinct last parts of the linear ones' names)."""
-    names, linear = [], []
-    for name, module in model.named_modules():
-        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d)) and name:
-            names.append(name)
-            short = name.rsplit(".", 1)[-1]
-            if isinstance(module, torch.nn.Linear) and short not in linear:
-                linear.append(short)
-    return names, linear
-
-
-def check_target_modules(model: torch.nn.Module, targets) -> None:
-    """Each of `lora.target_modules` must match a module of the model as PEFT matches them (a name, or the
-    end of a dotted name; a single string other than all-linear is a regular expression)."""
-    if targets == "all-linear":
-        return
-    names, linear = targetable_modules(model)
-    if isinstance(targets, str):
-        missing = [] if any(re.fullmatch(targets, name) for name in names) else [targets]
-    else:
-        missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-    if missing:
-        raise RecipeError(
-            f"lora.target_modules: {', '.join(missing)} matches no module of the model; its linear modules are "
-            f"{', '.join(linear)} (or give all-linear)"
-        )
-
-
-def check_model_config(recipe: Recipe, path) -> bool:
-    """model.max_seq_length against the config's positions and the LoRA targets against the modules of a
-    weightless (meta) model built from the config; nothing is loaded. False where the config could not be
-    read or built (a hub model out of reach): then the loaded model is checked."""
-    import transformers
-
-    spec = recipe.model
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=spec.trust_remote_code)
-    except Exception:  # unreachable hub name, remote code: the model load reports it, naming the path
-        return False
-    check_max_seq_length(spec.max_seq_length, getattr(config.get_text_config(), "max_position_embeddings", None),
-                         f"the config of {spec.name_or_path}")
-    if recipe.lora.target_modules == "all-linear":
-        return True
-    try:
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
-    except Exception:  # a config this transformers cannot build without weights: checked after loading
-        return False
-    check_target_modules(model, recipe.lora.target_modules)
-    return True
-
-
-def load_base(recipe: Recipe, path) -> tuple:
-    """(patched model, tokenizer) from the prepared base path; a failure to load is a RecipeError naming
-    model.name_or_path."""
-    from unsloth_lite.models import load_model
-
-    spec = recipe.model
-    if recipe.data.format in ("alpaca", "chat") and not recipe.data.chat_template:
-        _check_chat_template(str(path), recipe.data.format, spec.trust_remote_code)
-    device_map = "cpu" if recipe.training.get("use_cpu") or not torch.cuda.is_available() else None
-    kwargs = {"device_map": device_map} if device_map else {}
-    if spec.trust_remote_code:
-        kwargs["trust_remote_code"] = True
-    try:
-        model, tokenizer = load_model(
-            str(path), load_in_4bit=spec.load_in_4bit, dtype=torch_dtype(spec.dtype),
-            max_seq_length=spec.max_seq_length, quantize_embeddings=spec.quantize_embeddings,
-            attn_implementation=spec.attn_implementation, **kwargs,
-        )
-    except (OSError, ValueError, ImportError) as e:
-        raise RecipeError(f"model.name_or_path: cannot load {spec.name_or_path}: {_one_line(e)}") from None
-    if tokenizer is None:
-        raise RecipeError(f"model.name_or_path: {spec.name_or_path} ships no tokenizer")
-    if recipe.data.chat_template:
-        tokenizer.chat_template = _chat_template(recipe.data.chat_template)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
-
-
-def load_raw_data(recipe: Recipe):
-    """(training records, held-out records or None), every record checked for its format's fields."""
-    from unsloth_lite.training.data import load_records, split_records
-
-    data = recipe.data
-    raw = load_records(data.path, data.split, seed=recipe.seed, data_format=data.format,
-                       text_field=data.text_field, responses_only=data.train_on_responses_only)
-    return split_records(raw, data.eval_fraction, seed=recipe.seed)
-
-
-def tokenize_data(recipe: Recipe, tokenizer, raw, held_out):
-    from unsloth_lite.training.data import tokenize_dataset
-
-    data = recipe.data
-
-    def tokenize(dataset):
-        return tokenize_dataset(
-            dataset, tokenizer, data.format, recipe.model.max_seq_length, data.train_on_responses_only,
-            data.text_field,
-        )
-
-    return tokenize(raw), (tokenize(held_out) if held_out is not None else None)
-
-
-def batching(recipe: Recipe, tokenizer, train_set, eval_set):
-    """(train set, eval set, collator): with data.packing the documents packed into rows of
-    data.packing_tokens and laid out padding-free, else the documents padded per batch."""
-    from unsloth_lite.training.data import PaddingCollator
-    from unsloth_lite.training.packing import PackingCollator, pack_dataset
-
-    data = recipe.data
-    if not data.packing:
-        return train_set, eval_set, PaddingCollator(tokenizer.pad_token_id, data.pad_to_multiple_of)
-    documents = len(train_set)
-    train_set = pack_dataset(train_set, data.packing_tokens, seed=recipe.seed)
-    if eval_set is not None:
-        eval_set = pack_dataset(eval_set, data.packing_tokens, seed=recipe.seed)
-    _log(f"packed {documents:,} documents into {len(train_set):,} rows of {data.packing_tokens:,} tokens "
-         "(data.packing=false for padded batches)")
-    return train_set, eval_set, PackingCollator(tokenizer.pad_token_id, data.packing_tokens)
-
-
-def training_arguments(recipe: Recipe, training: dict, evaluates: bool):
-    """TrainingArguments, built before the model loads; what it rejects is a RecipeError."""
-    import transformers
-
-    if not evaluates and training.get("eval_strategy", "no") != "no":
-        training["eval_strategy"] = "no"
-    training.setdefault("include_num_input_tokens_seen", "non_padding")  # for the throughput summary
-    try:
-        return transformers.TrainingArguments(**training, seed=recipe.seed)
-    except (ValueError, TypeError, ImportError) as e:
-        raise RecipeError(f"training: {_one_line(e)}") from None
-
-
-def answer_accuracy_callback(tokenizer, records, limit: int = 64):
-    """With each evaluation, the held-out chat records' greedy answers checked against the references."""
-    import transformers
-
-    from unsloth_lite.training.tiny import answer_accuracy
-
-    records = [records[i] for i in range(min(limit, len(records)))]
-
-    class AnswerAccuracy(transformers.TrainerCallback):
-        # The Trainer logs an evaluation's metrics (on_log) before on_evaluate runs, and this callback's on_log
-        # runs before the progress callback's, which prints: computed here, the accuracy is printed on the
-        # eval_loss line and kept in the same log_history entry (and in the metrics evaluate() returns).
-        def on_log(self, args, state, control, logs=None, model=None, **kwargs):
-            if logs is None or "eval_loss" not in logs:
-                return
-            accuracy = answer_accuracy(model, tokenizer, records)
-            logs["eval_answer_accuracy"] = accuracy
-            if state.log_history and state.log_history[-1].get("eval_loss") == logs["eval_loss"]:
-                state.log_history[-1]["eval_answer_accuracy"] = accuracy
-            else:
-                state.log_history.append({"eval_answer_accuracy": accuracy, "step": state.global_step})
-
-    return AnswerAccuracy()
-
-
-def plot_losses(log_history: list[dict], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for key, label in (("loss", "train loss"), ("eval_loss", "eval loss")):
-        points = [(e["step"], e[key]) for e in log_history if key in e]
-        if points:
-            axis.plot(*zip(*points, strict=True), marker="." if key == "eval_loss" else None, label=label)
-    accuracy = [(e["step"], e["eval_answer_accuracy"]) for e in log_history if "eval_answer_accuracy" in e]
-    if accuracy:
-        right = axis.twinx()
-        right.plot(*zip(*accuracy, strict=True), color="tab:green", marker="o", label="held-out answer accuracy")
-        right.set_ylabel("accuracy")
-        right.set_ylim(0, 1)
-        right.legend(loc="upper center")
-    axis.set_xlabel("step")
-    axis.set_ylabel("loss")
-    axis.legend(loc="upper right")
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-
-
-def _save_atomically(write, target: pathlib.Path) -> None:
-    """Write into a sibling temporary directory, then rename it into place."""
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    write(staging)
-    if target.exists():
-        import shutil
-
-        shutil.rmtree(target)
-    os.replace(staging, target)
-
-
-def _as_trained_in_nf4(model: torch.nn.Module, linears: bool = True, embeddings: bool = False) -> None:
-    """Replaces each decoder linear weight (with `linears`) and the input embedding and lm_head (with
-    `embeddings`) by its NF4 round trip (bitsandbytes' quantisation, double quant, block 64, then
-    dequantisation): exactly the base the adapter was trained on with `load_in_4bit` / `quantize_embeddings`."""
-    import bitsandbytes as bnb
-
-    weights = [m.weight.data for name, m in model.named_modules()
-               if linears and isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")]
-    if embeddings:
-        heads = [model.get_input_embeddings(), model.get_output_embeddings()]
-        weights += [m.weight.data for m in heads if m is not None]
-    for weight in {w.data_ptr(): w for w in weights}.values():  # a tied matrix once
-        packed, state = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
-        weight.copy_(bnb.functional.dequantize_4bit(packed, state))
-
-
-def merge_and_save(recipe: Recipe, base_path: str, adapter_dir: pathlib.Path, target: pathlib.Path) -> None:
-    """A merged 16-bit model loadable by `AutoModelForCausalLM`: the base as it was trained (NF4-dequantised
-    when trained in 4 bits) plus the adapter, in the recipe's dtype, or bfloat16 for a float32 recipe."""
-    import transformers
-    from peft import PeftModel
-
-    dtype = torch_dtype(recipe.model.dtype)
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, device_map="cpu")
-    if recipe.model.load_in_4bit or recipe.model.quantize_embeddings:
-        _as_trained_in_nf4(base, linears=recipe.model.load_in_4bit, embeddings=recipe.model.quantize_embeddings)
-    merged = PeftModel.from_pretrained(base.float(), adapter_dir).merge_and_unload()
-    merged = merged.to(dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
-    _save_atomically(lambda d: merged.save_pretrained(d, safe_serialization=True), target)
-
-
-def throughput_summary(tokens_seen: int, metrics: dict) -> dict:
-    """Tokens trained (padding excluded) per second of this run's training loop, and peak GPU memory."""
-    runtime = metrics.get("train_runtime") or float("nan")
-    summary = {"train_tokens": int(tokens_seen), "train_runtime_s": round(runtime, 1),
-               "tokens_per_s": round(tokens_seen / runtime, 1)}
-    if torch.cuda.is_available():
-        summary["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    return summary
-
-
-def train(recipe: Recipe, merge: bool = False) -> int:
-    import transformers
-
-    from unsloth_lite.models import add_lora
-    from unsloth_lite.training import Trainer
-    from unsloth_lite.training.tiny import ARITHMETIC_DATA
-
-    training = dict(recipe.training)
-    resume = training.pop("resume_from_checkpoint", None)
-    _log(f"loading data {recipe.data.path}")
-    raw, held_out = load_raw_data(recipe)
-    args = training_arguments(recipe, training, evaluates=held_out is not None)
-    _log(f"{len(raw):,} training records" + (f", {len(held_out):,} held out" if held_out is not None else ""))
-
-    output_dir = pathlib.Path(training["output_dir"]).expanduser()
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RecipeError(f"training.output_dir: cannot create {output_dir}: {_one_line(e)}") from None
-    (output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
-    _log(f"loading {recipe.model.name_or_path}")
-    base_path = prepare_base(recipe, output_dir)
-    checked = check_model_config(recipe, base_path)
-    transformers.set_seed(recipe.seed)
-    model, tokenizer = load_base(recipe, base_path)
-    if not checked:
-        check_target_modules(model, recipe.lora.target_modules)
-    lora = recipe.lora
-    model = add_lora(
-        model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
-    )
-    trainable, total = model.get_nb_trainable_parameters()
-    _log(f"LoRA r={lora.r}: {trainable:,} trainable of {total:,} parameters")
-    train_set, eval_set = tokenize_data(recipe, tokenizer, raw, held_out)
-    train_set, eval_set, collator = batching(recipe, tokenizer, train_set, eval_set)
-    callbacks = []
-    if recipe.data.path == ARITHMETIC_DATA and held_out is not None:
-        callbacks.append(answer_accuracy_callback(tokenizer, held_out))
-    try:
-        trainer = Trainer(
-            model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-            data_collator=collator,
-            processing_class=tokenizer, callbacks=callbacks,
-            checkpointing=dataclasses.asdict(recipe.checkpointing) if args.gradient_checkpointing else None,
-        )
-    except (ValueError, ImportError) as e:  # TrainingArguments values only the Trainer (or accelerate) rejects
-        raise RecipeError(f"training: {_one_line(e)}") from None
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    result = trainer.train(resume_from_checkpoint=resume)
-    summary = throughput_summary(trainer.state.num_input_tokens_seen, result.metrics)
-    _log(", ".join(f"{key} {value}" for key, value in summary.items()))
-    (output_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if eval_set is not None:
-        # The progress callback prints no logs once training has ended: the final evaluation is printed here.
-        final = trainer.evaluate()
-        _log(", ".join(f"{key} {final[key]:.4g}" for key in ("eval_loss", "eval_answer_accuracy") if key in final))
-
-    trainer.save_model(str(output_dir))  # the adapter, in PEFT's format, and the tokenizer
-    trainer.save_state()
-    plot_losses(trainer.state.log_history, output_dir / "loss.png")
-    _log(f"adapter, tokenizer, trainer_state.json and loss.png written to {output_dir}")
-    if merge:
-        merge_and_save(recipe, base_path, output_dir, output_dir / "merged")
-        tokenizer.save_pretrained(output_dir / "merged")
-        _log(f"merged model written to {output_dir / 'merged'}")
-    return 0
+        return work()
+    except InputError as error:
+        if debug:
+            raise
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="unsloth-lite-train", description="Fine-tune a Qwen model from a recipe.")
+    """`unsloth-lite-train`: fine-tune from a recipe."""
+    prog = "unsloth-lite-train"
+    parser = OneLineArgumentParser(prog=prog, description="Fine-tune a Qwen model from a recipe.")
     parser.add_argument("--recipe", required=True, help="a recipe file, or the name of a packaged recipe")
     parser.add_argument("--merge", action="store_true", help="also write a merged 16-bit model to OUTPUT_DIR/merged")
     parser.add_argument("--debug", action="store_true", help="on bad input, raise with a traceback instead of one line")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="recipe overrides")
     args = parser.parse_args(argv)
-    try:
+
+    def train() -> int:
+        from unsloth_lite.training.run import run_recipe
+
         recipe = load_recipe(args.recipe, args.overrides)
-        return train(recipe, merge=args.merge)
-    except InputError as error:
-        if args.debug:
-            raise
-        print(f"unsloth-lite-train: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        run_recipe(recipe, merge=args.merge, log=lambda message: print(f"{prog}: {message}", flush=True))
+        return 0
+
+    return report_input_errors(prog, args.debug, train)
+
+
+def _number(kind, low: float, high: float = math.inf, low_open: bool = False):
+    """An argparse type: a `kind` number in [low, high] (low excluded with `low_open`)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            expected = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or value > high:
+            bounds = f"> {low}" if low_open else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}" + (f" and <= {high}" if high < math.inf else "")
+                                             + f", got {text}")
+        return value
+
+    return parse
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    """`unsloth-lite-generate`: text from a base with an optional trained adapter, streamed as it comes, with
+    the decoding rate and time to first token at the end (on stderr)."""
+    prog = "unsloth-lite-generate"
+    parser = OneLineArgumentParser(
+        prog=prog, description="Generate text with a Qwen model and, optionally, a LoRA adapter trained by "
+        "unsloth-lite-train (unmerged).")
+    parser.add_argument("--model", required=True, help="the base: a checkpoint directory or a hub name")
+    parser.add_argument("--adapter", help="a training run's output_dir, or a PEFT adapter directory")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="generate a continuation of this text")
+    what.add_argument("--chat", action="store_true",
+                      help="a conversation in the tokenizer's chat template, one user message per line of stdin")
+    parser.add_argument("--max-new-tokens", type=_number(int, 1), default=256, help="per answer (default 256)")
+    parser.add_argument("--temperature", type=_number(float, 0.0), default=0.0,
+                        help="sample at this temperature (default 0: greedy)")
+    parser.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True), default=1.0,
+                        help="nucleus sampling's probability mass, with --temperature (default 1)")
+    parser.add_argument("--no-4bit", dest="load_in_4bit", action="store_false",
+                        help="keep the base's linear layers in --dtype instead of NF4")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="compute dtype (default bfloat16)")
+    parser.add_argument("--debug", action="store_true", help="on bad input, raise with a traceback instead of one line")
+    args = parser.parse_args(argv)
+
+    def run() -> int:
+        import torch
+
+        from unsloth_lite.training import generation
+
+        model, tokenizer = generation.load_for_generation(
+            args.model, args.adapter, load_in_4bit=args.load_in_4bit, dtype=getattr(torch, args.dtype))
+        settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+
+        def stats(line: str) -> None:
+            print(f"{prog}: {line}", file=sys.stderr, flush=True)
+
+        if args.chat:
+            generation.chat(model, tokenizer, sys.stdin, on_stats=stats, **settings)
+        else:
+            prompt = tokenizer(args.prompt)["input_ids"]
+            stats(generation.generate(model, tokenizer, prompt, on_text=generation.print_text, **settings).stats())
+        return 0
+
+    return report_input_errors(prog, args.debug, run)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,12 @@ class InputError(ValueError):
         super().__init__(" ".join(str(message).split()) if "\n" in str(message) else str(message))
 
 
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line (its type's name when it has none): for wrapping a library's error
+    into an `InputError`."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 class RecipeError(InputError):
     """A recipe that cannot be used; the message names the offending key (dotted) or the file."""
 

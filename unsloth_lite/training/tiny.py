@@ -75,21 +75,14 @@ def arithmetic_records(n: int = 4000, seed: int = 0, max_operand: int = 19) -> l
     return records
 
 
-@torch.no_grad()
 def answer_accuracy(model, tokenizer, records: list[dict], max_new_tokens: int = 4) -> float:
-    """Fraction of records whose greedy answer equals the reference answer (the last assistant message)."""
-    model_was_training = model.training
-    model.eval()
+    """Fraction of records whose greedy answer equals the reference answer (the last assistant message), each
+    generated as `unsloth-lite-generate` does (`generation.generate`)."""
+    from unsloth_lite.training.generation import encode_chat, generate
+
     correct = 0
-    device = next(model.parameters()).device
     for record in records:
-        prompt = tokenizer.apply_chat_template(record["messages"][:-1], add_generation_prompt=True, tokenize=False)
-        input_ids = torch.tensor([tokenizer(prompt)["input_ids"]], device=device)
-        output = model.generate(
-            input_ids=input_ids, max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        )
-        answer = tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True).strip()
+        prompt = encode_chat(tokenizer, record["messages"][:-1])
+        answer = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens).text.strip()
         correct += answer == record["messages"][-1]["content"]
-    model.train(model_was_training)
     return correct / max(1, len(records))

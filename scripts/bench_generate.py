@@ -1,0 +1,437 @@
+"""Batch-1 decoding in NF4 (workload W3 of BENCHMARKS.md): decode tokens/s, time to first token, peak memory and
+the fraction of the bandwidth bound reached by Hugging Face `generate`, the same with a static cache, Unsloth's
+inference mode and unsloth-lite (without and with an unmerged LoRA adapter), at the Qwen3-8B and Qwen3.5-27B
+shapes, in one run.
+
+    python scripts/bench_generate.py --out bench_generate.json --unsloth-site /tmp/uns_site     # on a GPU: W3
+    python scripts/bench_generate.py --shapes qwen3_5_27b --variants hf,unsloth_lite            # a subset
+    TRITON_INTERPRET=1 python scripts/bench_generate.py --tiny                                  # CPU smoke run
+
+Shapes: `qwen3_8b` (W1's config, `bench_train.W1`) and `qwen3_5_27b` (W2's, `bench_train_27b.W2`), random
+weights. Every variant but Unsloth builds the model from its config on the GPU in bf16 (Hugging Face's
+initialisation, seed 0: the same weights in every worker) and quantises each decoder linear to bitsandbytes NF4
+in place (double quantisation, block 64, bf16 compute; `unsloth_lite.models.quantize_linears_nf4`); embeddings
+and lm_head stay bf16. Unsloth loads from disk: the parent writes a random-weight bf16 checkpoint under
+`--workdir`, reused when present: the 8B's is `bench_train.py`'s (`ensure_checkpoint`), the 27B's (54 GB on
+disk, more than the host's memory should hold at once) is written shard by shard, each tensor drawn on the GPU
+(N(0, 0.02) matrices, unit norms). Its weights differ from the built ones, so its tokens are not compared.
+
+Variants, each in its own process (Unsloth patches transformers on import), each measuring every shape in turn:
+- `hf`: `model.generate`, dynamic cache.
+- `hf_static`: the same with `cache_implementation="static"`.
+- `unsloth`: `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `FastLanguageModel.for_inference`, only
+  where unsloth imports (from `--unsloth-site`, prepended to the worker's PYTHONPATH).
+- `unsloth_lite`: `unsloth_lite.patch_model`, then `model.generate`.
+- `unsloth_lite_lora`: the same with LoRA r=16 (random B, so the adapters change the output) on q,k,v,o,gate,
+  up,down through `unsloth_lite.add_lora`, unmerged.
+
+A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
+(`min_new_tokens`: random weights may say end-of-sequence at any step), one warm-up generation (compilation,
+graph capture), then the best of `--repeats`. A streamer takes the time of each new token as it reaches the
+host: time to first token (`ttft_ms`) from the call to the first token, decode tokens/s over the tokens after
+it. `peak_gib`: `torch.cuda.max_memory_allocated()` over the timed generations, the weights included.
+
+Bandwidth bound: bytes a decoding step must read from device memory at least, counted from the config on a
+weightless model: every decoder linear in NF4 (half a byte per weight, one byte of absmax per 64 weights and a
+float32 per 256 blocks), the other decoder weights (norms, convolution, gates) and lm_head in bf16, one row of
+the input embedding, the KV cache of the full-attention layers at the mean context (prompt + new tokens / 2),
+and each DeltaNet layer's float32 state read and written (plus its convolution state); with LoRA, its adapters.
+`bound_tokens_per_s` = `--bandwidth-gbps` (the H200's device-to-device copy rate in BENCHMARKS.md, 4270 GB/s;
+`--measure-bandwidth` measures it in this run) / bytes per token; `bound_fraction` = decode tokens/s / that.
+BENCHMARKS.md's 17.7 GB per token at the 27B shape counts the whole input embedding (2.5 GB); decoding reads one
+row of it.
+
+`--tiny`: a CPU smoke run through the same parent/worker path (2-layer models of both shapes, fp32, NF4 through
+bitsandbytes' CPU backend, kernels in Triton's interpreter; prompt 8, 4 new tokens; no memory figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from bench_common import bench_device, copy_bandwidth_gbps, environment, markdown_table, write_json
+from bench_train import TINY as TINY_QWEN3
+from bench_train import W1, _error, _tokenizer, ensure_checkpoint
+from bench_train_27b import ATTENTION_MLP, model_config
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT_PREFIX = "BENCH_GENERATE_RESULT "
+VARIANTS = ("hf", "hf_static", "unsloth", "unsloth_lite", "unsloth_lite_lora")
+TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
+SHAPES = ("qwen3_8b", "qwen3_5_27b")
+H200_COPY_GBPS = 4270.0
+LORA_R, LORA_ALPHA, SEED = 16, 16, 1234
+CHECKPOINT_MARKER = "bench_generate_checkpoint.json"
+SHARD_BYTES = 4 * 2**30
+
+
+def shape_config(shape: str, tiny: bool) -> dict:
+    """The shape's config; the 27B's with the special tokens W1 has (the stand-in tokenizer needs them)."""
+    if shape == "qwen3_8b":
+        return dict(TINY_QWEN3 if tiny else W1)
+    c = model_config(tiny, None)
+    return dict(c, pad_token_id=c["vocab_size"] - 3, eos_token_id=c["vocab_size"] - 1, bos_token_id=None)
+
+
+def weightless_model(shape: str, c: dict):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        if shape == "qwen3_8b":
+            return Qwen3ForCausalLM(Qwen3Config(**c))
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**c))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bytes read per decoded token (the bandwidth bound)
+
+
+def nf4_bytes(n: int) -> float:
+    """Packed weights, uint8 absmax per 64-weight block, float32 second-level absmax per 256 blocks."""
+    return n / 2 + n / 64 + n / 64 / 256 * 4
+
+
+def bytes_per_token(shape: str, c: dict, context: float, lora: bool = False) -> dict:
+    """Bytes a decoding step reads at least (module docstring), by part, and their total."""
+    model = weightless_model(shape, c)
+    skip = ("lm_head", "embed_tokens")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith(skip)}
+    linear_params = sum(m.weight.numel() for m in linears.values())
+    dense = sum(p.numel() for n, p in model.named_parameters()) - linear_params
+    dense -= 2 * c["vocab_size"] * c["hidden_size"]  # lm_head and the input embedding, counted below
+    parts = dict(
+        nf4_linears=nf4_bytes(linear_params), other_weights=2 * dense, lm_head=2 * c["vocab_size"] * c["hidden_size"],
+        embedding_row=2 * c["hidden_size"],
+    )
+    layer_types = c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]
+    full, linear = layer_types.count("full_attention"), layer_types.count("linear_attention")
+    parts["kv_cache"] = full * 2 * c["num_key_value_heads"] * c["head_dim"] * 2 * context
+    if linear:
+        state = c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"] * 4
+        channels = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"]
+        channels += c["linear_num_value_heads"] * c["linear_value_head_dim"]
+        conv = channels * (c["linear_conv_kernel_dim"] - 1) * 2
+        parts["deltanet_state"] = linear * 2 * (state + conv)
+    if lora:
+        adapted = [m for n, m in linears.items() if n.rsplit(".", 1)[-1] in ATTENTION_MLP]
+        parts["lora"] = 2 * LORA_R * sum(m.in_features + m.out_features for m in adapted)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The checkpoint Unsloth loads
+
+
+def write_checkpoint_in_shards(shape: str, c: dict, path: Path, device: torch.device, dtype: torch.dtype,
+                               shard_bytes: int = SHARD_BYTES) -> Path:
+    """A random-weight safetensors checkpoint of config `c`, written shard by shard: each tensor drawn on
+    `device`, at most one shard held in host memory. Reused when complete."""
+    from safetensors.torch import save_file
+
+    if (path / CHECKPOINT_MARKER).exists():
+        print(f"checkpoint: reusing {path}")
+        return path
+    start = time.perf_counter()
+    path.mkdir(parents=True, exist_ok=True)
+    model = weightless_model(shape, c)
+    params = model.state_dict()
+    element = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[str]] = [[]]  # planned from the shapes, so each shard is written as soon as it is drawn
+    size = 0
+    for name, param in params.items():
+        if size and size + param.numel() * element > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += param.numel() * element
+    generator = torch.Generator(device=device).manual_seed(0)
+    index = {}
+    for i, names in enumerate(shards):
+        tensors = {}
+        for name in names:
+            tensor = torch.empty(params[name].shape, dtype=dtype, device=device)
+            if tensor.dim() >= 2:
+                tensor.normal_(0.0, 0.02, generator=generator)
+            else:
+                tensor.fill_(1.0)  # norm weights (Qwen3.5's zero-centred ones then scale by 2: harmless for timing)
+            tensors[name] = tensor.cpu()
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, path / file, metadata={"format": "pt"})
+        index.update(dict.fromkeys(names, file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))
+    model.config.torch_dtype = dtype
+    model.config.save_pretrained(path)
+    _tokenizer(c).save_pretrained(path)
+    (path / CHECKPOINT_MARKER).write_text(json.dumps(dict(config=c, dtype=str(dtype)), indent=2))
+    print(f"checkpoint: wrote {path} in {time.perf_counter() - start:.0f} s")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Worker: one variant, every shape in turn
+
+
+class TokenTimes:
+    """A `generate` streamer: the time each new token reaches the host (the first `put` is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.prompt_seen = False
+
+    def put(self, value):
+        if self.prompt_seen:
+            self.times.append(time.perf_counter())
+        self.prompt_seen = True
+
+    def end(self):
+        pass
+
+
+def build_model(shape: str, c: dict, device: torch.device, dtype: torch.dtype):
+    """The random-weight model of `c` built on `device` in `dtype` (seed 0), decoder linears quantised to NF4."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from unsloth_lite.models.quantize import quantize_linears_nf4
+
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            if shape == "qwen3_8b":
+                model = Qwen3ForCausalLM(Qwen3Config(**c, attn_implementation="sdpa"))
+            else:
+                model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**c, attn_implementation="sdpa"))
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model = quantize_linears_nf4(model, dtype)
+    # In eval mode on a CPU, bitsandbytes repacks 4-bit weights into a layout that needs every output size to
+    # be a multiple of its block (the tiny Qwen3.5's DeltaNet gates are not); its training-mode path does not.
+    return model.eval() if device.type == "cuda" else model
+
+
+def load(variant: str, shape: str, c: dict, checkpoint: str | None, device, dtype, max_length: int):
+    if variant == "unsloth":
+        import unsloth  # noqa: F401  (before transformers: it patches it on import)
+        from unsloth import FastLanguageModel
+
+        model, _ = FastLanguageModel.from_pretrained(model_name=checkpoint, max_seq_length=max_length, dtype=dtype,
+                                                     load_in_4bit=True)
+        return FastLanguageModel.for_inference(model) or model
+    model = build_model(shape, c, device, dtype)
+    if variant.startswith("hf"):
+        return model
+    import unsloth_lite
+
+    model = unsloth_lite.patch_model(model)
+    if variant == "unsloth_lite_lora":
+        torch.manual_seed(SEED)
+        model = unsloth_lite.add_lora(model, r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=ATTENTION_MLP)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.02)
+    return model.eval() if device.type == "cuda" else model
+
+
+def measure(model, variant: str, c: dict, device, prompt: int, new_tokens: int, repeats: int) -> dict:
+    """One warm-up generation, then the best of `repeats` (module docstring)."""
+    cuda = device.type == "cuda"
+    generator = torch.Generator().manual_seed(SEED)
+    input_ids = torch.randint(0, c["vocab_size"] - 3, (1, prompt), generator=generator).to(device)
+    settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                    pad_token_id=c["pad_token_id"], eos_token_id=c["eos_token_id"])
+    if variant == "hf_static":
+        settings["cache_implementation"] = "static"
+    runs, tokens = [], None
+    for i in range(1 + repeats):
+        if cuda and i == 1:
+            torch.cuda.reset_peak_memory_stats(device)
+        streamer = TokenTimes()
+        start = time.perf_counter()
+        with torch.no_grad():
+            output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                    streamer=streamer, **settings)
+        tokens = output[0, prompt:].tolist()
+        times = streamer.times
+        if i and len(times) > 1:
+            runs.append(dict(ttft_ms=1e3 * (times[0] - start), decode_tokens_per_s=(len(times) - 1) /
+                             (times[-1] - times[0])))
+    best = max(runs, key=lambda r: r["decode_tokens_per_s"])
+    out = dict(best, new_tokens=len(tokens), tokens=tokens, all_runs=runs)
+    if cuda:
+        out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return out
+
+
+def worker_main(args) -> int:
+    device = torch.device("cpu") if args.tiny else torch.device("cuda", 0)
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    for shape in args.shapes.split(","):
+        c = shape_config(shape, args.tiny)
+        result = dict(variant=args.worker, shape=shape)
+        model = None
+        try:
+            start = time.perf_counter()
+            checkpoint = args.checkpoints.get(shape) if args.checkpoints else None
+            model = load(args.worker, shape, c, checkpoint, device, dtype, args.prompt + args.new_tokens)
+            result["load_s"] = round(time.perf_counter() - start, 1)
+            result.update(measure(model, args.worker, c, device, args.prompt, args.new_tokens, args.repeats))
+        except (Exception, SystemExit) as error:  # this variant's error on this shape, never a crash of the run
+            traceback.print_exc()
+            result.update(_error(error))
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parent
+
+
+def run_worker(args, variant: str, checkpoints: dict) -> list[dict]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--shapes", args.shapes,
+           "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+           "--checkpoints", json.dumps(checkpoints)] + ["--tiny"] * args.tiny
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    paths = [str(ROOT / "scripts"), str(ROOT), env.get("PYTHONPATH")]
+    if variant == "unsloth":
+        env.update(UNSLOTH_DISABLE_STATISTICS="1", UNSLOTH_COMPILE_LOCATION="/tmp/unsloth_compiled_cache")
+        if args.unsloth_site:
+            paths.insert(0, str(Path(args.unsloth_site).resolve()))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    if args.tiny:
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    print(f"[{variant}] starting", flush=True)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              errors="replace", timeout=args.worker_timeout)
+        lines, code = proc.stdout.splitlines(), proc.returncode
+    except subprocess.TimeoutExpired:
+        lines, code = [], f"no result within --worker-timeout {args.worker_timeout:.0f} s"
+    results = [json.loads(line[len(RESULT_PREFIX):]) for line in lines if line.startswith(RESULT_PREFIX)]
+    done = {r["shape"] for r in results}
+    results += [dict(variant=variant, shape=s, error=f"worker: {code}")
+                for s in args.shapes.split(",") if s not in done]
+    if any("error" in r for r in results) or args.verbose:
+        print("\n".join(f"[{variant}] {line}" for line in lines[-25:]), flush=True)
+    print(f"[{variant}] done in {time.perf_counter() - start:.0f} s", flush=True)
+    return results
+
+
+def summarise(rows: list[dict], bandwidth_gbps: float, prompt: int, new_tokens: int, tiny: bool) -> None:
+    """Adds the bandwidth bound and the fraction reached, and how many leading tokens equal hf's (the built
+    models share their weights; Unsloth's checkpoint does not)."""
+    reference = {r["shape"]: r["tokens"] for r in rows if r["variant"] == "hf" and "tokens" in r}
+    context = prompt + new_tokens / 2
+    for row in rows:
+        c = shape_config(row["shape"], tiny)
+        read = bytes_per_token(row["shape"], c, context, lora=row["variant"] == "unsloth_lite_lora")
+        row["gb_per_token"] = float(f"{read['total'] / 1e9:.4g}")
+        row["bound_tokens_per_s"] = round(bandwidth_gbps * 1e9 / read["total"], 1)
+        if "decode_tokens_per_s" in row:
+            row["bound_fraction"] = float(f"{row['decode_tokens_per_s'] / row['bound_tokens_per_s']:.3g}")
+            row["decode_tokens_per_s"] = round(row["decode_tokens_per_s"], 2)
+            row["ttft_ms"] = round(row["ttft_ms"], 1)
+        if "peak_gib" in row:
+            row["peak_gib"] = round(row["peak_gib"], 2)
+        ours, theirs = row.get("tokens"), reference.get(row["shape"])
+        if ours and theirs and row["variant"] in ("hf_static", "unsloth_lite"):
+            row["same_tokens_as_hf"] = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False))
+                                             if a != b), min(len(ours), len(theirs)))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run (2-layer tiny models, interpreter)")
+    parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {','.join(SHAPES)}")
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 128; tiny 8)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens (default 128; tiny 4)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed generations, best kept (default 3; tiny 1)")
+    parser.add_argument("--bandwidth-gbps", type=float, default=H200_COPY_GBPS,
+                        help=f"device memory bandwidth for the bound (default {H200_COPY_GBPS:.0f}: the H200's copy "
+                             "rate in BENCHMARKS.md)")
+    parser.add_argument("--measure-bandwidth", action="store_true", help="measure the copy bandwidth in this run")
+    parser.add_argument("--workdir", default="/tmp/unsloth_lite_w1", help="where Unsloth's checkpoints are written")
+    parser.add_argument("--unsloth-site", default=None, help="directory holding unsloth (put first on PYTHONPATH)")
+    parser.add_argument("--worker-timeout", type=float, default=1800)
+    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoints", type=json.loads, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name, full, tiny in (("prompt", 128, 8), ("new_tokens", 128, 4), ("repeats", 3, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
+    return args
+
+
+def unsloth_checkpoints(args, device: torch.device) -> dict:
+    """Shape -> the checkpoint directory Unsloth loads, written where missing."""
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    paths = {}
+    for shape in args.shapes.split(","):
+        c = shape_config(shape, args.tiny)
+        if shape == "qwen3_8b":  # bench_train.py's, shared
+            paths[shape] = str(ensure_checkpoint(c, args.workdir, dtype, device,
+                                                 "tiny_qwen3" if args.tiny else "qwen3_8b_shape"))
+        else:
+            name = "tiny_qwen3_5" if args.tiny else "qwen3_5_27b_shape"
+            paths[shape] = str(write_checkpoint_in_shards(shape, c, Path(args.workdir) / name, device, dtype))
+    return paths
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    device = bench_device(args.tiny)
+    if device is None:
+        return 1
+    unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
+    if unknown:
+        print(f"unknown shapes {unknown}; choose from {','.join(SHAPES)}", file=sys.stderr)
+        return 2
+    variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
+    if "unsloth" in variants and not args.variants and not args.unsloth_site:
+        import importlib.util
+
+        if importlib.util.find_spec("unsloth") is None:
+            print("unsloth is not importable (--unsloth-site): its variant is left out")
+            variants.remove("unsloth")
+    bandwidth = copy_bandwidth_gbps(device) if args.measure_bandwidth else args.bandwidth_gbps
+    checkpoints = unsloth_checkpoints(args, device) if "unsloth" in variants else {}
+    rows = [row for variant in variants for row in run_worker(args, variant, checkpoints)]
+    summarise(rows, bandwidth, args.prompt, args.new_tokens, args.tiny)
+    rows.sort(key=lambda r: (SHAPES.index(r["shape"]), variants.index(r["variant"])))
+    columns = ["shape", "variant", "decode_tokens_per_s", "ttft_ms", "peak_gib", "bound_tokens_per_s",
+               "bound_fraction", "gb_per_token", "same_tokens_as_hf", "error"]
+    print(f"bandwidth {bandwidth:.0f} GB/s ({'measured' if args.measure_bandwidth else 'given'}); prompt "
+          f"{args.prompt}, {args.new_tokens} new tokens, batch 1, greedy")
+    print(markdown_table(rows, columns))
+    packages = ("torch", "triton", "transformers", "peft", "bitsandbytes", "unsloth")
+    write_json(args.out, dict(environment=environment(device, packages), bandwidth_gbps=bandwidth,
+                              bandwidth_measured=args.measure_bandwidth, prompt=args.prompt,
+                              new_tokens=args.new_tokens, repeats=args.repeats, checkpoints=checkpoints, rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
