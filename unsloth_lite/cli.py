@@ -137,6 +137,7 @@ def load_base(recipe: Recipe, path) -> tuple:
     """(patched model, tokenizer) from the prepared base path; a failure to load is a RecipeError naming
     model.name_or_path."""
     from unsloth_lite.models import load_model
+    from unsloth_lite.training.distributed import quant_storage
 
     spec = recipe.model
     if recipe.data.format in ("alpaca", "chat") and not recipe.data.chat_template:
@@ -149,7 +150,8 @@ def load_base(recipe: Recipe, path) -> tuple:
         model, tokenizer = load_model(
             str(path), load_in_4bit=spec.load_in_4bit, dtype=torch_dtype(spec.dtype),
             max_seq_length=spec.max_seq_length, quantize_embeddings=spec.quantize_embeddings,
-            attn_implementation=spec.attn_implementation, **kwargs,
+            attn_implementation=spec.attn_implementation,
+            quant_storage=quant_storage(recipe.training, torch_dtype(spec.dtype)), **kwargs,
         )
     except (OSError, ValueError, ImportError) as e:
         raise RecipeError(f"model.name_or_path: cannot load {spec.name_or_path}: {_one_line(e)}") from None
@@ -315,12 +317,20 @@ def merge_and_save(recipe: Recipe, base_path: str, adapter_dir: pathlib.Path, ta
 
 
 def throughput_summary(tokens_seen: int, metrics: dict) -> dict:
-    """Tokens trained (padding excluded) per second of this run's training loop, and peak GPU memory."""
+    """Tokens trained (padding excluded, all processes) per second of this run's training loop, and peak GPU
+    memory (the largest of the processes', and each one's when there are several)."""
+    from unsloth_lite.training.distributed import gathered_peak_memory_gib, is_distributed
+
     runtime = metrics.get("train_runtime") or float("nan")
     summary = {"train_tokens": int(tokens_seen), "train_runtime_s": round(runtime, 1),
                "tokens_per_s": round(tokens_seen / runtime, 1)}
+    peaks = gathered_peak_memory_gib()  # every process takes part
+    if is_distributed():
+        summary["processes"] = len(peaks)
     if torch.cuda.is_available():
-        summary["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        summary["peak_gpu_gib"] = max(peaks)
+        if len(peaks) > 1:
+            summary["peak_gpu_gib_per_process"] = peaks
     return summary
 
 
@@ -329,6 +339,7 @@ def train(recipe: Recipe, merge: bool = False) -> int:
 
     from unsloth_lite.models import add_lora
     from unsloth_lite.training import Trainer
+    from unsloth_lite.training.distributed import is_main_process, main_process_first
     from unsloth_lite.training.tiny import ARITHMETIC_DATA
 
     training = dict(recipe.training)
@@ -343,9 +354,11 @@ def train(recipe: Recipe, merge: bool = False) -> int:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RecipeError(f"training.output_dir: cannot create {output_dir}: {_one_line(e)}") from None
-    (output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     _log(f"loading {recipe.model.name_or_path}")
-    base_path = prepare_base(recipe, output_dir)
+    with main_process_first():  # under torchrun the main process writes, the others read
+        if is_main_process():
+            (output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+        base_path = prepare_base(recipe, output_dir)
     checked = check_model_config(recipe, base_path)
     transformers.set_seed(recipe.seed)
     model, tokenizer = load_base(recipe, base_path)
@@ -375,8 +388,9 @@ def train(recipe: Recipe, merge: bool = False) -> int:
         torch.cuda.reset_peak_memory_stats()
     result = trainer.train(resume_from_checkpoint=resume)
     summary = throughput_summary(trainer.state.num_input_tokens_seen, result.metrics)
-    _log(", ".join(f"{key} {value}" for key, value in summary.items()))
-    (output_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if is_main_process():
+        _log(", ".join(f"{key} {value}" for key, value in summary.items()))
+        (output_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if eval_set is not None:
         # The progress callback prints no logs once training has ended: the final evaluation is printed here.
         final = trainer.evaluate()
@@ -384,6 +398,8 @@ def train(recipe: Recipe, merge: bool = False) -> int:
 
     trainer.save_model(str(output_dir))  # the adapter, in PEFT's format, and the tokenizer
     trainer.save_state()
+    if not is_main_process():
+        return 0
     plot_losses(trainer.state.log_history, output_dir / "loss.png")
     _log(f"adapter, tokenizer, trainer_state.json and loss.png written to {output_dir}")
     if merge:
