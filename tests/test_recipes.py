@@ -20,7 +20,7 @@ from unsloth_lite.recipes import (
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PACKAGED = REPO / "unsloth_lite" / "recipe_files"
-SHIPPED = ["tiny_qwen", "qlora_qwen3_8b", "qlora_qwen27b"]
+SHIPPED = ["tiny_qwen", "qlora_qwen3_8b", "qlora_qwen27b", "qlora_qwen27b_fsdp"]
 
 BASE = {
     "model": {"name_or_path": "Qwen/Qwen3-8B", "load_in_4bit": True, "dtype": "bfloat16"},
@@ -345,3 +345,18 @@ def test_bad_overrides(case):
     override, pattern = BAD_OVERRIDES[case]
     with pytest.raises(RecipeError, match=pattern):
         load_recipe("tiny_qwen", [override])
+
+
+def test_fsdp_recipe_and_its_checks():
+    recipe = load_recipe("qlora_qwen27b_fsdp")
+    assert recipe.training["fsdp"] == "full_shard auto_wrap" and recipe.training["fsdp_config"]["version"] == 2
+    assert recipe.checkpointing.cuda_graphs is False and recipe.model.quantize_embeddings is False
+    for override, key in [("training.fsdp_config={version: 1}", "training.fsdp_config.version"),
+                          ("checkpointing.cuda_graphs=true", "checkpointing.cuda_graphs"),
+                          ("model.quantize_embeddings=true", "model.quantize_embeddings")]:
+        with pytest.raises(RecipeError, match=rf"^{key}: ") as error:
+            load_recipe("qlora_qwen27b_fsdp", [override])
+        assert "\n" not in str(error.value)
+    # without FSDP the same options are fine
+    unsharded = load_recipe("qlora_qwen27b_fsdp", ["training.fsdp=", "checkpointing.cuda_graphs=true"])
+    assert unsharded.checkpointing.cuda_graphs

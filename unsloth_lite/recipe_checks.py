@@ -155,6 +155,25 @@ def check_packing(data, model) -> None:
         )
 
 
+def check_fsdp(training: dict, model, checkpointing) -> None:
+    """training.fsdp (TrainingArguments' and accelerate's spelling): FSDP2 only (FSDP1 flattens the parameters
+    into one buffer, where a 4-bit weight loses its quantisation state), and not with what it cannot shard:
+    CUDA-graphed layers (graphs would keep storage FSDP frees) and NF4 embeddings."""
+    value = training.get("fsdp")
+    if not value or value in ("", [], "no", "false"):
+        return
+    config = training.get("fsdp_config") or {}
+    version = config.get("version", 2) if isinstance(config, dict) else 2  # a JSON file: TrainingArguments reads it
+    if str(version) != "2":
+        raise RecipeError(f"training.fsdp_config.version: expected 2 (FSDP2 shards the NF4 weights), got {version!r}")
+    if checkpointing.cuda_graphs:
+        raise RecipeError("checkpointing.cuda_graphs: not with training.fsdp (FSDP frees and re-gathers the weights "
+                          "the graphs would replay); set it to false")
+    if model.quantize_embeddings:
+        raise RecipeError("model.quantize_embeddings: not with training.fsdp (the NF4 embeddings are not sharded); "
+                          "set it to false")
+
+
 def check_max_seq_length(max_seq_length: int, positions: Any, config_path: str) -> None:
     """model.max_seq_length against the model's positions (`max_position_embeddings` of its config)."""
     if isinstance(positions, int) and not isinstance(positions, bool) and max_seq_length > positions:

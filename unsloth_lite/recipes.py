@@ -45,6 +45,7 @@ from unsloth_lite.recipe_checks import (  # noqa: F401  (constants re-exported)
     SUPPORTED_MODEL_TYPES,
     check_choice,
     check_data,
+    check_fsdp,
     check_lora,
     check_model,
     check_packing,
@@ -347,6 +348,7 @@ def _build_recipe(raw: Any, source: str) -> Recipe:
     checkpointed = training.get("gradient_checkpointing") or training.get("activation_checkpointing")
     if dataclasses.asdict(checkpointing) != dataclasses.asdict(CheckpointingSection()) and not checkpointed:
         raise RecipeError("checkpointing: its options need training.gradient_checkpointing: true")
+    check_fsdp(training, model, checkpointing)
     return Recipe(model=model, lora=lora, data=data, training=training, checkpointing=checkpointing, seed=seed)
 
 

@@ -79,11 +79,27 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
+def quantized_weight(layer) -> torch.Tensor:
+    """`layer.weight`, carrying its bitsandbytes quantisation state where the layer holds one. Sharded by FSDP2,
+    a `Linear4bit`'s forward sees in place of its `Params4bit` a plain tensor all-gathered from the shards of
+    the packed storage; the state (absmax, nested absmax, code tables: about 3% of the packed bytes with double
+    quantisation) is not sharded but stays, whole on every rank, on the layer (`layer.quant_state`, which
+    bitsandbytes sets when it quantises). The gathered tensor is then returned as an alias that carries it,
+    without touching the module's parameters, which FSDP2 manages."""
+    weight = layer.weight
+    quant_state = getattr(layer, "quant_state", None)
+    if quant_state is None or getattr(weight, "quant_state", None) is not None:
+        return weight
+    alias = weight.detach()
+    alias.quant_state = quant_state
+    return alias
+
+
 def _frozen_linear(layer) -> LoRAProjection | None:
     """A frozen `nn.Linear` or bitsandbytes NF4 `Linear4bit` without adapter, as a projection of rank 0."""
     if type(layer) is not torch.nn.Linear and type(layer).__name__ != "Linear4bit":
         return None
-    weight, bias = layer.weight, layer.bias
+    weight, bias = quantized_weight(layer), layer.bias
     quant_state = getattr(weight, "quant_state", None)
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         return None
@@ -111,7 +127,7 @@ def _lora_projection(layer) -> LoRAProjection | None:
         _warn_once("unsloth_lite: LoRA dropout > 0 runs on PEFT's (unfused) path; use lora_dropout=0 for speed")
         return None
     base = layer.base_layer
-    weight = base.weight
+    weight = quantized_weight(base)
     quant_state = getattr(weight, "quant_state", None)
     if weight.requires_grad or (quant_state is not None and quant_state.quant_type != "nf4"):
         return None
@@ -135,9 +151,9 @@ def linear4bit_forward(self, x: torch.Tensor) -> torch.Tensor:
     """bitsandbytes' NF4 `Linear4bit`, x Wᵀ + b in x's dtype (as the fused LoRA path computes its base
     product), W dequantised by our kernel or its reference. Used for every 4-bit layer the fused path does not
     cover: no adapter, an adapter PEFT keeps on its own path (dropout, DoRA), a base layer PEFT calls."""
-    weight = self.weight
+    weight = quantized_weight(self)
     if getattr(weight, "quant_state", None) is None:
-        # The weight lost its state in a conversion (FSDP, `.to`); bitsandbytes restores it from the module.
+        # The weight lost its state in a conversion (`.to`); bitsandbytes restores it from the module.
         from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
 
         fix_4bit_weight_quant_state_from_module(self)

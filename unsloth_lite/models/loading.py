@@ -32,19 +32,22 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     max_seq_length: int | None = None,
     quantize_embeddings: bool = False,
+    quant_storage: torch.dtype = torch.uint8,
     **kwargs,
 ):
     """Returns `(model, tokenizer)`, the model patched. With `load_in_4bit` the decoder's linear layers are
     stored in bitsandbytes NF4 with double quantisation and compute in `dtype`; embeddings and lm_head stay in
     `dtype` unless `quantize_embeddings`, which stores them in NF4 too, frozen (`quantize_embeddings_nf4`).
-    `max_seq_length` caps the tokenizer's `model_max_length` (and must fit the model's positions).
+    `quant_storage` is the dtype the packed NF4 bytes are stored as: the compute dtype for FSDP sharding
+    (`unsloth_lite.training.distributed`), bytes otherwise. `max_seq_length` caps the tokenizer's
+    `model_max_length` (and must fit the model's positions).
     Other keyword arguments go to `AutoModelForCausalLM.from_pretrained` (`trust_remote_code` is off unless
     given). The tokenizer is None when the checkpoint ships none."""
     quantization_config = None
     if load_in_4bit:
         quantization_config = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=quant_storage,
         )
     kwargs.setdefault("device_map", _default_device_map())
     kwargs.setdefault("attn_implementation", "sdpa")

@@ -123,6 +123,7 @@ def load_base(recipe: Recipe, path) -> tuple:
     """(patched model, tokenizer) from the prepared base path; a failure to load is a RecipeError naming
     model.name_or_path."""
     from unsloth_lite.models import load_model
+    from unsloth_lite.training.distributed import quant_storage
 
     spec = recipe.model
     if recipe.data.format in ("alpaca", "chat") and not recipe.data.chat_template:
@@ -135,7 +136,8 @@ def load_base(recipe: Recipe, path) -> tuple:
         model, tokenizer = load_model(
             str(path), load_in_4bit=spec.load_in_4bit, dtype=torch_dtype(spec.dtype),
             max_seq_length=spec.max_seq_length, quantize_embeddings=spec.quantize_embeddings,
-            attn_implementation=spec.attn_implementation, **kwargs,
+            attn_implementation=spec.attn_implementation,
+            quant_storage=quant_storage(recipe.training, torch_dtype(spec.dtype)), **kwargs,
         )
     except (OSError, ValueError, ImportError) as e:
         raise RecipeError(f"model.name_or_path: cannot load {spec.name_or_path}: {one_line(e)}") from None
@@ -229,12 +231,20 @@ def answer_accuracy_callback(tokenizer, records, limit: int = 64):
 
 
 def throughput_summary(tokens_seen: int, metrics: dict) -> dict:
-    """Tokens trained (padding excluded) per second of this run's training loop, and peak GPU memory."""
+    """Tokens trained (padding excluded, all processes) per second of this run's training loop, and peak GPU
+    memory (the largest of the processes', and each one's when there are several)."""
+    from unsloth_lite.training.distributed import gathered_peak_memory_gib, is_distributed
+
     runtime = metrics.get("train_runtime") or float("nan")
     summary = {"train_tokens": int(tokens_seen), "train_runtime_s": round(runtime, 1),
                "tokens_per_s": round(tokens_seen / runtime, 1)}
+    peaks = gathered_peak_memory_gib()  # every process takes part
+    if is_distributed():
+        summary["processes"] = len(peaks)
     if torch.cuda.is_available():
-        summary["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        summary["peak_gpu_gib"] = max(peaks)
+        if len(peaks) > 1:
+            summary["peak_gpu_gib_per_process"] = peaks
     return summary
 
 
@@ -251,13 +261,16 @@ class RunResult:
 
 
 def prepare_output_dir(recipe: Recipe, training: dict) -> pathlib.Path:
-    """Creates training.output_dir and writes the recipe (overrides applied) into it."""
+    """Creates training.output_dir and writes the recipe (overrides applied) into it (the main process)."""
+    from unsloth_lite.training.distributed import is_main_process
+
     output_dir = pathlib.Path(training["output_dir"]).expanduser()
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RecipeError(f"training.output_dir: cannot create {output_dir}: {one_line(e)}") from None
-    (output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    if is_main_process():
+        (output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     return output_dir
 
 
@@ -306,8 +319,9 @@ def train_and_evaluate(trainer, resume, output_dir: pathlib.Path, evaluates: boo
         torch.cuda.reset_peak_memory_stats()
     result = trainer.train(resume_from_checkpoint=resume)
     summary = throughput_summary(trainer.state.num_input_tokens_seen, result.metrics)
-    log(", ".join(f"{key} {value}" for key, value in summary.items()))
-    (output_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if trainer.is_world_process_zero():
+        log(", ".join(f"{key} {value}" for key, value in summary.items()))
+        (output_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if not evaluates:
         return summary, None
     # The progress callback prints no logs once training has ended: the final evaluation is printed here.
@@ -322,6 +336,8 @@ def save_run(trainer, output_dir: pathlib.Path, log) -> None:
 
     trainer.save_model(str(output_dir))
     trainer.save_state()
+    if not trainer.is_world_process_zero():
+        return
     plot_losses(trainer.state.log_history, output_dir / "loss.png")
     log(f"adapter, tokenizer, trainer_state.json and loss.png written to {output_dir}")
 
@@ -329,6 +345,8 @@ def save_run(trainer, output_dir: pathlib.Path, log) -> None:
 def run_recipe(recipe: Recipe, merge: bool = False, log: Callable[[str], None] = print) -> RunResult:
     """Fine-tunes recipe's base with LoRA on its data and saves the run to training.output_dir; with `merge`,
     also a merged 16-bit model to output_dir/merged. `log` receives one line per step."""
+    from unsloth_lite.training.distributed import is_main_process, main_process_first
+
     training = dict(recipe.training)
     resume = training.pop("resume_from_checkpoint", None)
     log(f"loading data {recipe.data.path}")
@@ -338,7 +356,8 @@ def run_recipe(recipe: Recipe, merge: bool = False, log: Callable[[str], None] =
     output_dir = prepare_output_dir(recipe, training)
 
     log(f"loading {recipe.model.name_or_path}")
-    base_path = prepare_base(recipe, output_dir)
+    with main_process_first():  # under torchrun the main process writes the built-in base, the others read it
+        base_path = prepare_base(recipe, output_dir)
     model, tokenizer = load_model_with_lora(recipe, base_path, log)
     train_set, eval_set = tokenize_data(recipe, tokenizer, raw, held_out)
     train_set, eval_set, collator = batching(recipe, tokenizer, train_set, eval_set, log)
@@ -347,7 +366,7 @@ def run_recipe(recipe: Recipe, merge: bool = False, log: Callable[[str], None] =
     summary, final = train_and_evaluate(trainer, resume, output_dir, eval_set is not None, log)
     save_run(trainer, output_dir, log)
     merged_dir = None
-    if merge:
+    if merge and is_main_process():
         from unsloth_lite.training.merging import merge_and_save
 
         merged_dir = output_dir / "merged"

@@ -15,7 +15,12 @@ options; `gradient_checkpointing_kwargs` (arguments of `torch.utils.checkpoint`)
 
 Checkpoints are written into a staging directory and renamed into place once complete: a process killed
 during a save never leaves a `checkpoint-N` that looks complete but isn't, so resuming always finds a whole
-one (model, optimizer, scheduler, RNG states, data position).
+one (model, optimizer, scheduler, RNG states, data position). Under `torchrun` / `accelerate launch` every
+process writes its part into the same staging directory and the main process renames it
+(`unsloth_lite.training.distributed`).
+
+Several processes: DDP is told not to look for unused parameters (`ddp_find_unused_parameters=False` where
+unset), which the reentrant checkpointing needs; FSDP (`TrainingArguments.fsdp`) refuses CUDA-graphed layers.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import tempfile
 
 import torch
 import transformers
@@ -35,6 +39,7 @@ from unsloth_lite.training.checkpointing import (
     checkpointing_layers,
     enable_gradient_checkpointing,
 )
+from unsloth_lite.training.distributed import barrier, is_main_process
 
 STAGING_PREFIX = ".staging-"
 
@@ -44,6 +49,9 @@ class Trainer(transformers.Trainer):
         if model is not None:
             patch_model(model)
         self._staging_dir = None
+        if args is not None and args.ddp_find_unused_parameters is None:
+            # Checkpointed layers build no graph in the forward: DDP would take every parameter for unused.
+            args.ddp_find_unused_parameters = False
         super().__init__(model, args, *positional, **kwargs)
         self._checkpointing = dict(checkpointing or {})
         self._checkpointing_routed = False
@@ -54,7 +62,11 @@ class Trainer(transformers.Trainer):
                                  "(expected offload_to_cpu, cuda_graphs)")
             if not self.args.gradient_checkpointing:
                 raise ValueError("checkpointing options need TrainingArguments(gradient_checkpointing=True)")
-            check_checkpointing_options(self.model, cuda_graphs=self._checkpointing.get("cuda_graphs", False))
+            cuda_graphs = self._checkpointing.get("cuda_graphs", False)
+            if cuda_graphs and self.is_fsdp_enabled:
+                raise ValueError("checkpointing: cuda_graphs cannot replay layers that FSDP shards (it frees and "
+                                 "re-gathers their weights between steps); turn one of them off")
+            check_checkpointing_options(self.model, cuda_graphs=cuda_graphs)
         if self.args.gradient_checkpointing and hasattr(self.model, "enable_input_require_grads"):
             # Frozen embeddings (LoRA) would hand the first checkpointed layer inputs without grad.
             self.model.enable_input_require_grads()
@@ -93,20 +105,29 @@ class Trainer(transformers.Trainer):
 
     def _save_checkpoint(self, model, trial):
         run_dir = super()._get_output_dir(trial)
-        os.makedirs(run_dir, exist_ok=True)
-        for stale in glob.glob(os.path.join(run_dir, STAGING_PREFIX + "*")):  # left by a killed save
-            shutil.rmtree(stale, ignore_errors=True)
-        self._staging_dir = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=run_dir)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        # One staging directory for all processes: the main process makes it, each process writes its part
+        # (model and optimizer from the main one, random states from each), the main process renames it.
+        staging = os.path.join(run_dir, f"{STAGING_PREFIX}{name}")
+        if is_main_process():
+            os.makedirs(run_dir, exist_ok=True)
+            for stale in glob.glob(os.path.join(run_dir, STAGING_PREFIX + "*")):  # left by a killed save
+                shutil.rmtree(stale, ignore_errors=True)
+            os.makedirs(staging)
+        barrier()
+        self._staging_dir = staging
         try:
             super()._save_checkpoint(model, trial)
         finally:
-            staging, self._staging_dir = self._staging_dir, None
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            self._staging_dir = None
+        barrier()
         target = os.path.join(run_dir, name)
-        if os.path.exists(target):
-            shutil.rmtree(target)
-        os.replace(os.path.join(staging, name), target)
-        shutil.rmtree(staging)
+        if is_main_process():
+            if os.path.exists(target):
+                shutil.rmtree(target)
+            os.replace(os.path.join(staging, name), target)
+            shutil.rmtree(staging)
+        barrier()
         best = self.state.best_model_checkpoint
         if best and best.startswith(staging):
             self.state.best_model_checkpoint = run_dir + best[len(staging):]
