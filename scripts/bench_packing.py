@@ -11,7 +11,8 @@ Records (BENCHMARKS.md's W4, exactly): 4,096 records whose lengths are
 `clip(round(exp(N(ln 220, 0.8))), 32, 2048)`, drawn with `numpy.random.default_rng(0)`; token ids uniform over
 the vocabulary less its last three ids (the special tokens, so no record token equals the padding id) from
 `numpy.random.default_rng(1)`; the first third of each record (`length // 3` tokens) is the prompt, labels -100,
-the rest the response, labels = ids. Every variant trains on these records in this order.
+the rest the response, labels = ids. The Hugging Face variants take the records in this order; the packing
+variants order their packed rows as their packing does (shuffled).
 
 Model and QLoRA setup: `--model qwen3_8b` is W1's (`bench_train.py`: the random-weight checkpoint it writes
 under `--workdir`, each variant through `bench_train.LOADERS`: NF4 decoder linears, LoRA r=16 on
@@ -27,18 +28,21 @@ Variants, each in its own worker process, and their micro-batches:
   `transformers.DataCollatorWithFlattening`: one padding-free sequence, position ids restarting at each
   record, each record's first label ignored. With sdpa, transformers reads the record boundaries from the
   position ids (a block-diagonal causal mask); on Qwen3.5 the collator also returns `cu_seq_lens_*` for the
-  DeltaNet layers.
+  DeltaNet layers, which transformers keeps apart only with flash-linear-attention (without it, this
+  variant reports transformers' refusal as its error).
 - `unsloth`: `FastLanguageModel` as in `bench_train.py`, imported from `--unsloth-site`; micro-batches from
   the dataloader of Unsloth's TRL `SFTTrainer` with `SFTConfig(packing=True, max_length=--packing-tokens,
   per_device_train_batch_size=--rows, completion_only_loss=True)` on the tokenised records (a
   `completion_mask` marks the response): its packing, collator and sampler, as Unsloth configures them. Only
   when unsloth is importable from `--unsloth-site` (TRL with it).
 - `unsloth_lite`: `bench_train.py`'s `unsloth_lite` (offloaded checkpointing, CUDA graphs where layer calls
-  repeat); `pack_dataset(records, --packing-tokens)` (best fit, rows of 2048 tokens by default, as the
-  qlora_qwen3_8b recipe) and `PackingCollator`: `--rows` (4, the recipe's batch) packed rows laid end to end,
-  one sequence of `rows x packing tokens` (8,192 by default, W1's batch-4 tokens), each row's tail padded.
+  repeat; at 27B `bench_train_27b.py`'s, offload only); `pack_dataset(records, --packing-tokens)` (best fit,
+  rows of 2048 tokens by default, as the qlora_qwen3_8b recipe) and `PackingCollator`: `--rows` (4, the
+  recipe's batch) packed rows laid end to end, one sequence of `rows x packing tokens` (8,192 by default,
+  W1's batch-4 tokens), each row's tail padded.
 - `unsloth_lite_w1`: the same model on W1's workload, `bench_train.measure` on `--w1-batch` (4) random rows
-  of 2048 tokens, labels = ids: every token real. Its tokens/s is the ">= 0.95x its own W1" reference.
+  of 2048 tokens, labels = ids: every token real; `--warmup` then `--steps` timed steps, with `--epoch` too.
+  Its tokens/s is the ">= 0.95x its own W1" reference.
 
 One step, as in `bench_train.py`: forward with the micro-batch (labels included: the loss), backward,
 `optimizer.step()`, `zero_grad(set_to_none=True)`. Micro-batches are collated on the host before timing and
@@ -179,7 +183,9 @@ def unsloth_batches(model, checkpoint: str, records: list[dict], args) -> list[d
     )
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset,
                          processing_class=AutoTokenizer.from_pretrained(checkpoint))
-    return list(trainer.get_train_dataloader())
+    # the dataloader places batches on the GPU; kept on the host until their step, as every variant's are
+    return [{k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()}
+            for batch in trainer.get_train_dataloader()]
 
 
 def micro_batches(args, model, records: list[dict], pad_id: int) -> list[dict]:
@@ -195,11 +201,8 @@ def micro_batches(args, model, records: list[dict], pad_id: int) -> list[dict]:
 def token_counts(batch: dict, pad_id: int) -> dict:
     """Real (not padding), all, and trained-target tokens of a micro-batch."""
     ids = batch["input_ids"]
-    labels = batch.get("labels")
-    return dict(
-        real_tokens=int((ids != pad_id).sum()), tokens=ids.numel(),
-        target_tokens=int((labels[..., 1:] != IGNORE_INDEX).sum()) if labels is not None else None,
-    )
+    return dict(real_tokens=int((ids != pad_id).sum()), tokens=ids.numel(),
+                target_tokens=int((batch["labels"][..., 1:] != IGNORE_INDEX).sum()))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -276,7 +279,7 @@ def train(model, optimizer, device: torch.device, warmup: list[dict], timed: lis
         bench_train._sync(device)
         times.append(time.perf_counter() - start)
     counts = [token_counts(batch, pad_id) for batch in timed]
-    out = {key: sum(c[key] for c in counts) if counts[0][key] is not None else None for key in counts[0]}
+    out = {key: sum(c[key] for c in counts) for key in ("real_tokens", "tokens", "target_tokens")}
     out.update(timed_steps=len(timed), time_s=sum(times), first_losses=[float(x) for x in losses[:FIRST_LOSSES]])
     if cuda:
         out.update(peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
