@@ -14,6 +14,7 @@ import pathlib
 import platform
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -125,3 +126,26 @@ def write_json(path: str | None, payload: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
+
+
+def run_worker_process(cmd: list[str], env: dict, cwd, result_prefix: str, timeout_s: float, label: str,
+                       verbose: bool = False) -> tuple[list[dict], list[str], int]:
+    """Runs a benchmark worker process, killed after `timeout_s`; returns the JSON objects it printed on lines
+    starting with `result_prefix`, all its output lines (stdout and stderr; echoed with `label` when
+    `verbose`), and its return code."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+    )
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if verbose:
+                print(f"{label} {line}", end="", flush=True)
+        proc.wait()
+    finally:
+        timer.cancel()
+    results = [json.loads(line[len(result_prefix):]) for line in lines if line.startswith(result_prefix)]
+    return results, lines, proc.returncode

@@ -84,15 +84,13 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
 
 import torch
-from bench_common import bench_device, environment, markdown_table, matmul_tflops, write_json
+from bench_common import bench_device, environment, markdown_table, matmul_tflops, run_worker_process, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_RESULT "
@@ -601,25 +599,12 @@ def run_worker(args, checkpoint: Path, variant: str, batch_sizes: list[int], max
     label = f"[{variant} {'max-seq' if max_seq else 'b' + ','.join(map(str, batch_sizes))} s{args.seq}]"
     print(f"{label} starting", flush=True)
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=worker_env(variant, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        errors="replace",
+    results, lines, returncode = run_worker_process(
+        cmd, worker_env(variant, args), ROOT, RESULT_PREFIX, args.worker_timeout, label, args.verbose,
     )
-    timer = threading.Timer(args.worker_timeout, proc.kill)
-    timer.start()
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if args.verbose:
-                print(f"{label} {line}", end="", flush=True)
-        proc.wait()
-    finally:
-        timer.cancel()
-    results = [json.loads(line[len(RESULT_PREFIX):]) for line in lines if line.startswith(RESULT_PREFIX)]
     if not results or (not max_seq and len(results) < len(batch_sizes)):
         tail = [line for line in lines if line.strip()][-15:]
-        reason = "timed out" if proc.returncode in (-9, 137) else f"exited with {proc.returncode}"
+        reason = "timed out" if returncode in (-9, 137) else f"exited with {returncode}"
         done = {r.get("batch") for r in results}
         results += [dict(variant=variant, batch=b, seq=args.seq, error=f"worker {reason}: {tail[-1] if tail else ''}")
                     for b in ([None] if max_seq else [b for b in batch_sizes if b not in done])]

@@ -22,6 +22,8 @@ step kernels python scripts/bench_kernels.py --out "$out/bench_kernels.json"
 step sweep python scripts/bench_sweep.py --out "$out/bench_sweep.json"
 step loss python scripts/bench_loss.py --out "$out/bench_loss.json"
 step train python scripts/bench_train.py ${unsloth_site:+--unsloth-site "$unsloth_site"} --out "$out/bench_train.json"
+step packing python scripts/bench_packing.py ${unsloth_site:+--unsloth-site "$unsloth_site"} --epoch \
+    --out "$out/bench_packing_w4.json"
 step max_seq_ours python scripts/bench_train.py --max-seq --variants unsloth_lite --seq 16384 \
     --out "$out/bench_train_maxseq_unsloth_lite.json"
 step max_seq_hf python scripts/bench_train.py --max-seq --variants hf --seq 8192 \

@@ -187,3 +187,71 @@ def test_bench_generate_writes_a_checkpoint_in_shards(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert model.config.model_type == "qwen3_5_text" and model.config.num_hidden_layers == 2
     assert float(model.lm_head.weight.detach().std()) == pytest.approx(0.02, rel=0.05)
+
+
+def bench_packing():
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module("bench_packing")
+
+
+def test_w4_records_and_token_counts():
+    """W4's records as BENCHMARKS.md defines them, and every micro-batching counting the same real tokens and
+    trained targets for the same records."""
+    bp = bench_packing()
+    lengths = bp.record_lengths(**bp.W4_RECORDS)
+    assert len(lengths) == 4096 and lengths.min() == 32 and lengths.max() == 2048
+    groups = lengths.reshape(-1, 8)
+    assert round(lengths.sum() / (8 * groups.max(axis=1)).sum(), 2) == 0.39  # "39% real tokens" padded by 8
+
+    records = bp.make_records(bp.TINY_RECORDS, vocab=257)
+    for record in records:
+        prompt = len(record["input_ids"]) // 3
+        assert record["labels"][:prompt] == [-100] * prompt
+        assert record["labels"][prompt:] == record["input_ids"][prompt:]
+        assert max(record["input_ids"]) < 257 - bp.SPECIAL_IDS  # never the padding id
+    pad_id = 254
+    real = sum(len(r["input_ids"]) for r in records)
+    targets = sum(len(r["input_ids"]) - len(r["input_ids"]) // 3 for r in records)
+    batchings = {
+        "padded": bp.padded_batches(records, 4, pad_id),
+        "flattened": bp.flattened_batches(records, 48, boundary_kwargs=False),
+        "packed": bp.packed_batches(records, 16, 3, pad_id),
+    }
+    for name, batches in batchings.items():
+        counts = [bp.token_counts(batch, pad_id) for batch in batches]
+        assert sum(c["real_tokens"] for c in counts) == real, name
+        assert sum(c["target_tokens"] for c in counts) == targets, name
+    assert sum(b["input_ids"].numel() for b in batchings["padded"]) > real  # padding is not counted as real
+    assert all(b["input_ids"].shape[1] <= 48 for b in batchings["flattened"][:-1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
+def test_bench_packing_tiny_mode_runs(tmp_path):
+    """W4's script end to end on the tiny model: every variant trains a whole epoch of the same records, and
+    counts the same real tokens and targets for them."""
+    bp = bench_packing()
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
+    out = tmp_path / "out.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_packing.py", "--tiny", "--jobs", "4", "--workdir", str(tmp_path),
+         "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"hf_padded", "hf_flatten", "unsloth_lite", "unsloth_lite_w1"}
+    for variant, row in rows.items():
+        assert "error" not in row, f"{variant}: {row['error']}\n{result.stdout}"
+        assert row["real_tokens_per_s"] > 0
+    lengths = bp.record_lengths(**bp.TINY_RECORDS)
+    for variant in ("hf_padded", "hf_flatten", "unsloth_lite"):
+        assert rows[variant]["real_tokens"] == lengths.sum(), variant
+        assert rows[variant]["target_tokens"] == (lengths - lengths // 3).sum(), variant
+    assert rows["hf_padded"]["tokens"] > rows["hf_padded"]["real_tokens"]
+    assert rows["hf_flatten"]["real_fraction"] == 1.0
+    assert rows["unsloth_lite_w1"]["real_tokens"] == 2 * 16 * 2  # batch 2 x 16 tokens, two steps
+    assert rows["unsloth_lite_w1"]["x_lite_w1"] == 1.0
+    rates = {variant: row["real_tokens"] / row["time_s"] for variant, row in rows.items()}
+    fastest_peer = max(rates["hf_padded"], rates["hf_flatten"])
+    assert rows["unsloth_lite"]["x_fastest_peer"] == pytest.approx(rates["unsloth_lite"] / fastest_peer, rel=1e-2)
