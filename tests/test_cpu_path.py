@@ -95,9 +95,9 @@ def check_evaluation_keeps_gradients(path: str, device: str, targets: str) -> No
     model, tokenizer = tiny_4bit_qwen3(pathlib.Path(path), device)
     model = with_lora(model, targets)
     generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(3, len(tokenizer) - 1, (4, 24), generator=generator).to(device)
+    input_ids = torch.randint(3, len(tokenizer) - 1, (2, 16), generator=generator).to(device)
     labels = input_ids.clone()
-    labels[:, :6] = -100
+    labels[:, :4] = -100
     weights = packed_weights(model)
     assert weights, "the model has no 4-bit layers"
 
@@ -110,7 +110,7 @@ def check_evaluation_keeps_gradients(path: str, device: str, targets: str) -> No
             model.eval()
             with torch.no_grad():
                 model.generate(
-                    input_ids=input_ids[:1, :10], max_new_tokens=4, do_sample=False,
+                    input_ids=input_ids[:1, :8], max_new_tokens=4, do_sample=False,
                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                 )
             after = lora_gradients(model, input_ids, labels)
