@@ -116,6 +116,26 @@ def test_trainer_with_gradient_checkpointing_and_lora(checkpointing, tokenizer, 
             assert_close(param, trained[name], 1e-4, f"{name} after training")
 
 
+def test_resuming_from_the_checkpoint_at_max_steps_trains_no_further_step(tokenizer, tmp_path):
+    """A run resumed from its last checkpoint (max_steps reached mid-epoch) ends where it was: transformers'
+    own loop would train a step max_steps + 1 first."""
+    model = build_tiny_qwen3(tokenizer, torch.float32, seed=3)
+    train = dataset(tokenizer, 4, seed=4)  # 4 steps an epoch: max_steps ends mid-epoch
+    collator = PaddingCollator(tokenizer.pad_token_id)
+    args = training_args(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=1,
+                         save_strategy="steps", save_steps=1)
+    finished = unsloth_lite.Trainer(model=copy.deepcopy(model), args=args, train_dataset=train, data_collator=collator)
+    finished.train()
+    assert (tmp_path / "checkpoint-1").is_dir()
+    resumed = unsloth_lite.Trainer(model=copy.deepcopy(model), args=args, train_dataset=train, data_collator=collator)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 1
+    assert [entry["step"] for entry in resumed.state.log_history if "loss" in entry] == [1]
+    assert not (tmp_path / "checkpoint-2").exists()
+    for (name, p), (_, q) in zip(resumed.model.named_parameters(), finished.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 def test_trainer_checkpointing_options_are_checked(tokenizer, tmp_path):
     model = build_tiny_qwen3(tokenizer, torch.float32, seed=3)
     with pytest.raises(ValueError, match="gradient_checkpointing=True"):

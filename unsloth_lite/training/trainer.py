@@ -17,7 +17,8 @@ Checkpoints are written into a staging directory and renamed into place once com
 during a save never leaves a `checkpoint-N` that looks complete but isn't, so resuming always finds a whole
 one (model, optimizer, scheduler, RNG states, data position). Under `torchrun` / `accelerate launch` every
 process writes its part into the same staging directory and the main process renames it
-(`unsloth_lite.training.distributed`).
+(`unsloth_lite.training.distributed`). Resumed from the checkpoint taken at `max_steps`, training ends there,
+with no further step.
 
 Several processes: DDP is told not to look for unused parameters (`ddp_find_unused_parameters=False` where
 unset), which the reentrant checkpointing needs; FSDP (`TrainingArguments.fsdp`) refuses CUDA-graphed layers.
@@ -88,6 +89,15 @@ class Trainer(transformers.Trainer):
         enable_gradient_checkpointing(self.model, **self._checkpointing)
         for layer in checkpointing_layers(self.model):
             layer.gradient_checkpointing = id(layer) in checkpointed  # every_n_layers kept
+
+    def _run_epoch(self, *args, **kwargs):
+        # Resumed from a checkpoint taken at max_steps (the last one of a run that finished, or was killed after
+        # saving it), transformers' loop skips the trained batches and then trains one more step before its
+        # stop check (the checks follow each step): the run would end at max_steps + 1. It has nothing to train.
+        if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return
+        return super()._run_epoch(*args, **kwargs)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         wants_logits = not prediction_loss_only and (
