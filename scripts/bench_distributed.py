@@ -37,6 +37,9 @@ over its Hugging Face peer at the same process count). `bars` checks them agains
 W1 >= 1.9x one GPU's tokens/s; FSDP2 W2 per-GPU peak <= 0.6x one GPU's, tokens/s >= 1.6x one GPU's and
 >= 1.5x Hugging Face's FSDP-QLoRA.
 
+A run longer than one sitting can be split: `--merge` takes earlier outputs of the script (same machine, same
+session) whose rows join this run's before the ratios are computed.
+
 `--tiny`: the tiny models of both scripts in fp32 on the CPU (gloo), 2 steps; the processes run the plain
 PyTorch references (TRITON_INTERPRET unset). All variants of a process count share one launch there, to
 keep the torchrun start-ups few.
@@ -221,6 +224,22 @@ def launch(args, variants: list[str], processes: int, checkpoint: Path | None) -
     return rows
 
 
+RATIO_COLUMNS = ("tokens_vs_1_process", "peak_vs_1_process", "tokens_vs_hf")
+
+
+def merge_rows(rows: list[dict], paths: list[str]) -> list[dict]:
+    """This run's rows and those of earlier outputs (`--merge`) of variants and process counts it did not
+    measure, their ratios left to be computed again, in the order of ALL_VARIANTS."""
+    measured = {(r["variant"], r["processes"]) for r in rows}
+    merged = list(rows)
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["rows"]:
+            if (row["variant"], row["processes"]) not in measured:
+                measured.add((row["variant"], row["processes"]))
+                merged.append({k: v for k, v in row.items() if k not in RATIO_COLUMNS})
+    return sorted(merged, key=lambda r: (ALL_VARIANTS.index(r["variant"]), r["processes"]))
+
+
 def add_ratios(rows: list[dict]) -> None:
     """The ratio columns (module docstring), in place."""
     measured = {(r["variant"], r["processes"]): r for r in rows if "tokens_per_s" in r}
@@ -260,6 +279,9 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU, gloo (smoke run)")
     parser.add_argument("--verbose", action="store_true", help="echo the workers' output")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--merge", nargs="+", default=[], metavar="JSON",
+                        help="earlier outputs of this script on the same machine: their rows of variants not run "
+                             "now join the table and the ratios")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -305,7 +327,7 @@ def main(argv=None) -> int:
             rows += launch(args, variants, processes, checkpoint)
         else:  # each in a fresh process group: fla is bound at import, and memory figures start clean
             rows += [row for variant in variants for row in launch(args, [variant], processes, checkpoint)]
-    rows.sort(key=lambda r: (variants.index(r["variant"]), r["processes"]))
+    rows = merge_rows(rows, args.merge)
     add_ratios(rows)
     bars = check_bars(rows, max(process_counts))
     columns = ["variant", "processes", "tokens_per_s", "tokens_vs_1_process", "tokens_vs_hf", "peak_gib_per_rank",
@@ -314,7 +336,8 @@ def main(argv=None) -> int:
     print(markdown_table(bars, ["bar", "processes", "value", "met"]))
     workload = dict(seq=args.seq, warmup=args.warmup, steps=args.steps, w1_batch_per_process=W1_BATCH,
                     w2_batch_per_process=W2_BATCH, w2_layers=args.layers, checkpoint=str(checkpoint))
-    write_json(args.out, dict(environment=env, workload=workload, rows=rows, bars=bars))
+    merged = [dict(path=path, environment=json.loads(Path(path).read_text())["environment"]) for path in args.merge]
+    write_json(args.out, dict(environment=env, workload=workload, rows=rows, bars=bars, merged=merged))
     return 0
 
 

@@ -292,3 +292,38 @@ def test_bench_distributed_tiny_mode_runs(tmp_path):
     assert set(bars) == {"dp_w1 tokens_vs_1_process >= 1.9", "fsdp_w2 peak_vs_1_process <= 0.6",
                          "fsdp_w2 tokens_vs_1_process >= 1.6", "fsdp_w2 tokens_vs_hf >= 1.5"}
     assert all(bar["processes"] == 2 and isinstance(bar["met"], bool) for bar in bars.values()), bars
+
+
+def test_bench_distributed_ratios_over_merged_runs(tmp_path):
+    """Rows of an earlier output join a run's (their stale ratios dropped, this run's rows kept where both
+    measured a variant), and the ratios and bars are computed over them all."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    bd = importlib.import_module("bench_distributed")
+
+    def row(variant, processes, tokens_per_s, peak_gib):
+        return dict(variant=variant, processes=processes, tokens_per_s=tokens_per_s, peak_gib=peak_gib)
+
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(dict(environment={}, rows=[
+        dict(row("fsdp_w2_hf", 1, 100.0, 20.0), tokens_vs_hf=9.9),
+        row("fsdp_w2_hf", 2, 150.0, 12.0),
+        row("fsdp_w2", 2, 1.0, 1.0),  # measured again below: this run's row wins
+    ])))
+    rows = bd.merge_rows([row("dp_w1", 1, 1000.0, 8.0), row("dp_w1", 2, 1950.0, 8.0), row("fsdp_w2", 1, 150.0, 18.0),
+                          row("fsdp_w2", 2, 240.0, 9.9)], [str(earlier)])
+    assert [(r["variant"], r["processes"]) for r in rows] == [
+        ("dp_w1", 1), ("dp_w1", 2), ("fsdp_w2", 1), ("fsdp_w2", 2), ("fsdp_w2_hf", 1), ("fsdp_w2_hf", 2)]
+    bd.add_ratios(rows)
+    by_key = {(r["variant"], r["processes"]): r for r in rows}
+    assert by_key[("dp_w1", 2)]["tokens_vs_1_process"] == 1.95
+    assert by_key[("fsdp_w2", 2)]["tokens_vs_1_process"] == 1.6
+    assert by_key[("fsdp_w2", 2)]["peak_vs_1_process"] == 0.55
+    assert by_key[("fsdp_w2", 2)]["tokens_vs_hf"] == 1.6
+    assert by_key[("fsdp_w2", 1)]["tokens_vs_hf"] == 1.5
+    assert "tokens_vs_hf" not in by_key[("fsdp_w2_hf", 1)]
+    bars = {bar["bar"]: (bar["value"], bar["met"]) for bar in bd.check_bars(rows, 2)}
+    assert bars == {"dp_w1 tokens_vs_1_process >= 1.9": (1.95, True), "fsdp_w2 peak_vs_1_process <= 0.6": (0.55, True),
+                    "fsdp_w2 tokens_vs_1_process >= 1.6": (1.6, True), "fsdp_w2 tokens_vs_hf >= 1.5": (1.6, True)}
+    missing = {bar["bar"]: bar["met"] for bar in bd.check_bars(rows[:1], 2)}
+    assert set(missing.values()) == {None}
