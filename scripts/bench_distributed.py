@@ -70,7 +70,7 @@ VARIANTS = ("dp_w1", "fsdp_w2", "fsdp_w2_hf")
 ALL_VARIANTS = (*VARIANTS, "dp_w1_hf")
 HF_PEER = {"dp_w1": "dp_w1_hf", "fsdp_w2": "fsdp_w2_hf"}
 W1_BATCH, W2_BATCH = 4, 1
-RANK_SEED_STRIDE = 10_000
+RANK_SEED_STRIDE = 10_000  # process r draws its batches from seeds apart from every other process's
 # (variant, column, comparison, target) on the rows of the most processes
 BARS = (
     ("dp_w1", "tokens_vs_1_process", ">=", 1.9),
