@@ -394,13 +394,14 @@ def load(args, device, dtype) -> tuple:
 
 
 def measure(args, model, optimizer, device, batch: int, seq: int, vocab: int, warmup: int, steps: int,
-            profile: bool) -> dict:
-    """Trains `warmup` + `steps` steps of `[batch, seq]` (docstring); times the last `steps`."""
+            profile: bool, seed: int = SEED) -> dict:
+    """Trains `warmup` + `steps` steps of `[batch, seq]` (docstring); times the last `steps`. Batch i is drawn
+    from `seed + i` (a data-parallel process passes its own seed, hence its own rows)."""
     cuda = device.type == "cuda"
     out = {}
     batches = []
     for i in range(warmup + steps + int(profile)):
-        generator = torch.Generator().manual_seed(SEED + i)
+        generator = torch.Generator().manual_seed(seed + i)
         batches.append(torch.randint(0, vocab, (batch, seq), generator=generator).to(device))
 
     def step(ids):

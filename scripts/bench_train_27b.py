@@ -78,8 +78,9 @@ def model_config(tiny: bool, layers: int | None) -> dict:
     return c
 
 
-def build_model(c: dict, device: torch.device, dtype: torch.dtype):
-    """The random-weight model of config `c`, built on `device` in `dtype`, decoder linears quantised to NF4."""
+def build_model(c: dict, device: torch.device, dtype: torch.dtype, quant_storage: torch.dtype = torch.uint8):
+    """The random-weight model of config `c`, built on `device` in `dtype`, decoder linears quantised to NF4,
+    packed as `quant_storage` (the compute dtype where FSDP shards them)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from unsloth_lite.models.quantize import quantize_linears_nf4
@@ -92,20 +93,21 @@ def build_model(c: dict, device: torch.device, dtype: torch.dtype):
             model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**c, attn_implementation="sdpa"))
     finally:
         torch.set_default_dtype(default_dtype)
-    model = quantize_linears_nf4(model, dtype)
+    model = quantize_linears_nf4(model, dtype, quant_storage=quant_storage)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the bf16 weights' blocks: reserved figures then describe training alone
     return model
 
 
-def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_linear: bool):
+def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_linear: bool,
+         quant_storage: torch.dtype = torch.uint8):
     if variant == "hf":
         sys.modules["fla"] = None  # transformers then binds its PyTorch delta rule
     elif variant == "hf_fla":
         import fla.ops.common.chunk_o as chunk_o
 
         chunk_o.IS_NVIDIA_HOPPER = False  # the Hopper guard's switch (module docstring)
-    model = build_model(c, device, dtype)
+    model = build_model(c, device, dtype, quant_storage)
     targets = ATTENTION_MLP + DELTANET * all_linear
     torch.manual_seed(SEED)
     if variant.startswith("hf"):

@@ -255,3 +255,75 @@ def test_bench_packing_tiny_mode_runs(tmp_path):
     rates = {variant: row["real_tokens"] / row["time_s"] for variant, row in rows.items()}
     fastest_peer = max(rates["hf_padded"], rates["hf_flatten"])
     assert rows["unsloth_lite"]["x_fastest_peer"] == pytest.approx(rates["unsloth_lite"] / fastest_peer, rel=1e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
+def test_bench_distributed_tiny_mode_runs(tmp_path):
+    """The multi-GPU benchmark on 1 and 2 CPU processes (gloo): every variant trains under torchrun, each process
+    on its own rows; rank 0's first loss is the same model's on the same rows whatever the process count (DDP,
+    FSDP2 over the NF4 base, Hugging Face's FSDP-QLoRA); the ratio columns and bars are filled in."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "scripts"), str(ROOT)])
+    out = tmp_path / "out.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_distributed.py", "--tiny", "--workdir", str(tmp_path), "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    payload = json.loads(out.read_text())
+    rows = {(r["variant"], r["processes"]): r for r in payload["rows"]}
+    variants = ("dp_w1", "fsdp_w2", "fsdp_w2_hf")
+    assert set(rows) == {(v, n) for v in variants for n in (1, 2)}
+    for key, row in rows.items():
+        assert "error" not in row, f"{key}: {row['error']}\n{result.stdout}"
+        processes = key[1]
+        assert len(row["tokens_per_s_per_rank"]) == len(row["peak_gib_per_rank"]) == processes, row
+        assert row["tokens_per_s"] > 0
+        assert row["tokens_per_s"] == pytest.approx(sum(row["tokens_per_s_per_rank"]), abs=0.2)
+        assert all(peak > 0 for peak in row["peak_gib_per_rank"]), row
+    for variant in variants:
+        one, two = rows[(variant, 1)], rows[(variant, 2)]
+        assert two["first_loss"] == pytest.approx(one["first_loss"], rel=1e-5), variant
+        assert two["first_loss_per_rank"][1] != two["first_loss_per_rank"][0], variant  # each its own rows
+        assert two["tokens_vs_1_process"] == pytest.approx(two["tokens_per_s"] / one["tokens_per_s"], rel=1e-2)
+    fsdp, peer = rows[("fsdp_w2", 2)], rows[("fsdp_w2_hf", 2)]
+    assert fsdp["tokens_vs_hf"] == pytest.approx(fsdp["tokens_per_s"] / peer["tokens_per_s"], rel=1e-2)
+    bars = {bar["bar"]: bar for bar in payload["bars"]}
+    assert set(bars) == {"dp_w1 tokens_vs_1_process >= 1.9", "fsdp_w2 peak_vs_1_process <= 0.6",
+                         "fsdp_w2 tokens_vs_1_process >= 1.6", "fsdp_w2 tokens_vs_hf >= 1.5"}
+    assert all(bar["processes"] == 2 and isinstance(bar["met"], bool) for bar in bars.values()), bars
+
+
+def test_bench_distributed_ratios_over_merged_runs(tmp_path):
+    """Rows of an earlier output join a run's (their stale ratios dropped, this run's rows kept where both
+    measured a variant), and the ratios and bars are computed over them all."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    bd = importlib.import_module("bench_distributed")
+
+    def row(variant, processes, tokens_per_s, peak_gib):
+        return dict(variant=variant, processes=processes, tokens_per_s=tokens_per_s, peak_gib=peak_gib)
+
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps(dict(environment={}, rows=[
+        dict(row("fsdp_w2_hf", 1, 100.0, 20.0), tokens_vs_hf=9.9),
+        row("fsdp_w2_hf", 2, 150.0, 12.0),
+        row("fsdp_w2", 2, 1.0, 1.0),  # measured again below: this run's row wins
+    ])))
+    rows = bd.merge_rows([row("dp_w1", 1, 1000.0, 8.0), row("dp_w1", 2, 1950.0, 8.0), row("fsdp_w2", 1, 150.0, 18.0),
+                          row("fsdp_w2", 2, 240.0, 9.9)], [str(earlier)])
+    assert [(r["variant"], r["processes"]) for r in rows] == [
+        ("dp_w1", 1), ("dp_w1", 2), ("fsdp_w2", 1), ("fsdp_w2", 2), ("fsdp_w2_hf", 1), ("fsdp_w2_hf", 2)]
+    bd.add_ratios(rows)
+    by_key = {(r["variant"], r["processes"]): r for r in rows}
+    assert by_key[("dp_w1", 2)]["tokens_vs_1_process"] == 1.95
+    assert by_key[("fsdp_w2", 2)]["tokens_vs_1_process"] == 1.6
+    assert by_key[("fsdp_w2", 2)]["peak_vs_1_process"] == 0.55
+    assert by_key[("fsdp_w2", 2)]["tokens_vs_hf"] == 1.6
+    assert by_key[("fsdp_w2", 1)]["tokens_vs_hf"] == 1.5
+    assert "tokens_vs_hf" not in by_key[("fsdp_w2_hf", 1)]
+    bars = {bar["bar"]: (bar["value"], bar["met"]) for bar in bd.check_bars(rows, 2)}
+    assert bars == {"dp_w1 tokens_vs_1_process >= 1.9": (1.95, True), "fsdp_w2 peak_vs_1_process <= 0.6": (0.55, True),
+                    "fsdp_w2 tokens_vs_1_process >= 1.6": (1.6, True), "fsdp_w2 tokens_vs_hf >= 1.5": (1.6, True)}
+    missing = {bar["bar"]: bar["met"] for bar in bd.check_bars(rows[:1], 2)}
+    assert set(missing.values()) == {None}
