@@ -1,5 +1,5 @@
-"""QLoRA training on several GPUs of one machine: data parallel on W1 and FSDP2 on W2 (BENCHMARKS.md), each
-on 2 GPUs against 1, unsloth-lite and Hugging Face in the same run.
+"""QLoRA training on several GPUs of one machine: data parallel on W1 and on W4's packed records, FSDP2 on W2
+(BENCHMARKS.md), each on 2 GPUs against 1, unsloth-lite and Hugging Face in the same run.
 
     python scripts/bench_distributed.py --out bench_distributed.json          # on 2 GPUs: every variant
     python scripts/bench_distributed.py --tiny                                # CPU smoke run (gloo)
@@ -13,6 +13,10 @@ and on more than one process distributes it:
   (`find_unused_parameters=False`: the reentrant checkpointing builds no graph in the forward,
   `unsloth_lite.training.distributed`).
 - `dp_w1_hf` (only when named): Hugging Face + PEFT + bitsandbytes on W1 (`bench_train.py`'s `hf`), DDP.
+- `dp_w4`: the `dp_w1` model, DDP, on W4's records as `bench_packing.py`'s `unsloth_lite` variant batches them
+  (its functions: the same records, `pack_dataset` into rows of 2048 tokens, `PackingCollator` laying 4 rows
+  end to end as one micro-batch); every process packs all the records the same way and process r of N trains
+  micro-batches r, r + N, r + 2N, ...: `--warmup` of them, then `--steps` timed.
 - `fsdp_w2`: unsloth-lite on W2 (`bench_train_27b.py`'s model built on the GPU, NF4 packed in bf16, offloaded
   checkpointing, no CUDA graphs), batch 1 per process, sharded by `unsloth_lite.training.distributed.
   shard_model` (FSDP2: each decoder layer its own unit, then the root).
@@ -26,23 +30,27 @@ and on more than one process distributes it:
 On one process the model is trained as it is (no DDP, no FSDP): the one-GPU figures to compare against.
 The NF4 storage is the compute dtype for the FSDP variants at every process count (the same bytes).
 
-Each process times its own steps (`bench_train.measure`: `--warmup` steps, then `--steps` timed, batch i of
-process r drawn from seed 1234 + 10000 r + i), and rank 0 gathers every process's figures and prints one
-result line. Columns: `tokens_per_s`, summed over processes; `peak_gib_per_rank`, each process's
-`torch.cuda.max_memory_allocated()` over warm-up and timed steps (`peak_gib`: the largest; in --tiny, the
+Each process times its own steps (W1, W2: `bench_train.measure`, `--warmup` steps, then `--steps` timed,
+batch i of process r drawn from seed 1234 + 10000 r + i; W4: `bench_packing.train` on the process's
+micro-batches), and rank 0 gathers every process's figures and prints one result line. Columns:
+`tokens_per_s`, real (non-padding) tokens trained per second, summed over processes (every token of W1's and
+W2's rows is real; W4's are counted by `bench_packing.token_counts`, with `real_tokens_per_rank` and
+`timed_micro_batches_per_rank`, the indices of the micro-batches each process timed); `peak_gib_per_rank`,
+each process's `torch.cuda.max_memory_allocated()` over warm-up and timed steps (`peak_gib`: the largest; in --tiny, the
 process's peak resident memory instead); `first_loss`, rank 0's first-step loss, which on any process count
 is the loss of the same model on the same rows. Ratios, on rows of more than one process:
 `tokens_vs_1_process` and `peak_vs_1_process` (the same variant on one process), `tokens_vs_hf` (unsloth-lite
 over its Hugging Face peer at the same process count). `bars` checks them against the targets: data-parallel
-W1 >= 1.9x one GPU's tokens/s; FSDP2 W2 per-GPU peak <= 0.6x one GPU's, tokens/s >= 1.6x one GPU's and
+W1 and W4 >= 1.9x one GPU's tokens/s; FSDP2 W2 per-GPU peak <= 0.6x one GPU's, tokens/s >= 1.6x one GPU's and
 >= 1.5x Hugging Face's FSDP-QLoRA.
 
 A run longer than one sitting can be split: `--merge` takes earlier outputs of the script (same machine, same
 session) whose rows join this run's before the ratios are computed.
 
-`--tiny`: the tiny models of both scripts in fp32 on the CPU (gloo), 2 steps; the processes run the plain
-PyTorch references (TRITON_INTERPRET unset). All variants of a process count share one launch there, to
-keep the torchrun start-ups few.
+`--tiny`: the tiny models of both scripts in fp32 on the CPU (gloo), 2 steps; W4 on `bench_packing.py`'s
+tiny records packed in rows of 16 tokens, one row a micro-batch (5 micro-batches: a warm-up and a timed one
+for each of 2 processes); the processes run the plain PyTorch references (TRITON_INTERPRET unset). All
+variants of a process count share one launch there, to keep the torchrun start-ups few.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ import sys
 import time
 from pathlib import Path
 
+import bench_packing
 import bench_train
 import bench_train_27b
 import torch
@@ -66,14 +75,19 @@ from unsloth_lite.training.distributed import shard_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_DISTRIBUTED_RESULT "
-VARIANTS = ("dp_w1", "fsdp_w2", "fsdp_w2_hf")
+VARIANTS = ("dp_w1", "dp_w4", "fsdp_w2", "fsdp_w2_hf")
 ALL_VARIANTS = (*VARIANTS, "dp_w1_hf")
 HF_PEER = {"dp_w1": "dp_w1_hf", "fsdp_w2": "fsdp_w2_hf"}
+W1_LOADER = {"dp_w1": "unsloth_lite", "dp_w1_hf": "hf", "dp_w4": "unsloth_lite"}  # variants on W1's checkpoint
 W1_BATCH, W2_BATCH = 4, 1
+W4_ROW_TOKENS, W4_ROWS = 2048, 4  # tokens of a packed row, rows of a micro-batch: bench_packing.py's defaults
+# enough micro-batches from bench_packing.py's 8 tiny records for a warm-up and a timed step on each of 2 processes
+TINY_W4_ROW_TOKENS, TINY_W4_ROWS = 16, 1
 RANK_SEED_STRIDE = 10_000  # process r draws its batches from seeds apart from every other process's
 # (variant, column, comparison, target) on the rows of the most processes
 BARS = (
     ("dp_w1", "tokens_vs_1_process", ">=", 1.9),
+    ("dp_w4", "tokens_vs_1_process", ">=", 1.9),
     ("fsdp_w2", "peak_vs_1_process", "<=", 0.6),
     ("fsdp_w2", "tokens_vs_1_process", ">=", 1.6),
     ("fsdp_w2", "tokens_vs_hf", ">=", 1.5),
@@ -98,17 +112,15 @@ def shard_like_accelerate(model):
 
 
 def load_variant(variant: str, args, device: torch.device, dtype: torch.dtype):
-    """(model, batch, vocabulary size) of a variant, built or loaded as the one-GPU benchmarks do."""
-    if variant.startswith("dp_w1"):
-        loader = bench_train.LOADERS["hf" if variant == "dp_w1_hf" else "unsloth_lite"]
-        model, _ = loader(args.checkpoint, device, dtype, args.seq)
-        vocab = json.loads((Path(args.checkpoint) / "config.json").read_text())["vocab_size"]
-        return model, W1_BATCH, vocab
+    """(model, model config) of a variant, built or loaded as the one-GPU benchmarks do."""
+    if variant in W1_LOADER:
+        model, _ = bench_train.LOADERS[W1_LOADER[variant]](args.checkpoint, device, dtype, args.seq)
+        return model, json.loads((Path(args.checkpoint) / "config.json").read_text())
     c = bench_train_27b.model_config(args.tiny, args.layers)
     peer = "hf" if args.tiny else "hf_fla"
     model = bench_train_27b.load(peer if variant == "fsdp_w2_hf" else "unsloth_lite", c, device, dtype,
                                  all_linear=False, quant_storage=dtype)
-    return model, W2_BATCH, c["vocab_size"]
+    return model, c
 
 
 def distribute(model, variant: str, device: torch.device):
@@ -121,17 +133,48 @@ def distribute(model, variant: str, device: torch.device):
     return shard_like_accelerate(model) if variant == "fsdp_w2_hf" else shard_model(model)
 
 
-def peak_memory_gib(result: dict, device: torch.device) -> float:
+def peak_memory_gib(cuda_peak_gib: float | None, device: torch.device) -> float:
     if device.type == "cuda":
-        return round(result["peak_gib"], 2)
+        return round(cuda_peak_gib, 2)
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # KiB on Linux
+
+
+def w4_micro_batch_shape(tiny: bool) -> tuple[int, int]:
+    """(packed rows per micro-batch, tokens per row)."""
+    return (TINY_W4_ROWS, TINY_W4_ROW_TOKENS) if tiny else (W4_ROWS, W4_ROW_TOKENS)
+
+
+def measure_random_rows(args, model, optimizer, device: torch.device, batch: int, vocab: int, rank: int) -> dict:
+    """W1's and W2's steps on random rows, every token real (module docstring)."""
+    result = bench_train.measure(args, model, optimizer, device, batch, args.seq, vocab, args.warmup, args.steps,
+                                 profile=False, seed=bench_train.SEED + RANK_SEED_STRIDE * rank)
+    return dict(tokens_per_s=batch * args.seq / result["step_s"], step_s=result["step_s"],
+                peak_gib=result.get("peak_gib"), peak_reserved_gib=result.get("peak_reserved_gib", 0.0),
+                first_loss=result["first_loss"], warmup_s=result["warmup_s"])
+
+
+def measure_packed(args, model, optimizer, device: torch.device, c: dict, rank: int, world_size: int) -> dict:
+    """W4's steps: this process's share of the packed micro-batches (module docstring), real tokens counted."""
+    rows, row_tokens = w4_micro_batch_shape(args.tiny)
+    pad_id = bench_packing.padding_id(c)
+    records = bench_packing.make_records(bench_packing.TINY_RECORDS if args.tiny else bench_packing.W4_RECORDS,
+                                         c["vocab_size"])
+    batches = bench_packing.packed_batches(records, row_tokens, rows, pad_id)
+    mine = list(range(rank, len(batches), world_size))
+    warmup, timed = bench_packing.split_steps(mine, args.warmup, args.steps, epoch=False)
+    result = bench_packing.train(model, optimizer, device, [batches[i] for i in warmup],
+                                 [batches[i] for i in timed], pad_id)
+    return dict(tokens_per_s=result["real_tokens"] / result["time_s"], step_s=result["time_s"] / len(timed),
+                peak_gib=result.get("peak_gib"), peak_reserved_gib=result.get("peak_reserved_gib", 0.0),
+                first_loss=result["first_losses"][0], warmup_s=result["warmup_s"],
+                real_tokens=result["real_tokens"], timed_micro_batches=timed)
 
 
 def run_variant(variant: str, args, device: torch.device, dtype: torch.dtype) -> dict | None:
     """Trains and times the variant on every process; returns the gathered row on rank 0 (None elsewhere)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     start = time.perf_counter()
-    model, batch, vocab = load_variant(variant, args, device, dtype)
+    model, c = load_variant(variant, args, device, dtype)
     model = distribute(model, variant, device)
     model.train()
     # after sharding: FSDP2 replaces the parameters by their shards
@@ -139,21 +182,22 @@ def run_variant(variant: str, args, device: torch.device, dtype: torch.dtype) ->
     load_s = time.perf_counter() - start
     # what each process holds before training: its shard of the model under FSDP, the whole model otherwise
     load_gib = round(torch.cuda.memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
-    result = bench_train.measure(args, model, optimizer, device, batch, args.seq, vocab, args.warmup, args.steps,
-                                 profile=False, seed=bench_train.SEED + RANK_SEED_STRIDE * rank)
-    mine = dict(tokens_per_s=batch * args.seq / result["step_s"], step_s=result["step_s"],
-                peak_gib=peak_memory_gib(result, device),
-                peak_reserved_gib=round(result.get("peak_reserved_gib", 0.0), 2),
-                first_loss=result["first_loss"], load_s=round(load_s, 1), warmup_s=result["warmup_s"],
-                load_gib=load_gib)
+    if variant == "dp_w4":
+        batch, seq = w4_micro_batch_shape(args.tiny)
+        mine = measure_packed(args, model, optimizer, device, c, rank, world_size)
+    else:
+        batch, seq = (W2_BATCH if variant.startswith("fsdp") else W1_BATCH), args.seq
+        mine = measure_random_rows(args, model, optimizer, device, batch, c["vocab_size"], rank)
+    mine.update(peak_gib=peak_memory_gib(mine["peak_gib"], device),
+                peak_reserved_gib=round(mine["peak_reserved_gib"], 2), load_s=round(load_s, 1), load_gib=load_gib)
     ranks = [None] * world_size
     dist.all_gather_object(ranks, mine)
     del model, optimizer  # before the launch's next variant (--tiny)
     gc.collect()
     if rank != 0:
         return None
-    return dict(
-        variant=variant, processes=world_size, batch_per_process=batch, seq=args.seq,
+    row = dict(
+        variant=variant, processes=world_size, batch_per_process=batch, seq=seq,
         tokens_per_s=round(sum(r["tokens_per_s"] for r in ranks), 1),
         tokens_per_s_per_rank=[round(r["tokens_per_s"], 1) for r in ranks],
         step_ms=round(1e3 * max(r["step_s"] for r in ranks), 1),
@@ -163,6 +207,10 @@ def run_variant(variant: str, args, device: torch.device, dtype: torch.dtype) ->
         first_loss=ranks[0]["first_loss"], first_loss_per_rank=[r["first_loss"] for r in ranks],
         load_s=ranks[0]["load_s"], warmup_s=ranks[0]["warmup_s"],
     )
+    if "real_tokens" in mine:
+        row.update(real_tokens_per_rank=[r["real_tokens"] for r in ranks],
+                   timed_micro_batches_per_rank=[r["timed_micro_batches"] for r in ranks])
+    return row
 
 
 def worker_main(args) -> int:
@@ -310,7 +358,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     checkpoint = None
-    if any(v.startswith("dp_w1") for v in variants):
+    if any(v in W1_LOADER for v in variants):
         c, dtype = (bench_train.TINY, torch.float32) if args.tiny else (bench_train.W1, torch.bfloat16)
         checkpoint = bench_train.ensure_checkpoint(c, args.workdir, dtype, device,
                                                    "tiny_qwen3" if args.tiny else "qwen3_8b_shape")
@@ -334,8 +382,11 @@ def main(argv=None) -> int:
                "peak_vs_1_process", "step_ms", "first_loss", "error"]
     print(markdown_table(rows, columns))
     print(markdown_table(bars, ["bar", "processes", "value", "met"]))
+    w4_rows, w4_row_tokens = w4_micro_batch_shape(args.tiny)
+    w4_records = bench_packing.TINY_RECORDS if args.tiny else bench_packing.W4_RECORDS
     workload = dict(seq=args.seq, warmup=args.warmup, steps=args.steps, w1_batch_per_process=W1_BATCH,
-                    w2_batch_per_process=W2_BATCH, w2_layers=args.layers, checkpoint=str(checkpoint))
+                    w2_batch_per_process=W2_BATCH, w2_layers=args.layers, w4_records=w4_records,
+                    w4_rows_per_micro_batch=w4_rows, w4_row_tokens=w4_row_tokens, checkpoint=str(checkpoint))
     merged = [dict(path=path, environment=json.loads(Path(path).read_text())["environment"]) for path in args.merge]
     write_json(args.out, dict(environment=env, workload=workload, rows=rows, bars=bars, merged=merged))
     return 0

@@ -270,7 +270,10 @@ def train(model, optimizer, device: torch.device, warmup: list[dict], timed: lis
     bench_train._sync(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    warmup_start = time.perf_counter()
     losses = [step(batch) for batch in warmup]
+    bench_train._sync(device)
+    warmup_s = time.perf_counter() - warmup_start
     times = []
     for batch in timed:
         bench_train._sync(device)
@@ -280,7 +283,8 @@ def train(model, optimizer, device: torch.device, warmup: list[dict], timed: lis
         times.append(time.perf_counter() - start)
     counts = [token_counts(batch, pad_id) for batch in timed]
     out = {key: sum(c[key] for c in counts) for key in ("real_tokens", "tokens", "target_tokens")}
-    out.update(timed_steps=len(timed), time_s=sum(times), first_losses=[float(x) for x in losses[:FIRST_LOSSES]])
+    out.update(timed_steps=len(timed), time_s=sum(times), warmup_s=round(warmup_s, 1),
+               first_losses=[float(x) for x in losses[:FIRST_LOSSES]])
     if cuda:
         out.update(peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
                    peak_reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30)

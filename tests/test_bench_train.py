@@ -257,11 +257,20 @@ def test_bench_packing_tiny_mode_runs(tmp_path):
     assert rows["unsloth_lite"]["x_fastest_peer"] == pytest.approx(rates["unsloth_lite"] / fastest_peer, rel=1e-2)
 
 
+def bench_distributed():
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module("bench_distributed")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
 def test_bench_distributed_tiny_mode_runs(tmp_path):
     """The multi-GPU benchmark on 1 and 2 CPU processes (gloo): every variant trains under torchrun, each process
     on its own rows; rank 0's first loss is the same model's on the same rows whatever the process count (DDP,
-    FSDP2 over the NF4 base, Hugging Face's FSDP-QLoRA); the ratio columns and bars are filled in."""
+    DDP on W4's packed micro-batches, FSDP2 over the NF4 base, Hugging Face's FSDP-QLoRA); W4's processes time
+    disjoint micro-batches and count their real tokens as bench_packing does; the ratio columns and bars are
+    filled in."""
+    bd, bp = bench_distributed(), bench_packing()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "scripts"), str(ROOT)])
     out = tmp_path / "out.json"
@@ -272,7 +281,7 @@ def test_bench_distributed_tiny_mode_runs(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     payload = json.loads(out.read_text())
     rows = {(r["variant"], r["processes"]): r for r in payload["rows"]}
-    variants = ("dp_w1", "fsdp_w2", "fsdp_w2_hf")
+    variants = ("dp_w1", "dp_w4", "fsdp_w2", "fsdp_w2_hf")
     assert set(rows) == {(v, n) for v in variants for n in (1, 2)}
     for key, row in rows.items():
         assert "error" not in row, f"{key}: {row['error']}\n{result.stdout}"
@@ -288,18 +297,31 @@ def test_bench_distributed_tiny_mode_runs(tmp_path):
         assert two["tokens_vs_1_process"] == pytest.approx(two["tokens_per_s"] / one["tokens_per_s"], rel=1e-2)
     fsdp, peer = rows[("fsdp_w2", 2)], rows[("fsdp_w2_hf", 2)]
     assert fsdp["tokens_vs_hf"] == pytest.approx(fsdp["tokens_per_s"] / peer["tokens_per_s"], rel=1e-2)
+
+    c = bench_train().TINY
+    packed = bp.packed_batches(bp.make_records(bp.TINY_RECORDS, c["vocab_size"]), bd.TINY_W4_ROW_TOKENS,
+                               bd.TINY_W4_ROWS, c["pad_token_id"])
+    for processes in (1, 2):
+        row = rows[("dp_w4", processes)]
+        timed = row["timed_micro_batches_per_rank"]
+        assert len(timed) == processes and all(len(indices) == 1 for indices in timed), row  # --steps 1
+        for indices, real_tokens in zip(timed, row["real_tokens_per_rank"], strict=True):
+            assert real_tokens == sum(bp.token_counts(packed[i], c["pad_token_id"])["real_tokens"] for i in indices)
+            assert 0 < real_tokens < len(indices) * bd.TINY_W4_ROWS * bd.TINY_W4_ROW_TOKENS  # padding not counted
+    two = rows[("dp_w4", 2)]["timed_micro_batches_per_rank"]
+    assert set(two[0]).isdisjoint(two[1]), two
+
     bars = {bar["bar"]: bar for bar in payload["bars"]}
-    assert set(bars) == {"dp_w1 tokens_vs_1_process >= 1.9", "fsdp_w2 peak_vs_1_process <= 0.6",
-                         "fsdp_w2 tokens_vs_1_process >= 1.6", "fsdp_w2 tokens_vs_hf >= 1.5"}
+    assert set(bars) == {"dp_w1 tokens_vs_1_process >= 1.9", "dp_w4 tokens_vs_1_process >= 1.9",
+                         "fsdp_w2 peak_vs_1_process <= 0.6", "fsdp_w2 tokens_vs_1_process >= 1.6",
+                         "fsdp_w2 tokens_vs_hf >= 1.5"}
     assert all(bar["processes"] == 2 and isinstance(bar["met"], bool) for bar in bars.values()), bars
 
 
 def test_bench_distributed_ratios_over_merged_runs(tmp_path):
     """Rows of an earlier output join a run's (their stale ratios dropped, this run's rows kept where both
     measured a variant), and the ratios and bars are computed over them all."""
-    if str(ROOT / "scripts") not in sys.path:
-        sys.path.insert(0, str(ROOT / "scripts"))
-    bd = importlib.import_module("bench_distributed")
+    bd = bench_distributed()
 
     def row(variant, processes, tokens_per_s, peak_gib):
         return dict(variant=variant, processes=processes, tokens_per_s=tokens_per_s, peak_gib=peak_gib)
@@ -311,9 +333,11 @@ def test_bench_distributed_ratios_over_merged_runs(tmp_path):
         row("fsdp_w2", 2, 1.0, 1.0),  # measured again below: this run's row wins
     ])))
     rows = bd.merge_rows([row("dp_w1", 1, 1000.0, 8.0), row("dp_w1", 2, 1950.0, 8.0), row("fsdp_w2", 1, 150.0, 18.0),
-                          row("fsdp_w2", 2, 240.0, 9.9)], [str(earlier)])
+                          row("fsdp_w2", 2, 240.0, 9.9), row("dp_w4", 2, 1500.0, 8.5), row("dp_w4", 1, 800.0, 8.5)],
+                         [str(earlier)])
     assert [(r["variant"], r["processes"]) for r in rows] == [
-        ("dp_w1", 1), ("dp_w1", 2), ("fsdp_w2", 1), ("fsdp_w2", 2), ("fsdp_w2_hf", 1), ("fsdp_w2_hf", 2)]
+        ("dp_w1", 1), ("dp_w1", 2), ("dp_w4", 1), ("dp_w4", 2), ("fsdp_w2", 1), ("fsdp_w2", 2), ("fsdp_w2_hf", 1),
+        ("fsdp_w2_hf", 2)]
     bd.add_ratios(rows)
     by_key = {(r["variant"], r["processes"]): r for r in rows}
     assert by_key[("dp_w1", 2)]["tokens_vs_1_process"] == 1.95
@@ -323,7 +347,9 @@ def test_bench_distributed_ratios_over_merged_runs(tmp_path):
     assert by_key[("fsdp_w2", 1)]["tokens_vs_hf"] == 1.5
     assert "tokens_vs_hf" not in by_key[("fsdp_w2_hf", 1)]
     bars = {bar["bar"]: (bar["value"], bar["met"]) for bar in bd.check_bars(rows, 2)}
-    assert bars == {"dp_w1 tokens_vs_1_process >= 1.9": (1.95, True), "fsdp_w2 peak_vs_1_process <= 0.6": (0.55, True),
-                    "fsdp_w2 tokens_vs_1_process >= 1.6": (1.6, True), "fsdp_w2 tokens_vs_hf >= 1.5": (1.6, True)}
+    assert bars == {"dp_w1 tokens_vs_1_process >= 1.9": (1.95, True),
+                    "dp_w4 tokens_vs_1_process >= 1.9": (1.875, False),
+                    "fsdp_w2 peak_vs_1_process <= 0.6": (0.55, True), "fsdp_w2 tokens_vs_1_process >= 1.6": (1.6, True),
+                    "fsdp_w2 tokens_vs_hf >= 1.5": (1.6, True)}
     missing = {bar["bar"]: bar["met"] for bar in bd.check_bars(rows[:1], 2)}
     assert set(missing.values()) == {None}
