@@ -25,7 +25,7 @@ def bench_ms(fn, device: torch.device, warmup_ms: int = 25, rep_ms: int = 200) -
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    fn()
+    # CPU runs are smoke runs (the interpreter compiles nothing to warm up): one timed call.
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3
