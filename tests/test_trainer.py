@@ -95,7 +95,7 @@ def test_trainer_with_gradient_checkpointing_and_lora(checkpointing, tokenizer, 
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     train = dataset(tokenizer, 16, seed=4)
     collator = PaddingCollator(tokenizer.pad_token_id)
-    gc = dict(max_steps=2, gradient_accumulation_steps=1, gradient_checkpointing=True,
+    gc = dict(max_steps=2, per_device_train_batch_size=1, gradient_accumulation_steps=1, gradient_checkpointing=True,
               gradient_checkpointing_kwargs={"use_reentrant": False})
     reference = transformers.Trainer(model=copy.deepcopy(model), args=training_args(tmp_path / "hf", **gc),
                                      train_dataset=train, data_collator=collator)
