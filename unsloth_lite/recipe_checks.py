@@ -26,7 +26,7 @@ BUILTIN_DATASETS = ("builtin:arithmetic",)
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt")
 
 # A hub repository id: "org/name" (models) or, for datasets, also a bare legacy "name".
-_HUB_MODEL_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+HUB_MODEL_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_DATASET_RE = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 def _choice(key: str, value: str, allowed: Sequence[str]) -> None:
@@ -78,7 +78,7 @@ def check_model(model) -> None:
         raise RecipeError(f"model.name_or_path: {name} is a file, not a checkpoint directory")
     if _looks_local(name):
         raise RecipeError(f"model.name_or_path: {name} does not exist")
-    if not _HUB_MODEL_RE.fullmatch(name):
+    if not HUB_MODEL_NAME.fullmatch(name):
         raise RecipeError(
             f"model.name_or_path: {name!r} is neither a local checkpoint directory nor a hub name like 'Qwen/Qwen3-8B'"
         )

@@ -26,11 +26,10 @@ import torch
 from transformers import TextStreamer
 
 from unsloth_lite.errors import InputError, one_line
-from unsloth_lite.recipe_checks import SUPPORTED_MODEL_TYPES
+from unsloth_lite.recipe_checks import HUB_MODEL_NAME, SUPPORTED_MODEL_TYPES
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
-_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # PEFT's key of a LoRA matrix in its saved state dict: the wrapped module's name, then lora_A or lora_B.
 _LORA_KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
 
@@ -77,7 +76,7 @@ def check_model_path(model: str | os.PathLike) -> str:
         return path
     if os.path.exists(path):
         raise InputError(f"model {path}: a file, not a checkpoint directory")
-    if not _HUB_NAME.fullmatch(path):
+    if not HUB_MODEL_NAME.fullmatch(path):
         raise InputError(f"model {path}: no such directory (nor a hub name like 'Qwen/Qwen3-8B')")
     return path
 
