@@ -20,6 +20,14 @@ import time
 import torch
 
 
+def report_unknown(kind: str, chosen, known) -> bool:
+    """Whether `chosen` names anything `known` lacks; if so, says which on stderr, with the choices."""
+    unknown = sorted(set(chosen) - set(known))
+    if unknown:
+        print(f"unknown {kind} {unknown}; choose from {','.join(known)}", file=sys.stderr)
+    return bool(unknown)
+
+
 def bench_ms(fn, device: torch.device, warmup_ms: int = 25, rep_ms: int = 200) -> float:
     if device.type == "cuda":
         import triton.testing

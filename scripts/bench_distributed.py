@@ -69,7 +69,7 @@ import bench_train
 import bench_train_27b
 import torch
 import torch.distributed as dist
-from bench_common import bench_device, environment, markdown_table, run_worker_process, write_json
+from bench_common import bench_device, environment, markdown_table, report_unknown, run_worker_process, write_json
 
 from unsloth_lite.training.distributed import shard_model
 
@@ -348,9 +348,7 @@ def main(argv=None) -> int:
     if device is None:
         return 2
     variants = [v for v in args.variants.split(",") if v] if args.variants else list(VARIANTS)
-    unknown = sorted(set(variants) - set(ALL_VARIANTS))
-    if unknown:
-        print(f"unknown variants {unknown}; choose from {','.join(ALL_VARIANTS)}", file=sys.stderr)
+    if report_unknown("variants", variants, ALL_VARIANTS):
         return 2
     process_counts = [int(n) for n in args.gpus.split(",") if n]
     if device.type == "cuda" and max(process_counts) > torch.cuda.device_count():

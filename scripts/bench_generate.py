@@ -58,7 +58,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from bench_common import bench_device, copy_bandwidth_gbps, environment, markdown_table, write_json
+from bench_common import bench_device, copy_bandwidth_gbps, environment, markdown_table, report_unknown, write_json
 from bench_train import TINY as TINY_QWEN3
 from bench_train import W1, _error, _tokenizer, ensure_checkpoint
 from bench_train_27b import ATTENTION_MLP, model_config
@@ -405,9 +405,7 @@ def main(argv=None) -> int:
     device = bench_device(args.tiny)
     if device is None:
         return 1
-    unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
-    if unknown:
-        print(f"unknown shapes {unknown}; choose from {','.join(SHAPES)}", file=sys.stderr)
+    if report_unknown("shapes", args.shapes.split(","), SHAPES):
         return 2
     variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
     if "unsloth" in variants and not args.variants and not args.unsloth_site:

@@ -82,7 +82,7 @@ from types import SimpleNamespace
 import bench_train
 import numpy as np
 import torch
-from bench_common import bench_device, environment, markdown_table, run_worker_process, write_json
+from bench_common import bench_device, environment, markdown_table, report_unknown, run_worker_process, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_PACKING_RESULT "
@@ -451,9 +451,7 @@ def main(argv=None) -> int:
     if device is None:
         return 2
     variants = choose_variants(args)
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        print(f"unknown variants {unknown}; choose from {','.join(VARIANTS)}", file=sys.stderr)
+    if report_unknown("variants", variants, VARIANTS):
         return 2
     c = model_config(args)
     dtype = torch.float32 if args.tiny else torch.bfloat16

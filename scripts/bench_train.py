@@ -90,7 +90,15 @@ import traceback
 from pathlib import Path
 
 import torch
-from bench_common import bench_device, environment, markdown_table, matmul_tflops, run_worker_process, write_json
+from bench_common import (
+    bench_device,
+    environment,
+    markdown_table,
+    matmul_tflops,
+    report_unknown,
+    run_worker_process,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_RESULT "
@@ -709,9 +717,7 @@ def main(argv=None) -> int:
         variants = [v for v in args.variants.split(",") if v]
     else:
         variants = list(MAX_SEQ_VARIANTS if args.max_seq else TINY_VARIANTS if args.tiny else DEFAULT_VARIANTS)
-    unknown = sorted(set(variants) - set(ALL_VARIANTS))
-    if unknown:
-        print(f"unknown variants {unknown}; choose from {','.join(ALL_VARIANTS)}", file=sys.stderr)
+    if report_unknown("variants", variants, ALL_VARIANTS):
         return 2
     if args.max_seq and args.tiny:
         print("--max-seq needs a GPU", file=sys.stderr)
