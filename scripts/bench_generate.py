@@ -274,6 +274,19 @@ def measure(model, variant: str, c: dict, device, prompt: int, new_tokens: int, 
     return out
 
 
+def write_profile(model, c: dict, device, prompt: int, path: Path, new_tokens: int = 16) -> None:
+    """The GPU kernels of one more `new_tokens`-token generation (warm), by total time, as a table at `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    input_ids = torch.randint(0, c["vocab_size"] - 3, (1, prompt), device=device)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=c["pad_token_id"])
+        torch.cuda.synchronize(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+
+
 def worker_main(args) -> int:
     device = torch.device("cpu") if args.tiny else torch.device("cuda", 0)
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -287,6 +300,8 @@ def worker_main(args) -> int:
             model = load(args.worker, shape, c, checkpoint, device, dtype, args.prompt + args.new_tokens)
             result["load_s"] = round(time.perf_counter() - start, 1)
             result.update(measure(model, args.worker, c, device, args.prompt, args.new_tokens, args.repeats))
+            if args.profile_dir:
+                write_profile(model, c, device, args.prompt, Path(args.profile_dir) / f"{args.worker}_{shape}.txt")
         except (Exception, SystemExit) as error:  # this variant's error on this shape, never a crash of the run
             traceback.print_exc()
             result.update(_error(error))
@@ -306,6 +321,8 @@ def run_worker(args, variant: str, checkpoints: dict) -> list[dict]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--shapes", args.shapes,
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
            "--checkpoints", json.dumps(checkpoints)] + ["--tiny"] * args.tiny
+    if args.profile_dir:
+        cmd += ["--profile-dir", args.profile_dir]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     paths = [str(ROOT / "scripts"), str(ROOT), env.get("PYTHONPATH")]
     if variant == "unsloth":
@@ -373,6 +390,9 @@ def parse_args(argv=None):
     parser.add_argument("--unsloth-site", default=None, help="directory holding unsloth (put first on PYTHONPATH)")
     parser.add_argument("--worker-timeout", type=float, default=1800)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--profile-dir", default=None,
+                        help="CUDA only: after measuring, profile one 16-token generation per variant and shape and "
+                             "write its kernel table here")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoints", type=json.loads, default=None, help=argparse.SUPPRESS)

@@ -82,4 +82,17 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
             rule.on_patch(module)
         module.forward = types.MethodType(rule.forward, module)
         setattr(module, PATCHED_FLAG, True)
+    _prefer_static_cache(model)
     return model
+
+
+def _prefer_static_cache(model: torch.nn.Module) -> None:
+    """On CUDA, `generate` defaults to a static cache: only its decode step has the fixed shapes and addresses
+    that the CUDA graph replays (`decode_graph.py`); a dynamic cache runs every step eagerly. An explicit
+    `cache_implementation` (in the call or already in the generation config) wins."""
+    if not any(p.is_cuda for p in model.parameters()):
+        return
+    for module in model.modules():
+        config = getattr(module, "generation_config", None)
+        if config is not None and getattr(config, "cache_implementation", "unset") is None:
+            config.cache_implementation = "static"

@@ -231,6 +231,8 @@ def generate(
     device = next(model.parameters()).device
     input_ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1).to(device)
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
+    if device.type == "cuda":  # the decode step replayed as a CUDA graph needs a static cache
+        sampling["cache_implementation"] = "static"
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     streamer = _TimedStreamer(tokenizer, on_text)
     was_training = model.training
