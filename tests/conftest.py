@@ -75,11 +75,10 @@ def seed(request) -> int:
 
 @pytest.fixture
 def torch_delta_rule(monkeypatch):
-    """Qwen3.5's Gated DeltaNet through Hugging Face's PyTorch reference. Where flash-linear-attention is
-    installed, transformers binds its kernels when the model module is imported; they have no float64, which
-    the Qwen3.5 parity tests use."""
+    """Qwen3.5's Gated DeltaNet through Hugging Face's PyTorch reference (`helpers.torch_delta_rule_functions`),
+    for the float64 parity tests."""
+    from helpers import torch_delta_rule_functions
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-        bound = getattr(modeling_qwen3_5, name)
-        monkeypatch.setattr(modeling_qwen3_5, name, getattr(bound, "__wrapped__", bound))
+    for name, function in torch_delta_rule_functions().items():
+        monkeypatch.setattr(modeling_qwen3_5, name, function)

@@ -47,30 +47,30 @@ def check(shape, rows, dtype, nested, blocksize, with_bias, rank, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_nf4_matvec_shapes(shape, dtype):
-    check(shape, rows=3, dtype=dtype, nested=True, blocksize=64, with_bias=True, rank=4, device="cpu")
+def test_nf4_matvec_shapes(shape, dtype, device):
+    check(shape, rows=3, dtype=dtype, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
-def test_nf4_matvec_rows(rows):
-    check((40, 96), rows, torch.float32, nested=False, blocksize=64, with_bias=False, rank=0, device="cpu")
+def test_nf4_matvec_rows(rows, device):
+    check((40, 96), rows, torch.float32, nested=False, blocksize=64, with_bias=False, rank=0, device=device)
 
 
-def test_nf4_matvec_blocksize_128_leading_dims_and_strided_x():
-    weight = quantize((24, 200), torch.float32, True, 128, "cpu")
-    x = torch.randn(2, 200, 3, dtype=torch.float32)[..., 1]  # a strided view
-    lora_a, lora_b = torch.randn(3, 200), torch.randn(24, 3)
+def test_nf4_matvec_blocksize_128_leading_dims_and_strided_x(device):
+    weight = quantize((24, 200), torch.float32, True, 128, device)
+    x = torch.randn(2, 200, 3, dtype=torch.float32, device=device)[..., 1]  # a strided view
+    lora_a, lora_b = torch.randn(3, 200, device=device), torch.randn(24, 3, device=device)
     got = nf4_matvec(x.view(2, 1, 200), weight, lora_a=lora_a, lora_b=lora_b, scale=2.0)
     assert got.shape == (2, 1, 24)
     assert_close(got.view(2, 24), float64_reference(x, weight, None, lora_a, lora_b, 2.0), 1e-5, "y")
 
 
-def test_nf4_matvec_refuses_grad_and_too_many_rows():
-    weight = quantize((8, 64), torch.float32, False, 64, "cpu")
+def test_nf4_matvec_refuses_grad_and_too_many_rows(device):
+    weight = quantize((8, 64), torch.float32, False, 64, device)
     with pytest.raises(ValueError, match="inference only"):
-        nf4_matvec(torch.randn(1, 64, requires_grad=True), weight)
+        nf4_matvec(torch.randn(1, 64, requires_grad=True, device=device), weight)
     with pytest.raises(ValueError, match="1 to 8 rows"):
-        nf4_matvec(torch.randn(9, 64), weight)
+        nf4_matvec(torch.randn(9, 64, device=device), weight)
 
 
 @pytest.mark.gpu

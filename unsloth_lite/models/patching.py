@@ -87,12 +87,16 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _prefer_static_cache(model: torch.nn.Module) -> None:
-    """On CUDA, `generate` defaults to a static cache: only its decode step has the fixed shapes and addresses
-    that the CUDA graph replays (`decode_graph.py`); a dynamic cache runs every step eagerly. An explicit
+    """`generate` never compiles the patched forward (its kernels are Triton's already, and on CUDA the decode
+    step is replayed as a CUDA graph of its own, which Hugging Face's compiled CUDA graphs would conflict with);
+    on CUDA it defaults to a static cache: only its decode step has the fixed shapes and addresses that the
+    graph replays (`decode_graph.py`), a dynamic cache runs every step eagerly. An explicit
     `cache_implementation` (in the call or already in the generation config) wins."""
-    if not any(p.is_cuda for p in model.parameters()):
-        return
+    on_cuda = any(p.is_cuda for p in model.parameters())
     for module in model.modules():
         config = getattr(module, "generation_config", None)
-        if config is not None and getattr(config, "cache_implementation", "unset") is None:
+        if config is None:
+            continue
+        config.disable_compile = True
+        if on_cuda and getattr(config, "cache_implementation", "unset") is None:
             config.cache_implementation = "static"
