@@ -9,8 +9,9 @@ from test_dequantize_nf4 import quantize
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec, nf4_matvec_reference
 
-# (out, in): 96 and 160 split 64-element blocks across rows; 515 is odd (a byte holds two rows' nibbles).
-SHAPES = [(48, 96), (33, 160), (17, 515), (130, 64)]
+# (out, in): 96 and 160 split 64-element blocks across rows; 515 is odd (a byte holds two rows' nibbles): the
+# general kernel. 64 and 320 hold whole blocks (320: a tile of four blocks and a part-filled one): the blocked one.
+SHAPES = [(48, 96), (33, 160), (17, 515), (130, 64), (20, 320)]
 
 
 def float64_reference(x, weight, bias, lora_a, lora_b, scale):
@@ -52,15 +53,17 @@ def test_nf4_matvec_shapes(shape, dtype, device):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
-def test_nf4_matvec_rows(rows, device):
-    check((40, 96), rows, torch.float32, nested=False, blocksize=64, with_bias=False, rank=0, device=device)
+@pytest.mark.parametrize("n_in", [96, 320])
+def test_nf4_matvec_rows(rows, n_in, device):
+    check((40, n_in), rows, torch.float32, nested=False, blocksize=64, with_bias=False, rank=0, device=device)
 
 
-def test_nf4_matvec_blocksize_128_leading_dims_and_strided_x(device):
-    weight = quantize((24, 200), torch.float32, True, 128, device)
-    x = torch.randn(2, 200, 3, dtype=torch.float32, device=device)[..., 1]  # a strided view
-    lora_a, lora_b = torch.randn(3, 200, device=device), torch.randn(24, 3, device=device)
-    got = nf4_matvec(x.view(2, 1, 200), weight, lora_a=lora_a, lora_b=lora_b, scale=2.0)
+@pytest.mark.parametrize("n_in", [200, 384])
+def test_nf4_matvec_blocksize_128_leading_dims_and_strided_x(n_in, device):
+    weight = quantize((24, n_in), torch.float32, True, 128, device)
+    x = torch.randn(2, n_in, 3, dtype=torch.float32, device=device)[..., 1]  # a strided view
+    lora_a, lora_b = torch.randn(3, n_in, device=device), torch.randn(24, 3, device=device)
+    got = nf4_matvec(x.view(2, 1, n_in), weight, lora_a=lora_a, lora_b=lora_b, scale=2.0)
     assert got.shape == (2, 1, 24)
     assert_close(got.view(2, 24), float64_reference(x, weight, None, lora_a, lora_b, 2.0), 1e-5, "y")
 

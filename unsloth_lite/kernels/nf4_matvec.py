@@ -13,10 +13,14 @@ the product equals x · dequantize_nf4(W)ᵀ up to the order of the fp32 sums. T
 in x's dtype. At one token per step a decoder reads every weight once per token, so the speed is the number of
 weight bytes read: half a byte per element here, against two for a dequantised bf16 copy (plus its write).
 
-Each program owns BLOCK_N output features for all M rows; it walks K in tiles of BLOCK_K, decodes the tile's
-nibbles (element e from byte e // 2, high nibble when e is even, so any K works, rows that split a quantisation
-block included) and accumulates elementwise products reduced with `tl.sum` (a matrix-vector product has too few
-rows for tensor cores).
+Each program owns BLOCK_N output features for all M rows (a matrix-vector product has too few rows for tensor
+cores). Where K is a multiple of the quantisation block (every real model), the blocked kernel walks K a few
+whole blocks at a time: it loads the tile's bytes as they lie (two weights a byte: the high nibble is the even
+element, the low nibble the odd one, multiplied by x's even and odd elements), decodes each block's absmax once
+(not once per weight: the nested form costs three dependent loads), and for one row keeps elementwise partial
+sums that it reduces once at the end; for several rows each tile's decoded weights serve every row. Other
+shapes (rows that split a quantisation block, odd element counts) take the general kernel: element e from byte
+e // 2, absmax per element, one reduction per tile.
 
 Inference only: no autograd (the weight is frozen and generation needs no gradient); `nf4_matvec` refuses
 inputs that require grad.
@@ -40,6 +44,79 @@ MAX_ROWS = 8
 # Output features per program: N / BLOCK_N programs keep every SM busy at the hidden sizes of real models.
 BLOCK_N = 16
 BLOCK_K = 256 if INTERPRET else 128  # the interpreter's cost is per operation: fewer, wider tiles
+# The blocked kernel's tile: BLOCK_N features x TILE_K weights (whole quantisation blocks).
+TILE_K = 256
+
+
+@triton.jit
+def _nf4_matvec_blocked_kernel(
+    x_ptr, x_row_stride, x_col_stride,
+    packed_ptr, absmax_ptr, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+    bias_ptr, t_ptr, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
+    out_ptr, out_row_stride,
+    n_rows, n_out, n_in, rank,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, WEIGHT_BF16: tl.constexpr, WEIGHT_FP16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    HALF: tl.constexpr = BLOCKSIZE // 2  # bytes of one quantisation block
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    mask_features = features < n_out
+    blocks_per_row = n_in // BLOCKSIZE
+    row_bytes = features.to(tl.int64) * (n_in // 2)
+    pair = tl.arange(0, HALF)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, HALF], dtype=tl.float32)  # one row: reduced at the end
+    for b0 in range(0, blocks_per_row, BLOCKS_PER_TILE):
+        blocks = b0 + tl.arange(0, BLOCKS_PER_TILE)
+        mask_blocks = blocks < blocks_per_row
+        mask_nb = mask_features[:, None] & mask_blocks[None, :]
+        absmax = _block_absmax(
+            absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+            features[:, None].to(tl.int64) * blocks_per_row + blocks[None, :], mask_nb, NESTED,
+        )[:, :, None]
+        byte_in_row = blocks[:, None] * HALF + pair[None, :]  # [BLOCKS_PER_TILE, HALF]
+        packed = tl.load(packed_ptr + row_bytes[:, None, None] + byte_in_row[None, :, :], mask=mask_nb[:, :, None],
+                         other=0).to(tl.int32)
+        w_even = tl.load(code_ptr + (packed >> 4)) * absmax  # masked weights are finite; their x is 0
+        w_odd = tl.load(code_ptr + (packed & 0xF)) * absmax
+        if WEIGHT_BF16:  # rounded to the weight's dtype as the dense weight holds it
+            w_even = _fp32_to_bf16_rne(w_even).to(tl.float32)
+            w_odd = _fp32_to_bf16_rne(w_odd).to(tl.float32)
+        if WEIGHT_FP16:
+            w_even = w_even.to(tl.float16).to(tl.float32)
+            w_odd = w_odd.to(tl.float16).to(tl.float32)
+        x_even_ptr = x_ptr + (2 * byte_in_row) * x_col_stride
+        mask_x = mask_blocks[:, None]
+        if BLOCK_M == 1:
+            x_even = tl.load(x_even_ptr, mask=mask_x, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_even_ptr + x_col_stride, mask=mask_x, other=0.0).to(tl.float32)
+            partial += w_even * x_even[None, :, :] + w_odd * x_odd[None, :, :]
+        else:
+            for m in tl.static_range(BLOCK_M):
+                mask_row = mask_x & ((blocks * 0 + m) < n_rows)[:, None]
+                x_even = tl.load(x_even_ptr + m * x_row_stride, mask=mask_row, other=0.0).to(tl.float32)
+                x_odd = tl.load(x_even_ptr + m * x_row_stride + x_col_stride, mask=mask_row, other=0.0).to(tl.float32)
+                row_sum = tl.sum(tl.sum(w_even * x_even[None, :, :] + w_odd * x_odd[None, :, :], axis=2), axis=1)
+                acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
+    if BLOCK_M == 1:
+        acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
+    mask_rows = rows < n_rows
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + features, mask=mask_features, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        ranks = tl.arange(0, BLOCK_R)
+        mask_ranks = ranks < rank
+        t = tl.load(t_ptr + rows[:, None] * rank + ranks[None, :], mask=mask_rows[:, None] & mask_ranks[None, :],
+                    other=0.0)
+        lora_b = tl.load(
+            lora_b_ptr + features[:, None] * lora_b_row_stride + ranks[None, :] * lora_b_col_stride,
+            mask=mask_features[:, None] & mask_ranks[None, :], other=0.0,
+        ).to(tl.float32)
+        acc += scale * tl.sum(t[:, None, :] * lora_b[None, :, :], axis=2)
+    out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_rows[:, None] & mask_features[None, :])
 
 
 @triton.jit
@@ -146,19 +223,30 @@ def nf4_matvec(
     rank = lora_a.shape[0] if has_lora else 0
     lora_b_arg = lora_b if has_lora else out
     packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize = launch.inputs
-    _nf4_matvec_kernel[(triton.cdiv(n_out, BLOCK_N),)](
+    blocksize = 2 * launch.meta["HALF_BLOCK"]
+    args = (
         x2d, x2d.stride(0), x2d.stride(1),
         packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize,
         bias if bias is not None else out, t, lora_b_arg, lora_b_arg.stride(0), lora_b_arg.stride(1), float(scale),
         out, out.stride(0),
         n_rows, n_out, n_in, rank,
-        BLOCKSIZE=2 * launch.meta["HALF_BLOCK"], NESTED=launch.meta["NESTED"],
+    )
+    meta = dict(
+        BLOCKSIZE=blocksize, NESTED=launch.meta["NESTED"],
         WEIGHT_BF16=launch.dtype == torch.bfloat16, WEIGHT_FP16=launch.dtype == torch.float16,
-        HAS_BIAS=bias is not None, HAS_LORA=has_lora,
-        BLOCK_M=max(2, triton.next_power_of_2(n_rows)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        BLOCK_R=max(2, triton.next_power_of_2(rank)),
+        HAS_BIAS=bias is not None, HAS_LORA=has_lora, BLOCK_R=max(2, triton.next_power_of_2(rank)),
         num_warps=4, enable_fp_fusion=False,
     )
+    grid = (triton.cdiv(n_out, BLOCK_N),)
+    if n_in % blocksize == 0 and TILE_K % blocksize == 0:
+        _nf4_matvec_blocked_kernel[grid](
+            *args, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=BLOCK_N, BLOCKS_PER_TILE=TILE_K // blocksize,
+            **meta,
+        )
+    else:
+        _nf4_matvec_kernel[grid](
+            *args, BLOCK_M=max(2, triton.next_power_of_2(n_rows)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **meta,
+        )
     return out.view(*x.shape[:-1], n_out)
 
 
