@@ -10,7 +10,7 @@ from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec, nf4_matvec_reference
 
 # (out, in): 96 and 160 split 64-element blocks across rows; 515 is odd (a byte holds two rows' nibbles): the
-# general kernel. 64 and 320 hold whole blocks (320: a tile of four blocks and a part-filled one): the blocked one.
+# general kernel. 64 and 320 hold whole blocks: the blocked one, whose tiles are part-filled along K here.
 SHAPES = [(48, 96), (33, 160), (17, 515), (130, 64), (20, 320)]
 
 
@@ -50,6 +50,11 @@ def check(shape, rows, dtype, nested, blocksize, with_bias, rank, device):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_nf4_matvec_shapes(shape, dtype, device):
     check(shape, rows=3, dtype=dtype, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
+
+
+def test_nf4_matvec_wider_tiles(device):
+    """N >= 2048: the blocked kernel's programs take 8 features (`blocked_tile`); 2050 part-fills the last."""
+    check((2050, 128), 2, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])

@@ -207,24 +207,38 @@ def test_packed_sequence_kwargs_and_mask():
     assert torch.equal(mask, expected)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch", ARCHS)
-def test_packed_bf16_on_cuda_through_varlen_attn(arch):
-    """bfloat16 on CUDA: the packed row goes through torch's `varlen_attn` (with grouped KV heads) and
-    matches the padded batch through the unpatched model within bf16 tolerances."""
-    from unsloth_lite.models.packing import _uses_varlen_attn
+def assert_bf16_packed_as_accurate_as_padded(arch, device):
+    """bfloat16: the packed row through the patched model against the padded batch through the unpatched model
+    in float32 (the same weights), measured next to Hugging Face's own bf16 error on the padded batch. A LoRA
+    gradient of q or k passes through the softmax's backward, where bf16 rounding alone moves it by 5-20%
+    (measured), so each gradient may be off by at most 3x Hugging Face's error on it (at least 2e-2)."""
+    from helpers import relative_error
 
-    reference = lora_model(arch, "cuda", torch.bfloat16)
-    patched = patch_model(copy.deepcopy(reference))
+    exact = lora_model(arch, device)
+    hugging_face = copy.deepcopy(exact).to(torch.bfloat16)
+    patched = patch_model(copy.deepcopy(hugging_face))
     docs = documents((37, 5, 120, 64, 2, 200))
     packed = PackingCollator(PAD, max_tokens=512)(docs)
     padded = PaddingCollator(PAD)(docs)
+    exact_loss, exact_grads = loss_and_gradients(exact, padded, device)
+    hf_loss, hf_grads = loss_and_gradients(hugging_face, padded, device)
+    loss, grads = loss_and_gradients(patched, packed, device)
+    assert_close(loss.float(), exact_loss, 1e-2, "loss")
+    assert grads.keys() == exact_grads.keys()
+    for name, expected in exact_grads.items():
+        bound = max(3 * relative_error(hf_grads[name].float(), expected), 2e-2)
+        assert_close(grads[name].float(), expected, bound, f"grad {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_bf16_on_cuda_through_varlen_attn(arch):
+    """bfloat16 on CUDA: the packed row goes through torch's `varlen_attn` (with grouped KV heads); its loss and
+    gradients as accurate as Hugging Face's on the padded batch (`assert_bf16_packed_as_accurate_as_padded`)."""
+    from unsloth_lite.models.packing import _uses_varlen_attn
+
     assert _uses_varlen_attn(torch.empty(1, device="cuda", dtype=torch.bfloat16), 0.0)
-    expected_loss, expected_grads = loss_and_gradients(reference, padded, "cuda")
-    loss, grads = loss_and_gradients(patched, packed, "cuda")
-    assert_close(loss.float(), expected_loss.float(), 1e-2, "loss")
-    for name in expected_grads:
-        assert_close(grads[name].float(), expected_grads[name].float(), 5e-2, f"grad {name}")
+    assert_bf16_packed_as_accurate_as_padded(arch, "cuda")
 
 
 @pytest.mark.gpu

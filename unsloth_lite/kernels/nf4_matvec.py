@@ -8,8 +8,10 @@ absmax and double quantisation as in `dequantize_nf4.py`), bias b `[N]`, adapter
     t       = x Aᵀ                                              (rank r, fp32, one small product)
     y[m, n] = Σ_k x[m, k] · W[n, k] + b[n] + s · Σ_j t[m, j] · B[n, j]
 
-dtype_W is `quant_state.dtype`: each weight element is rounded to it exactly as `dequantize_nf4` writes it, so
-the product equals x · dequantize_nf4(W)ᵀ up to the order of the fp32 sums. The sums run in fp32; y is written
+dtype_W is `quant_state.dtype`. The general kernel rounds each weight to it exactly as `dequantize_nf4` writes
+it, so its product equals x · dequantize_nf4(W)ᵀ up to the order of the fp32 sums. The blocked kernel (below)
+multiplies by the exact fp32 weights, code · absmax, instead: rounding each to bf16 costs more instructions
+than the rest of the weight's work, and the product moves by less than the bf16 rounding of y itself. The sums run in fp32; y is written
 in x's dtype. At one token per step a decoder reads every weight once per token, so the speed is the number of
 weight bytes read: half a byte per element here, against two for a dequantised bf16 copy (plus its write).
 
@@ -17,8 +19,10 @@ Each program owns BLOCK_N output features for all M rows (a matrix-vector produc
 cores). Where K is a multiple of the quantisation block (every real model), the blocked kernel walks K a few
 whole blocks at a time: it loads the tile's bytes as they lie (two weights a byte: the high nibble is the even
 element, the low nibble the odd one, multiplied by x's even and odd elements), decodes each block's absmax once
-(not once per weight: the nested form costs three dependent loads), and for one row keeps elementwise partial
-sums that it reduces once at the end; for several rows each tile's decoded weights serve every row. Other
+(not once per weight: the nested form costs three dependent loads) and applies it once per weight pair, and
+for one row keeps elementwise partial sums that it reduces once at the end; for several rows each tile's
+decoded weights serve every row. At batch 1 the kernel is bound by instructions per weight, not by bytes, so
+each weight costs a nibble extract, a code-book load and a fused multiply-add, little more. Other
 shapes (rows that split a quantisation block, odd element counts) take the general kernel: element e from byte
 e // 2, absmax per element, one reduction per tile.
 
@@ -44,8 +48,17 @@ MAX_ROWS = 8
 # Output features per program: N / BLOCK_N programs keep every SM busy at the hidden sizes of real models.
 BLOCK_N = 16
 BLOCK_K = 256 if INTERPRET else 128  # the interpreter's cost is per operation: fewer, wider tiles
-# The blocked kernel's tile: BLOCK_N features x TILE_K weights (whole quantisation blocks).
-TILE_K = 256
+
+
+def blocked_tile(n_out: int) -> tuple[int, int]:
+    """(features, weights along K) of the blocked kernel's tile. Measured on the H200 at batch 1 over the
+    Qwen3-8B and Qwen3.5-27B projections: 512 weights along K beat 256; 16 features a program where N is
+    large, fewer where N / 16 programs would leave SMs idle (k/v projections: N = 1024)."""
+    if n_out >= 12288:
+        return 16, 512
+    if n_out >= 2048:
+        return 8, 512
+    return 4, 1024
 
 
 @triton.jit
@@ -55,7 +68,7 @@ def _nf4_matvec_blocked_kernel(
     bias_ptr, t_ptr, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
     out_ptr, out_row_stride,
     n_rows, n_out, n_in, rank,
-    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, WEIGHT_BF16: tl.constexpr, WEIGHT_FP16: tl.constexpr,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -79,26 +92,21 @@ def _nf4_matvec_blocked_kernel(
         byte_in_row = blocks[:, None] * HALF + pair[None, :]  # [BLOCKS_PER_TILE, HALF]
         packed = tl.load(packed_ptr + row_bytes[:, None, None] + byte_in_row[None, :, :], mask=mask_nb[:, :, None],
                          other=0).to(tl.int32)
-        w_even = tl.load(code_ptr + (packed >> 4)) * absmax  # masked weights are finite; their x is 0
-        w_odd = tl.load(code_ptr + (packed & 0xF)) * absmax
-        if WEIGHT_BF16:  # rounded to the weight's dtype as the dense weight holds it
-            w_even = _fp32_to_bf16_rne(w_even).to(tl.float32)
-            w_odd = _fp32_to_bf16_rne(w_odd).to(tl.float32)
-        if WEIGHT_FP16:
-            w_even = w_even.to(tl.float16).to(tl.float32)
-            w_odd = w_odd.to(tl.float16).to(tl.float32)
+        code_even = tl.load(code_ptr + (packed >> 4))  # masked bytes decode to finite weights; their x is 0
+        code_odd = tl.load(code_ptr + (packed & 0xF))
         x_even_ptr = x_ptr + (2 * byte_in_row) * x_col_stride
         mask_x = mask_blocks[:, None]
         if BLOCK_M == 1:
             x_even = tl.load(x_even_ptr, mask=mask_x, other=0.0).to(tl.float32)
             x_odd = tl.load(x_even_ptr + x_col_stride, mask=mask_x, other=0.0).to(tl.float32)
-            partial += w_even * x_even[None, :, :] + w_odd * x_odd[None, :, :]
+            partial += (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
         else:
             for m in tl.static_range(BLOCK_M):
                 mask_row = mask_x & ((blocks * 0 + m) < n_rows)[:, None]
                 x_even = tl.load(x_even_ptr + m * x_row_stride, mask=mask_row, other=0.0).to(tl.float32)
                 x_odd = tl.load(x_even_ptr + m * x_row_stride + x_col_stride, mask=mask_row, other=0.0).to(tl.float32)
-                row_sum = tl.sum(tl.sum(w_even * x_even[None, :, :] + w_odd * x_odd[None, :, :], axis=2), axis=1)
+                pairs = (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
+                row_sum = tl.sum(tl.sum(pairs, axis=2), axis=1)
                 acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
     if BLOCK_M == 1:
         acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
@@ -232,20 +240,20 @@ def nf4_matvec(
         n_rows, n_out, n_in, rank,
     )
     meta = dict(
-        BLOCKSIZE=blocksize, NESTED=launch.meta["NESTED"],
-        WEIGHT_BF16=launch.dtype == torch.bfloat16, WEIGHT_FP16=launch.dtype == torch.float16,
-        HAS_BIAS=bias is not None, HAS_LORA=has_lora, BLOCK_R=max(2, triton.next_power_of_2(rank)),
-        num_warps=4, enable_fp_fusion=False,
+        BLOCKSIZE=blocksize, NESTED=launch.meta["NESTED"], HAS_BIAS=bias is not None, HAS_LORA=has_lora,
+        BLOCK_R=max(2, triton.next_power_of_2(rank)), num_warps=4,
     )
-    grid = (triton.cdiv(n_out, BLOCK_N),)
-    if n_in % blocksize == 0 and TILE_K % blocksize == 0:
-        _nf4_matvec_blocked_kernel[grid](
-            *args, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=BLOCK_N, BLOCKS_PER_TILE=TILE_K // blocksize,
+    block_n, tile_k = blocked_tile(n_out)
+    if n_in % blocksize == 0 and tile_k % blocksize == 0:
+        _nf4_matvec_blocked_kernel[(triton.cdiv(n_out, block_n),)](
+            *args, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             **meta,
         )
     else:
-        _nf4_matvec_kernel[grid](
-            *args, BLOCK_M=max(2, triton.next_power_of_2(n_rows)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **meta,
+        _nf4_matvec_kernel[(triton.cdiv(n_out, BLOCK_N),)](
+            *args, BLOCK_M=max(2, triton.next_power_of_2(n_rows)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            WEIGHT_BF16=launch.dtype == torch.bfloat16, WEIGHT_FP16=launch.dtype == torch.float16,
+            enable_fp_fusion=False, **meta,
         )
     return out.view(*x.shape[:-1], n_out)
 
