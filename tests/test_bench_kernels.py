@@ -47,3 +47,10 @@ def test_bench_deltanet_tiny_mode_runs():
     row = next(line for line in out.splitlines() if line.startswith("| unsloth_lite | 70 |"))
     errors = [float(cell) for cell in row.split("|")[5:11]]
     assert len(errors) == 6 and all(0 <= e < 1e-2 for e in errors), row  # bf16 against float64
+
+
+def test_bench_nf4_matvec_tiny_mode_runs():
+    out = run_tiny("bench_nf4_matvec.py")
+    assert "| unsloth_lite |" in out and "| dequantize_matmul |" in out
+    for model in ("qwen3_8b", "qwen3_5_27b"):
+        assert f"| {model} | unsloth_lite |" in out

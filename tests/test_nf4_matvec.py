@@ -53,7 +53,8 @@ def test_nf4_matvec_shapes(shape, dtype, device):
 
 
 def test_nf4_matvec_wider_tiles(device):
-    """N >= 2048: the blocked kernel's programs take 8 features (`blocked_tile`); 2050 part-fills the last."""
+    """N >= 2048: compiled, the blocked kernel's programs take 8 features (`blocked_tile`); 2050 part-fills the
+    last program."""
     check((2050, 128), 2, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
 
 

@@ -53,7 +53,10 @@ BLOCK_K = 256 if INTERPRET else 128  # the interpreter's cost is per operation: 
 def blocked_tile(n_out: int) -> tuple[int, int]:
     """(features, weights along K) of the blocked kernel's tile. Measured on the H200 at batch 1 over the
     Qwen3-8B and Qwen3.5-27B projections: 512 weights along K beat 256; 16 features a program where N is
-    large, fewer where N / 16 programs would leave SMs idle (k/v projections: N = 1024)."""
+    large, fewer where N / 16 programs would leave SMs idle (k/v projections: N = 1024). The interpreter's cost
+    is per program and per operation: few, wide tiles."""
+    if INTERPRET:
+        return 64, 256
     if n_out >= 12288:
         return 16, 512
     if n_out >= 2048:

@@ -1,0 +1,134 @@
+"""Batch-1 NF4 projections of decoding (workload W3's kernels): unsloth-lite's `nf4_matvec` against
+bitsandbytes' own matrix-vector kernel and against dequantising the weight then multiplying, at every distinct
+decoder projection shape of the W3 models, with the time each model spends in them per token.
+
+    python scripts/bench_nf4_matvec.py --out bench_nf4_matvec.json              # on a GPU: both W3 shapes
+    TRITON_INTERPRET=1 python scripts/bench_nf4_matvec.py --tiny               # CPU smoke run
+
+Shapes: the NF4 decoder linears of `bench_generate.py`'s `qwen3_8b` and `qwen3_5_27b` (random weights, bf16
+compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), one row of x. Variants:
+- `unsloth_lite`: `unsloth_lite.kernels.nf4_matvec` (the weight read once, dequantised in registers);
+- `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
+- `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
+
+Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
+the bytes a projection must read (packed weights, 8-bit absmax, second-level absmax, x) and write (y) once;
+"% copy" compares it with a device-to-device copy measured in the same run. `ms_per_token` sums each shape's
+time times the number of such linears in the model: the NF4 projections' share of one decoded token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+import torch
+from bench_common import (
+    bench_device,
+    bench_ms,
+    copy_bandwidth_gbps,
+    environment,
+    graph_ms,
+    markdown_table,
+    report_unknown,
+    write_json,
+)
+from bench_generate import SHAPES, nf4_bytes, shape_config, weightless_model
+
+VARIANTS = ("unsloth_lite", "bitsandbytes", "dequantize_matmul")
+TINY_VARIANTS = ("unsloth_lite", "dequantize_matmul")
+
+
+def projection_shapes(shape: str, tiny: bool) -> collections.Counter:
+    """(out, in) -> how many NF4 decoder linears of that shape the model has (lm_head and embeddings stay bf16)."""
+    model = weightless_model(shape, shape_config(shape, tiny))
+    return collections.Counter(
+        (m.out_features, m.in_features) for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not n.endswith(("lm_head", "embed_tokens"))
+    )
+
+
+def nf4_weight(n_out: int, n_in: int, device, dtype):
+    import bitsandbytes as bnb
+
+    weight = torch.randn(n_out, n_in, dtype=dtype) * 0.02
+    param = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=True, blocksize=64,
+                              quant_storage=torch.uint8)
+    return param.to(device)
+
+
+def variant_fn(variant: str, x, weight):
+    import torch.nn.functional as F
+
+    from unsloth_lite.kernels import dequantize_nf4
+    from unsloth_lite.kernels.nf4_matvec import nf4_matvec
+
+    if variant == "unsloth_lite":
+        return lambda: nf4_matvec(x, weight)
+    if variant == "bitsandbytes":
+        import bitsandbytes as bnb
+
+        return lambda: bnb.matmul_4bit(x, weight.t(), quant_state=weight.quant_state)
+    return lambda: F.linear(x, dequantize_nf4(weight))
+
+
+def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidth: float) -> list[dict]:
+    dtype = torch.float32 if tiny else torch.bfloat16
+    rows, counts = [], {s: projection_shapes(s, tiny) for s in shapes}
+    for n_out, n_in in sorted({key for c in counts.values() for key in c}):
+        weight = nf4_weight(n_out, n_in, device, dtype)
+        x = torch.randn(1, n_in, device=device, dtype=dtype)
+        moved = nf4_bytes(n_out * n_in) + x.element_size() * (n_in + n_out)
+        for variant in variants:
+            with torch.no_grad():
+                fn = variant_fn(variant, x, weight)
+                ms = graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
+            row = dict(out=n_out, **{"in": n_in}, variant=variant)
+            if ms is not None:
+                row.update(us=round(1e3 * ms, 2), gb_per_s=round(moved / ms / 1e6, 1),
+                           copy_fraction=round(moved / ms / 1e6 / bandwidth, 3))
+            rows.append(row)
+    return rows
+
+
+def per_token(rows: list[dict], shapes: list[str], variants: list[str], tiny: bool) -> list[dict]:
+    times = {(r["out"], r["in"], r["variant"]): r.get("us") for r in rows}
+    totals = []
+    for shape in shapes:
+        for variant in variants:
+            parts = [(count, times[(n_out, n_in, variant)])
+                     for (n_out, n_in), count in projection_shapes(shape, tiny).items()]
+            if all(us is not None for _, us in parts):
+                totals.append(dict(model=shape, variant=variant,
+                                   ms_per_token=round(sum(count * us for count, us in parts) / 1e3, 3)))
+    return totals
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run (the tiny models' shapes, interpreter)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {','.join(SHAPES)}")
+    parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    device = bench_device(args.tiny)
+    if device is None:
+        return 1
+    shapes = args.shapes.split(",")
+    variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
+    if report_unknown("shapes", shapes, SHAPES) or report_unknown("variants", variants, VARIANTS):
+        return 2
+    bandwidth = copy_bandwidth_gbps(device, 0.25 if args.tiny else 4.0)
+    rows = measure(shapes, variants, device, args.tiny, bandwidth)
+    totals = per_token(rows, shapes, variants, args.tiny)
+    print(f"copy bandwidth {bandwidth:.0f} GB/s; one row of x; device times")
+    print(markdown_table(rows, ["out", "in", "variant", "us", "gb_per_s", "copy_fraction"]))
+    print(markdown_table(totals, ["model", "variant", "ms_per_token"]))
+    write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
+                              copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
