@@ -11,9 +11,10 @@ absmax and double quantisation as in `dequantize_nf4.py`), bias b `[N]`, adapter
 dtype_W is `quant_state.dtype`. The general kernel rounds each weight to it exactly as `dequantize_nf4` writes
 it, so its product equals x · dequantize_nf4(W)ᵀ up to the order of the fp32 sums. The blocked kernel (below)
 multiplies by the exact fp32 weights, code · absmax, instead: rounding each to bf16 costs more instructions
-than the rest of the weight's work, and the product moves by less than the bf16 rounding of y itself. The sums run in fp32; y is written
-in x's dtype. At one token per step a decoder reads every weight once per token, so the speed is the number of
-weight bytes read: half a byte per element here, against two for a dequantised bf16 copy (plus its write).
+than the rest of the weight's work, and y moves by about its own bf16 rounding. The sums run in fp32; y is
+written in x's dtype. At one token per step a decoder reads every weight once per token, so the speed is set by
+the weight bytes read (half a byte per element here, against two for a dequantised bf16 copy plus its write)
+and by the instructions spent on each weight.
 
 Each program owns BLOCK_N output features for all M rows (a matrix-vector product has too few rows for tensor
 cores). Where K is a multiple of the quantisation block (every real model), the blocked kernel walks K a few
