@@ -4,6 +4,7 @@ each document); the collator's layout; gradient accumulation over packed micro-b
 On CUDA (tests marked `gpu`) the same in bfloat16 through torch's `varlen_attn`."""
 
 import copy
+import functools
 
 import datasets
 import pytest
@@ -205,6 +206,25 @@ def test_packed_sequence_kwargs_and_mask():
     for a, b in ((0, 3), (3, 5), (5, 9)):
         expected[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
     assert torch.equal(mask, expected)
+    static = packed_sequence_kwargs(positions, static_shapes=True)  # 3 documents: room for 4, the row's length
+    assert static["cu_seq_lens_q"].tolist() == [0, 3, 5, 9, 9] and static["max_length_q"] == 9
+    assert torch.equal(block_diagonal_causal_mask(static["cu_seq_lens_q"], 9), expected)
+    five = packed_sequence_kwargs(torch.tensor([[0, 0, 0, 0, 0, 1]]), static_shapes=True)
+    assert five["cu_seq_lens_q"].tolist() == [0, 1, 2, 3, 4, 6, 6, 6, 6]
+
+
+def test_static_shapes_change_nothing(device, monkeypatch):
+    """Qwen3.5 (attention, conv and DeltaNet all read the offsets): a packed batch whose offsets end in empty
+    documents (`static_shapes`, the CUDA default; 5 documents with the padding: room for 8) gives the loss and
+    gradients of the exact offsets."""
+    model = patch_model(lora_model("qwen3_5", device))
+    packed = PackingCollator(PAD, max_tokens=24)(documents((9, 4, 6, 3)))
+    exact_loss, exact_grads = loss_and_gradients(model, packed, device)
+    static = functools.partial(packed_sequence_kwargs, static_shapes=True)
+    monkeypatch.setattr(model_layers, "packed_sequence_kwargs", static)
+    loss, grads = loss_and_gradients(model, packed, device)
+    assert_close(loss, exact_loss, 1e-6, "loss")
+    assert_gradients_close(grads, exact_grads, 1e-6)
 
 
 def assert_bf16_packed_as_accurate_as_padded(arch, device):

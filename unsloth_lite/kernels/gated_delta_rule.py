@@ -66,6 +66,7 @@ from unsloth_lite.kernels.gated_delta_rule_kernels import (
     _prepare_kernel,
 )
 from unsloth_lite.kernels.utils import (
+    INTERPRET,
     check_float,
     check_kernel_device,
     check_same_device,
@@ -139,7 +140,8 @@ def _prepare(q, k, v, g, beta, lay: _Layout, use_l2: bool, store_t: bool):
         w, u, tm, lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, group, dk, dv,
         C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), DV=max(16, triton.next_power_of_2(dv)),
-        L2=use_l2, VARLEN=lay.varlen, STORE_T=store_t, PREC=_dot_precision(q.dtype), num_warps=4,
+        L2=use_l2, VARLEN=lay.varlen, STORE_T=store_t, PREC=_dot_precision(q.dtype),
+        TRIM_SUBSTITUTION=INTERPRET, num_warps=4,
     )
     return w, u, (tm if store_t else None)
 

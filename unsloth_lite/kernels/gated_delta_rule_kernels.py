@@ -101,8 +101,11 @@ def _prepare_kernel(
     T, NC, NCH, G, Dk, Dv,
     C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     L2: tl.constexpr, VARLEN: tl.constexpr, STORE_T: tl.constexpr, PREC: tl.constexpr,
+    TRIM_SUBSTITUTION: tl.constexpr,
 ):
-    """Per chunk and value head: T = (I + A)^-1 by forward substitution, W = T(βΓ⊙K), U = T(β⊙V)."""
+    """Per chunk and value head: T = (I + A)^-1 by forward substitution, W = T(βΓ⊙K), U = T(β⊙V).
+    TRIM_SUBSTITUTION (the interpreter, whose cost is per step) stops the substitution at the chunk's last
+    token: the rows of A past it are zero (β is), so the steps after it change nothing."""
     pid_c = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     hk = h // G
@@ -121,7 +124,8 @@ def _prepare_kernel(
     At = tl.where(upper, beta[None, :] * kk * tl.exp(tl.where(upper, gam[None, :] - gam[:, None], 0.0)), 0.0)
     eye = rows[:, None] == rows[None, :]
     Tm = tl.where(eye, 1.0, 0.0)
-    for i in range(1, C):
+    steps = tl.minimum(eos - t0, C) if TRIM_SUBSTITUTION else C
+    for i in range(1, steps):
         a_i = tl.sum(tl.where(rows[None, :] == i, At, 0.0), 1)  # A[i, :] along the rows of Tm
         Tm -= tl.where(rows[:, None] == i, tl.sum(a_i[:, None] * Tm, 0)[None, :], 0.0)
 

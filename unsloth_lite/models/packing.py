@@ -18,13 +18,19 @@ import inspect
 import torch
 
 
-def packed_sequence_kwargs(position_ids: torch.Tensor | None) -> dict | None:
+def packed_sequence_kwargs(position_ids: torch.Tensor | None, static_shapes: bool | None = None) -> dict | None:
     """`cu_seq_lens_q/k` and `max_length_q/k` of a packed row, or None where `position_ids` do not describe
     one (no position ids, a batch of several rows, a row that does not start at 0, or a single document).
 
     Costs one host sync: the row's position ids are copied to the host (8 bytes a token), where the offsets
     and the longest document are found; the offsets go back to the device without blocking. Every layer then
-    reuses them, and `varlen_attn` needs the longest length as a Python int anyway."""
+    reuses them, and `varlen_attn` needs the longest length as a Python int anyway.
+
+    `static_shapes` (default: on CUDA) gives every row of one length the same shapes and arguments whatever
+    its documents: the offsets are padded to a power-of-two count with empty documents at the row's end, and
+    the longest length is the row's. CUDA-graphed layers key their graphs on those (`checkpointing.py`), so
+    packed rows of a fixed token budget then replay a few graphs (one per power of two of documents) instead
+    of capturing a new pair for every row; the attention's extra blocks of empty documents exit at once."""
     if position_ids is None:
         return None
     if position_ids.dim() == 3:  # Qwen3.5's multimodal rotary positions: [text, t, h, w] or [t, h, w] first
@@ -35,8 +41,14 @@ def packed_sequence_kwargs(position_ids: torch.Tensor | None) -> dict | None:
     starts = torch.nonzero(positions == 0).flatten()
     if starts.numel() < 2 or int(starts[0]) != 0:
         return None
-    offsets = torch.cat([starts, torch.tensor([positions.numel()])]).to(torch.int32)
+    length = positions.numel()
+    offsets = torch.cat([starts, torch.tensor([length])]).to(torch.int32)
     longest = int((offsets[1:] - offsets[:-1]).max())
+    if position_ids.is_cuda if static_shapes is None else static_shapes:
+        documents = starts.numel()
+        capacity = 1 << (documents - 1).bit_length()
+        offsets = torch.nn.functional.pad(offsets, (0, capacity - documents), value=length)
+        longest = length
     cu_seqlens = offsets.to(position_ids.device, non_blocking=True)
     return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": longest,
             "max_length_k": longest}
@@ -99,8 +111,9 @@ def varlen_attention(query, key, value, packed: dict, scaling: float, dropout: f
 
 def block_diagonal_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
     """`[T, T]` boolean, True where query i may attend key j: same document, j <= i."""
-    boundaries = torch.zeros(length, dtype=torch.int32, device=cu_seqlens.device)
-    boundaries[cu_seqlens[1:-1].long()] = 1  # each document after the first starts a new index
+    boundaries = torch.zeros(length + 1, dtype=torch.int32, device=cu_seqlens.device)
+    boundaries[cu_seqlens[1:-1].long()] = 1  # each document after the first starts a new index (empty
+    boundaries = boundaries[:length]  # documents at the end of padded offsets start at `length`: dropped)
     document = boundaries.cumsum(0)
     same_document = document[:, None] == document[None, :]
     return same_document.tril_()
