@@ -20,10 +20,11 @@ Each program owns BLOCK_N output features for all M rows (a matrix-vector produc
 cores). Where K is a multiple of the quantisation block (every real model), the blocked kernel walks K a few
 whole blocks at a time: it loads the tile's bytes as they lie (two weights a byte: the high nibble is the even
 element, the low nibble the odd one, multiplied by x's even and odd elements), decodes each block's absmax once
-(not once per weight: the nested form costs three dependent loads) and applies it once per weight pair, and
+(not once per weight: the nested form costs three dependent loads) and applies it once per weight pair, reads
+both code-book values of a byte with one load from a 256-entry table of pairs (`code_pairs`), and
 for one row keeps elementwise partial sums that it reduces once at the end; for several rows each tile's
 decoded weights serve every row. At batch 1 the kernel is bound by instructions per weight, not by bytes, so
-each weight costs a nibble extract, a code-book load and a fused multiply-add, little more. Other
+each weight costs half a table load and a fused multiply-add, little more. Other
 shapes (rows that split a quantisation block, odd element counts) take the general kernel: element e from byte
 e // 2, absmax per element, one reduction per tile.
 
@@ -65,10 +66,26 @@ def blocked_tile(n_out: int) -> tuple[int, int]:
     return 4, 1024
 
 
+_CODE_PAIRS: dict = {}
+
+
+def code_pairs(code: torch.Tensor) -> torch.Tensor:
+    """int64 `[256]`: for each byte value, the fp32 code-book values of its high nibble (the even weight: low
+    word) and of its low nibble (high word). Built on the code book's device, without a host sync (a CUDA graph
+    may be capturing), once per code-book tensor."""
+    key = (code.data_ptr(), code.device)
+    table = _CODE_PAIRS.get(key)
+    if table is None:
+        byte = torch.arange(256, device=code.device)
+        pairs = torch.stack([code.float()[byte >> 4], code.float()[byte & 0xF]], dim=1).contiguous()
+        table = _CODE_PAIRS[key] = pairs.view(torch.int64).view(256)
+    return table
+
+
 @triton.jit
 def _nf4_matvec_blocked_kernel(
     x_ptr, x_row_stride, x_col_stride,
-    packed_ptr, absmax_ptr, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+    packed_ptr, absmax_ptr, code_pairs_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
     bias_ptr, t_ptr, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
     out_ptr, out_row_stride,
     n_rows, n_out, n_in, rank,
@@ -96,8 +113,9 @@ def _nf4_matvec_blocked_kernel(
         byte_in_row = blocks[:, None] * HALF + pair[None, :]  # [BLOCKS_PER_TILE, HALF]
         packed = tl.load(packed_ptr + row_bytes[:, None, None] + byte_in_row[None, :, :], mask=mask_nb[:, :, None],
                          other=0).to(tl.int32)
-        code_even = tl.load(code_ptr + (packed >> 4))  # masked bytes decode to finite weights; their x is 0
-        code_odd = tl.load(code_ptr + (packed & 0xF))
+        both = tl.load(code_pairs_ptr + packed)  # masked bytes decode to finite weights; their x is 0
+        code_even = both.to(tl.int32).to(tl.float32, bitcast=True)
+        code_odd = (both >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         x_even_ptr = x_ptr + (2 * byte_in_row) * x_col_stride
         mask_x = mask_blocks[:, None]
         if BLOCK_M == 1:
@@ -109,8 +127,8 @@ def _nf4_matvec_blocked_kernel(
                 mask_row = mask_x & ((blocks * 0 + m) < n_rows)[:, None]
                 x_even = tl.load(x_even_ptr + m * x_row_stride, mask=mask_row, other=0.0).to(tl.float32)
                 x_odd = tl.load(x_even_ptr + m * x_row_stride + x_col_stride, mask=mask_row, other=0.0).to(tl.float32)
-                pairs = (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
-                row_sum = tl.sum(tl.sum(pairs, axis=2), axis=1)
+                products = (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
+                row_sum = tl.sum(tl.sum(products, axis=2), axis=1)
                 acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
     if BLOCK_M == 1:
         acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
@@ -249,8 +267,9 @@ def nf4_matvec(
     )
     block_n, tile_k = blocked_tile(n_out)
     if n_in % blocksize == 0 and tile_k % blocksize == 0:
+        blocked_args = args[:5] + (code_pairs(code),) + args[6:]
         _nf4_matvec_blocked_kernel[(triton.cdiv(n_out, block_n),)](
-            *args, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
+            *blocked_args, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             **meta,
         )
     else:
