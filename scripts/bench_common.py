@@ -136,6 +136,12 @@ def write_json(path: str | None, payload: dict) -> None:
             json.dump(payload, f, indent=2)
 
 
+def parse_results(lines: list[str], prefix: str) -> list[dict]:
+    """The JSON objects printed after `prefix`. The prefix may come mid-line: where several processes share one
+    output pipe, another's progress bar (written without a newline) can precede it."""
+    return [json.loads(line[line.index(prefix) + len(prefix):]) for line in lines if prefix in line]
+
+
 def run_worker_process(cmd: list[str], env: dict, cwd, result_prefix: str, timeout_s: float, label: str,
                        verbose: bool = False) -> tuple[list[dict], list[str], int]:
     """Runs a benchmark worker process, killed after `timeout_s`; returns the JSON objects it printed on lines
@@ -155,5 +161,5 @@ def run_worker_process(cmd: list[str], env: dict, cwd, result_prefix: str, timeo
         proc.wait()
     finally:
         timer.cancel()
-    results = [json.loads(line[len(result_prefix):]) for line in lines if line.startswith(result_prefix)]
+    results = parse_results(lines, result_prefix)
     return results, lines, proc.returncode

@@ -58,7 +58,15 @@ import traceback
 from pathlib import Path
 
 import torch
-from bench_common import bench_device, copy_bandwidth_gbps, environment, markdown_table, report_unknown, write_json
+from bench_common import (
+    bench_device,
+    copy_bandwidth_gbps,
+    environment,
+    markdown_table,
+    parse_results,
+    report_unknown,
+    write_json,
+)
 from bench_train import TINY as TINY_QWEN3
 from bench_train import W1, _error, _tokenizer, ensure_checkpoint
 from bench_train_27b import ATTENTION_MLP, model_config
@@ -342,7 +350,7 @@ def run_worker(args, variant: str, checkpoints: dict) -> list[dict]:
         lines, code = proc.stdout.splitlines(), proc.returncode
     except subprocess.TimeoutExpired:
         lines, code = [], f"no result within --worker-timeout {args.worker_timeout:.0f} s"
-    results = [json.loads(line[len(RESULT_PREFIX):]) for line in lines if line.startswith(RESULT_PREFIX)]
+    results = parse_results(lines, RESULT_PREFIX)
     done = {r["shape"] for r in results}
     results += [dict(variant=variant, shape=s, error=f"worker: {code}")
                 for s in args.shapes.split(",") if s not in done]

@@ -38,7 +38,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from bench_common import bench_device, environment, markdown_table, write_json
+from bench_common import bench_device, environment, markdown_table, parse_results, write_json
 from bench_train import _error, measure
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,7 +216,7 @@ def run_worker(args, variant: str) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           errors="replace", timeout=args.worker_timeout)
     lines = proc.stdout.splitlines()
-    results = [json.loads(line[len(RESULT_PREFIX):]) for line in lines if line.startswith(RESULT_PREFIX)]
+    results = parse_results(lines, RESULT_PREFIX)
     result = results[0] if results else dict(variant=variant, error=f"worker exited with {proc.returncode}")
     if "error" in result or args.verbose:
         print("\n".join(f"[{variant}] {line}" for line in lines[-25:]), flush=True)
