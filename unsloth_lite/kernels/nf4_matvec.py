@@ -66,6 +66,30 @@ def blocked_tile(n_out: int) -> tuple[int, int]:
     return 4, 1024
 
 
+@triton.jit
+def _store_rows(
+    acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride,
+    scale, out_ptr, out_row_stride, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """y = acc + b + s · t Bᵀ for the program's rows and features, stored in y's dtype."""
+    mask_rows = rows < n_rows
+    mask_features = features < n_out
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + features, mask=mask_features, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        ranks = tl.arange(0, BLOCK_R)
+        mask_ranks = ranks < rank
+        t = tl.load(t_ptr + rows[:, None] * rank + ranks[None, :], mask=mask_rows[:, None] & mask_ranks[None, :],
+                    other=0.0)
+        lora_b = tl.load(
+            lora_b_ptr + features[:, None] * lora_b_row_stride + ranks[None, :] * lora_b_col_stride,
+            mask=mask_features[:, None] & mask_ranks[None, :], other=0.0,
+        ).to(tl.float32)
+        acc += scale * tl.sum(t[:, None, :] * lora_b[None, :, :], axis=2)
+    out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_rows[:, None] & mask_features[None, :])
+
+
 _CODE_PAIRS: dict = {}
 
 
@@ -132,21 +156,10 @@ def _nf4_matvec_blocked_kernel(
                 acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
     if BLOCK_M == 1:
         acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
-    mask_rows = rows < n_rows
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + features, mask=mask_features, other=0.0).to(tl.float32)[None, :]
-    if HAS_LORA:
-        ranks = tl.arange(0, BLOCK_R)
-        mask_ranks = ranks < rank
-        t = tl.load(t_ptr + rows[:, None] * rank + ranks[None, :], mask=mask_rows[:, None] & mask_ranks[None, :],
-                    other=0.0)
-        lora_b = tl.load(
-            lora_b_ptr + features[:, None] * lora_b_row_stride + ranks[None, :] * lora_b_col_stride,
-            mask=mask_features[:, None] & mask_ranks[None, :], other=0.0,
-        ).to(tl.float32)
-        acc += scale * tl.sum(t[:, None, :] * lora_b[None, :, :], axis=2)
-    out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_rows[:, None] & mask_features[None, :])
+    _store_rows(
+        acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride,
+        scale, out_ptr, out_row_stride, HAS_BIAS, HAS_LORA, BLOCK_R,
+    )
 
 
 @triton.jit
@@ -187,20 +200,10 @@ def _nf4_matvec_kernel(
             mask=mask_rows[:, None] & mask_cols[None, :], other=0.0,
         ).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + features, mask=mask_features, other=0.0).to(tl.float32)[None, :]
-    if HAS_LORA:
-        ranks = tl.arange(0, BLOCK_R)
-        mask_ranks = ranks < rank
-        t = tl.load(t_ptr + rows[:, None] * rank + ranks[None, :], mask=mask_rows[:, None] & mask_ranks[None, :],
-                    other=0.0)
-        lora_b = tl.load(
-            lora_b_ptr + features[:, None] * lora_b_row_stride + ranks[None, :] * lora_b_col_stride,
-            mask=mask_features[:, None] & mask_ranks[None, :], other=0.0,
-        ).to(tl.float32)
-        acc += scale * tl.sum(t[:, None, :] * lora_b[None, :, :], axis=2)
-    out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_rows[:, None] & mask_features[None, :])
+    _store_rows(
+        acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride,
+        scale, out_ptr, out_row_stride, HAS_BIAS, HAS_LORA, BLOCK_R,
+    )
 
 
 def _check_args(x, weight, bias, lora_a, lora_b, n_out, n_in):
