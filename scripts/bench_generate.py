@@ -11,10 +11,11 @@ Shapes: `qwen3_8b` (W1's config, `bench_train.W1`) and `qwen3_5_27b` (W2's, `ben
 weights. Every variant but Unsloth builds the model from its config on the GPU in bf16 (Hugging Face's
 initialisation, seed 0: the same weights in every worker) and quantises each decoder linear to bitsandbytes NF4
 in place (double quantisation, block 64, bf16 compute; `unsloth_lite.models.quantize_linears_nf4`); embeddings
-and lm_head stay bf16. Unsloth loads from disk: the parent writes a random-weight bf16 checkpoint under
-`--workdir`, reused when present: the 8B's is `bench_train.py`'s (`ensure_checkpoint`), the 27B's (54 GB on
-disk, more than the host's memory should hold at once) is written shard by shard, each tensor drawn on the GPU
-(N(0, 0.02) matrices, unit norms). Its weights differ from the built ones, so its tokens are not compared.
+and lm_head stay bf16. Unsloth loads from disk: the parent writes a random-weight checkpoint under `--workdir`,
+reused when present: the 8B's is `bench_train.py`'s bf16 one (`ensure_checkpoint`, 16 GB); the 27B's is written
+shard by shard, each tensor drawn on the GPU (N(0, 0.02) matrices, unit norms), its decoder linears stored
+pre-quantised in the same NF4 format (16 GB where bf16 would take 54: both checkpoints fit the disk of the
+GPU machine at once). Its weights differ from the built ones, so its tokens are not compared.
 
 Variants, each in its own process (Unsloth patches transformers on import), each measuring every shape in turn:
 - `hf`: `model.generate`, dynamic cache.
@@ -140,11 +141,27 @@ def bytes_per_token(shape: str, c: dict, context: float, lora: bool = False) -> 
 # The checkpoint Unsloth loads
 
 
+def _quantized_entries(name: str, tensor: torch.Tensor) -> dict:
+    """A weight in bitsandbytes' serialised NF4 form, as `Linear4bit` saves it and `from_pretrained` loads it:
+    the packed bytes under `name`, the quantisation state's tensors under `name.<key>`."""
+    import bitsandbytes.functional as bnb_functional
+
+    packed, state = bnb_functional.quantize_4bit(tensor, blocksize=64, compress_statistics=True, quant_type="nf4",
+                                                 quant_storage=torch.uint8)
+    entries = {name: packed}
+    entries.update({f"{name}.{key}": value for key, value in state.as_dict(packed=True).items()})
+    return {key: value.cpu() for key, value in entries.items()}
+
+
 def write_checkpoint_in_shards(shape: str, c: dict, path: Path, device: torch.device, dtype: torch.dtype,
-                               shard_bytes: int = SHARD_BYTES) -> Path:
+                               shard_bytes: int = SHARD_BYTES, quantized: bool = False) -> Path:
     """A random-weight safetensors checkpoint of config `c`, written shard by shard: each tensor drawn on
-    `device`, at most one shard held in host memory. Reused when complete."""
+    `device`, at most one shard held in host memory. Reused when complete. `quantized`: the decoder linears
+    stored pre-quantised in bitsandbytes NF4 (double quantisation, block 64, compute dtype `dtype`) with the
+    config's `quantization_config`, as the 4-bit checkpoints Unsloth publishes are: a quarter of the bf16
+    bytes on disk (the 27B: ~16 GB instead of 54), loaded without quantising again."""
     from safetensors.torch import save_file
+    from transformers import BitsAndBytesConfig
 
     if (path / CHECKPOINT_MARKER).exists():
         print(f"checkpoint: reusing {path}")
@@ -153,15 +170,20 @@ def write_checkpoint_in_shards(shape: str, c: dict, path: Path, device: torch.de
     path.mkdir(parents=True, exist_ok=True)
     model = weightless_model(shape, c)
     params = model.state_dict()
+    four_bit = set()
+    if quantized:  # what transformers' bitsandbytes integration converts: every linear but the output head
+        four_bit = {f"{n}.weight" for n, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
     element = torch.empty((), dtype=dtype).element_size()
     shards: list[list[str]] = [[]]  # planned from the shapes, so each shard is written as soon as it is drawn
     size = 0
     for name, param in params.items():
-        if size and size + param.numel() * element > shard_bytes:
+        nbytes = param.numel() * (0.5 if name in four_bit else element)
+        if size and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
-        size += param.numel() * element
+        size += nbytes
     generator = torch.Generator(device=device).manual_seed(0)
     index = {}
     for i, names in enumerate(shards):
@@ -172,15 +194,20 @@ def write_checkpoint_in_shards(shape: str, c: dict, path: Path, device: torch.de
                 tensor.normal_(0.0, 0.02, generator=generator)
             else:
                 tensor.fill_(1.0)  # norm weights (Qwen3.5's zero-centred ones then scale by 2: harmless for timing)
-            tensors[name] = tensor.cpu()
+            tensors.update(_quantized_entries(name, tensor) if name in four_bit else {name: tensor.cpu()})
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, path / file, metadata={"format": "pt"})
-        index.update(dict.fromkeys(names, file))
+        index.update(dict.fromkeys(tensors, file))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))
     model.config.torch_dtype = dtype
+    if quantized:
+        model.config.quantization_config = json.loads(BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        ).to_json_string())
     model.config.save_pretrained(path)
     _tokenizer(c).save_pretrained(path)
-    (path / CHECKPOINT_MARKER).write_text(json.dumps(dict(config=c, dtype=str(dtype)), indent=2))
+    (path / CHECKPOINT_MARKER).write_text(json.dumps(dict(config=c, dtype=str(dtype), quantized=quantized), indent=2))
     print(f"checkpoint: wrote {path} in {time.perf_counter() - start:.0f} s")
     return path
 
@@ -421,8 +448,9 @@ def unsloth_checkpoints(args, device: torch.device) -> dict:
             paths[shape] = str(ensure_checkpoint(c, args.workdir, dtype, device,
                                                  "tiny_qwen3" if args.tiny else "qwen3_8b_shape"))
         else:
-            name = "tiny_qwen3_5" if args.tiny else "qwen3_5_27b_shape"
-            paths[shape] = str(write_checkpoint_in_shards(shape, c, Path(args.workdir) / name, device, dtype))
+            name = "tiny_qwen3_5_nf4" if args.tiny else "qwen3_5_27b_shape_nf4"
+            paths[shape] = str(write_checkpoint_in_shards(shape, c, Path(args.workdir) / name, device, dtype,
+                                                          quantized=True))
     return paths
 
 

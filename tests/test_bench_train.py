@@ -174,19 +174,29 @@ def test_bench_generate_bytes_per_token_match_benchmarks():
     assert with_lora["total"] - w3["total"] == with_lora["lora"] > 0
 
 
-def test_bench_generate_writes_a_checkpoint_in_shards(tmp_path):
-    """The checkpoint Unsloth loads at the 27B shape, written a shard at a time, loads whole."""
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nf4"])
+def test_bench_generate_writes_a_checkpoint_in_shards(tmp_path, quantized):
+    """The checkpoint Unsloth loads at the 27B shape, written a shard at a time, loads whole; pre-quantised, its
+    decoder linears load as bitsandbytes 4-bit layers whose weights decode to the drawn N(0, 0.02)."""
     from transformers import AutoModelForCausalLM
+
+    from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 
     bg = bench_generate()
     c = bg.shape_config("qwen3_5_27b", tiny=True)
     path = bg.write_checkpoint_in_shards("qwen3_5_27b", c, tmp_path / "ckpt", torch.device("cpu"), torch.float32,
-                                         shard_bytes=2**17)
+                                         shard_bytes=2**15, quantized=quantized)
     assert len(list(path.glob("model-*-of-*.safetensors"))) > 2
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert model.config.model_type == "qwen3_5_text" and model.config.num_hidden_layers == 2
     assert float(model.lm_head.weight.detach().std()) == pytest.approx(0.02, rel=0.05)
+    layers = [m for n, m in model.named_modules() if n.endswith(("q_proj", "in_proj_qkv", "down_proj"))]
+    assert {type(m).__name__ for m in layers} == ({"Linear4bit"} if quantized else {"Linear"})
+    if quantized:
+        for layer in layers:
+            weight = dequantize_nf4_reference(layer.weight.data, layer.weight.quant_state)
+            assert layer.weight.quant_state.nested and float(weight.std()) == pytest.approx(0.02, rel=0.1)
 
 
 def bench_packing():
