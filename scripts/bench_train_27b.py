@@ -23,6 +23,11 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
 - `unsloth_lite`: `patch_model` + `add_lora` + `enable_gradient_checkpointing(offload_to_cpu=True)`: every
   module on the fused path, the DeltaNet on our Triton kernels.
 - `unsloth_lite_graphs`: the same with `cuda_graphs=True`.
+- `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same
+  targets, `use_gradient_checkpointing="unsloth"`), only where unsloth imports (from `--unsloth-site`). Unsloth
+  loads from disk: the parent writes the random-weight checkpoint under `--workdir` first (reused when
+  present), its decoder linears pre-quantised in the same NF4 format (`bench_generate.write_checkpoint_in_shards`:
+  16 GB instead of 54). Its weights differ from the built ones, so its first loss is not compared.
 Hugging Face's variants use its non-reentrant checkpointing with `enable_input_require_grads`.
 """
 
@@ -43,7 +48,7 @@ from bench_train import _error, measure
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_27B_RESULT "
-VARIANTS = ("hf_fla", "hf", "unsloth_lite", "unsloth_lite_graphs")
+VARIANTS = ("hf_fla", "hf", "unsloth", "unsloth_lite", "unsloth_lite_graphs")
 TINY_VARIANTS = ("hf", "unsloth_lite")
 ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DELTANET = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
@@ -99,8 +104,22 @@ def build_model(c: dict, device: torch.device, dtype: torch.dtype, quant_storage
     return model
 
 
+def load_unsloth(checkpoint: str, seq: int, dtype: torch.dtype, targets: list[str]):
+    import unsloth  # noqa: F401  (before transformers: it patches it on import)
+    from unsloth import FastLanguageModel
+
+    model, _ = FastLanguageModel.from_pretrained(model_name=checkpoint, max_seq_length=seq, dtype=dtype,
+                                                 load_in_4bit=True)
+    return FastLanguageModel.get_peft_model(
+        model, r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0, target_modules=targets, bias="none",
+        use_gradient_checkpointing="unsloth", random_state=SEED,
+    )
+
+
 def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_linear: bool,
-         quant_storage: torch.dtype = torch.uint8):
+         quant_storage: torch.dtype = torch.uint8, checkpoint: str | None = None, seq: int = 0):
+    if variant == "unsloth":
+        return load_unsloth(checkpoint, seq, dtype, ATTENTION_MLP + DELTANET * all_linear)
     if variant == "hf":
         sys.modules["fla"] = None  # transformers then binds its PyTorch delta rule
     elif variant == "hf_fla":
@@ -185,7 +204,7 @@ def worker_main(args) -> int:
         return 0
     try:
         start = time.perf_counter()
-        model = load(args.worker, c, device, dtype, args.all_linear)
+        model = load(args.worker, c, device, dtype, args.all_linear, checkpoint=args.checkpoint, seq=args.seq)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=LR)
@@ -202,13 +221,30 @@ def worker_main(args) -> int:
     return 0
 
 
-def run_worker(args, variant: str) -> dict:
+def unsloth_checkpoint(args, device: torch.device) -> str:
+    """The directory of the pre-quantised checkpoint Unsloth loads, written where missing (module docstring)."""
+    from bench_generate import write_checkpoint_in_shards  # it imports this module: not at the top
+
+    c = model_config(args.tiny, args.layers)
+    c = dict(c, pad_token_id=c["vocab_size"] - 3, eos_token_id=c["vocab_size"] - 1, bos_token_id=None)
+    name = f"qwen3_5_27b_shape_nf4_{c['num_hidden_layers']}_layers"
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    return str(write_checkpoint_in_shards("qwen3_5_27b", c, Path(args.workdir) / name, device, dtype, quantized=True))
+
+
+def run_worker(args, variant: str, checkpoint: str | None = None) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--seq", str(args.seq),
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--tiny"] * args.tiny + ["--all-linear"] * args.all_linear
     cmd += ["--layers", str(args.layers)] if args.layers else []
+    cmd += ["--checkpoint", checkpoint] if checkpoint else []
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "scripts"), str(ROOT), env.get("PYTHONPATH")]))
+    paths = [str(ROOT / "scripts"), str(ROOT), env.get("PYTHONPATH")]
+    if variant == "unsloth":
+        env.update(UNSLOTH_DISABLE_STATISTICS="1", UNSLOTH_COMPILE_LOCATION="/tmp/unsloth_compiled_cache")
+        if args.unsloth_site:
+            paths.insert(0, str(Path(args.unsloth_site).resolve()))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     if args.tiny:
         env["TRITON_INTERPRET"] = "1"
     print(f"[{variant}] starting", flush=True)
@@ -239,7 +275,10 @@ def parse_args(argv=None):
     parser.add_argument("--worker-timeout", type=float, default=900)
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--workdir", default="/tmp/unsloth_lite_w1", help="where Unsloth's checkpoint is written")
+    parser.add_argument("--unsloth-site", default=None, help="directory holding unsloth (put first on PYTHONPATH)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--host-profile", action="store_true", help=argparse.SUPPRESS)  # read by `measure`
     args = parser.parse_args(argv)
     args.seq = args.seq or (32 if args.tiny else 2048)
@@ -260,7 +299,14 @@ def main(argv=None) -> int:
                                   check_gradients=row))
         return 0 if "error" not in row else 1
     variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
-    rows = [run_worker(args, v) for v in variants]
+    if "unsloth" in variants and not args.variants and not args.unsloth_site:
+        import importlib.util
+
+        if importlib.util.find_spec("unsloth") is None:
+            print("unsloth is not importable (--unsloth-site): its variant is left out")
+            variants.remove("unsloth")
+    checkpoint = unsloth_checkpoint(args, device) if "unsloth" in variants else None
+    rows = [run_worker(args, v, checkpoint if v == "unsloth" else None) for v in variants]
     baseline = next((r for r in rows if r["variant"] == "hf_fla" and r.get("step_s")), None)
     for r in rows:
         if r.get("step_s"):
