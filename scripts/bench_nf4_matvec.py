@@ -11,6 +11,9 @@ compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), 
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
+`--sweep` also times the unsloth-lite kernel at each tile of `SWEEP_TILES` (features x weights along K a
+program, `nf4_matvec.blocked_tile`'s choice) per shape, to choose that table from one run.
+
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, 8-bit absmax, second-level absmax, x) and write (y) once;
 "% copy" compares it with a device-to-device copy measured in the same run. `ms_per_token` sums each shape's
@@ -37,6 +40,7 @@ from bench_common import (
 from bench_generate import SHAPES, nf4_bytes, shape_config, weightless_model
 
 VARIANTS = ("unsloth_lite", "bitsandbytes", "dequantize_matmul")
+SWEEP_TILES = [(4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256)]
 TINY_VARIANTS = ("unsloth_lite", "dequantize_matmul")
 
 
@@ -92,6 +96,30 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
     return rows
 
 
+def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
+    """Device time of the blocked kernel at every tile of SWEEP_TILES, per projection shape, one row of x."""
+    from unsloth_lite.kernels import nf4_matvec as matvec
+
+    dtype = torch.float32 if tiny else torch.bfloat16
+    chosen, rows = matvec.blocked_tile, []
+    keys = sorted({key for s in shapes for key in projection_shapes(s, tiny)})
+    try:
+        for n_out, n_in in keys:
+            weight = nf4_weight(n_out, n_in, device, dtype)
+            x = torch.randn(1, n_in, device=device, dtype=dtype)
+            row = dict(out=n_out, **{"in": n_in}, chosen="x".join(map(str, chosen(n_out))))
+            for features, tile_k in SWEEP_TILES:
+                matvec.blocked_tile = lambda _n, tile=(features, tile_k): tile
+                with torch.no_grad():
+                    fn = variant_fn("unsloth_lite", x, weight)
+                    ms = graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
+                row[f"{features}x{tile_k}"] = None if ms is None else round(1e3 * ms, 2)
+            rows.append(row)
+    finally:
+        matvec.blocked_tile = chosen
+    return rows
+
+
 def per_token(rows: list[dict], shapes: list[str], variants: list[str], tiny: bool) -> list[dict]:
     times = {(r["out"], r["in"], r["variant"]): r.get("us") for r in rows}
     totals = []
@@ -110,6 +138,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run (the tiny models' shapes, interpreter)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {','.join(SHAPES)}")
     parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--sweep", action="store_true", help="also time every tile of SWEEP_TILES (microseconds)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     device = bench_device(args.tiny)
@@ -125,8 +154,11 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bandwidth:.0f} GB/s; one row of x; device times")
     print(markdown_table(rows, ["out", "in", "variant", "us", "gb_per_s", "copy_fraction"]))
     print(markdown_table(totals, ["model", "variant", "ms_per_token"]))
+    sweep = sweep_tiles(shapes, device, args.tiny) if args.sweep else []
+    if sweep:
+        print(markdown_table(sweep, ["out", "in", "chosen"] + [f"{f}x{k}" for f, k in SWEEP_TILES]))
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
-                              copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals))
+                              copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, sweep=sweep))
     return 0
 
 
