@@ -7,7 +7,7 @@ from helpers import TOLERANCE, assert_close, dtype_id
 from test_dequantize_nf4 import quantize
 
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
-from unsloth_lite.kernels.nf4_matvec import nf4_matvec, nf4_matvec_reference
+from unsloth_lite.kernels.nf4_matvec import lora_down_rows, nf4_matvec, nf4_matvec_reference
 
 # (out, in): 96 and 160 split 64-element blocks across rows; 515 is odd (a byte holds two rows' nibbles): the
 # general kernel. 64 and 320 hold whole blocks: the blocked one, whose tiles are part-filled along K here.
@@ -88,3 +88,27 @@ def test_nf4_matvec_refuses_grad_and_too_many_rows(device):
 @pytest.mark.parametrize("shape", [*SHAPES, (5120, 5120), (17408, 5120)], ids=str)
 def test_nf4_matvec_cuda(shape, rows, dtype):
     check(shape, rows, dtype, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_lora_down_rows_several_adapters(rows, device):
+    """x [A_1; ...; A_n]ᵀ for adapters of different ranks (four adapters: two launches), bf16 rows."""
+    x = torch.randn(rows, 200, device=device).to(torch.bfloat16)
+    adapters = [torch.randn(r, 200, device=device) for r in (4, 16, 2, 8)]
+    got = lora_down_rows(x, adapters)
+    expected = x.double() @ torch.cat(adapters).double().t()
+    assert got.dtype == torch.float32 and got.shape == (rows, 30)
+    assert_close(got, expected, 1e-5, "t")
+
+
+def test_nf4_matvec_takes_a_precomputed_adapter_product(device):
+    """`lora_t` (a column slice of a wider product, as for projections sharing x) gives what lora_a gives."""
+    x, weight, bias, lora_a, lora_b = make_case((40, 128), 2, torch.float32, True, 64, True, 4, device)
+    other = torch.randn(3, 128, device=device)
+    t = lora_down_rows(x, [other, lora_a])[:, 3:]
+    got = nf4_matvec(x, weight, bias, lora_b=lora_b, scale=0.5, lora_t=t)
+    assert_close(got, float64_reference(x, weight, bias, lora_a, lora_b, 0.5), 1e-5, "y")
+    with pytest.raises(ValueError, match="replaces lora_a"):
+        nf4_matvec(x, weight, lora_a=lora_a, lora_b=lora_b, lora_t=t)
+    with pytest.raises(ValueError, match="lora_b has shape"):
+        nf4_matvec(x, weight, lora_b=lora_b[:, :3], lora_t=t)

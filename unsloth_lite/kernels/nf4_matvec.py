@@ -68,8 +68,9 @@ def blocked_tile(n_out: int) -> tuple[int, int]:
 
 @triton.jit
 def _store_rows(
-    acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride,
-    scale, out_ptr, out_row_stride, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+    acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
+    lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """y = acc + b + s · t Bᵀ for the program's rows and features, stored in y's dtype."""
     mask_rows = rows < n_rows
@@ -79,8 +80,8 @@ def _store_rows(
     if HAS_LORA:
         ranks = tl.arange(0, BLOCK_R)
         mask_ranks = ranks < rank
-        t = tl.load(t_ptr + rows[:, None] * rank + ranks[None, :], mask=mask_rows[:, None] & mask_ranks[None, :],
-                    other=0.0)
+        t = tl.load(t_ptr + rows[:, None] * t_row_stride + ranks[None, :],
+                    mask=mask_rows[:, None] & mask_ranks[None, :], other=0.0)
         lora_b = tl.load(
             lora_b_ptr + features[:, None] * lora_b_row_stride + ranks[None, :] * lora_b_col_stride,
             mask=mask_features[:, None] & mask_ranks[None, :], other=0.0,
@@ -88,6 +89,61 @@ def _store_rows(
         acc += scale * tl.sum(t[:, None, :] * lora_b[None, :, :], axis=2)
     out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_rows[:, None] & mask_features[None, :])
+
+
+@triton.jit
+def _lora_down_kernel(
+    x_ptr, x_row_stride, x_col_stride, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, t_ptr, t_row_stride, n_rows, n_in,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Column j of t = x [A0; A1; A2]ᵀ: one program per adapter row (the A are `[r_i, K]`, contiguous)."""
+    j = tl.program_id(0)
+    if j < rank0:
+        a_row = a0_ptr + j.to(tl.int64) * n_in
+    elif j < rank0 + rank1:
+        a_row = a1_ptr + (j - rank0).to(tl.int64) * n_in
+    else:
+        a_row = a2_ptr + (j - rank0 - rank1).to(tl.int64) * n_in
+    rows = tl.arange(0, BLOCK_M)
+    mask_rows = rows < n_rows
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask_cols = cols < n_in
+        a = tl.load(a_row + cols, mask=mask_cols, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride,
+                    mask=mask_rows[:, None] & mask_cols[None, :], other=0.0).to(tl.float32)
+        acc += x * a[None, :]
+    tl.store(t_ptr + rows * t_row_stride + j, tl.sum(acc, axis=1), mask=mask_rows)
+
+
+MAX_ADAPTERS_PER_LAUNCH = 3  # q, k, v: the most projections that share an input
+
+
+def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor:
+    """`x [A_1; ...; A_n]ᵀ` in fp32, `[rows, Σ r_i]`, for x `[rows, K]` (1 to MAX_ROWS rows, any float dtype)
+    and adapters A_i `[r_i, K]`: the first product of each unmerged adapter of projections that share x, in one
+    launch per MAX_ADAPTERS_PER_LAUNCH adapters (no fp32 copy of x, no launch per adapter). Inference only."""
+    rows, n_in = x.shape
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"lora_down_rows takes 1 to {MAX_ROWS} rows of x, got {rows}")
+    if not lora_as or any(a.dim() != 2 or a.shape[1] != n_in or a.shape[0] == 0 for a in lora_as):
+        raise ValueError(f"each adapter A must be [r > 0, {n_in}]; got {[tuple(a.shape) for a in lora_as]}")
+    check_kernel_device("x", x)
+    ranks = [a.shape[0] for a in lora_as]
+    t = empty((rows, sum(ranks)), torch.float32, x.device)
+    start = 0
+    for first in range(0, len(lora_as), MAX_ADAPTERS_PER_LAUNCH):
+        group = [a.contiguous() for a in lora_as[first:first + MAX_ADAPTERS_PER_LAUNCH]]
+        pointers = group + [group[-1]] * (MAX_ADAPTERS_PER_LAUNCH - len(group))
+        width = sum(a.shape[0] for a in group)
+        _lora_down_kernel[(width,)](
+            x, x.stride(0), x.stride(1), *pointers, group[0].shape[0], group[1].shape[0] if len(group) > 1 else 0,
+            t[:, start:], t.stride(0), rows, n_in,
+            BLOCK_M=triton.next_power_of_2(rows), BLOCK_K=BLOCK_K, num_warps=4,
+        )
+        start += width
+    return t
 
 
 _CODE_PAIRS: dict = {}
@@ -110,7 +166,7 @@ def code_pairs(code: torch.Tensor) -> torch.Tensor:
 def _nf4_matvec_blocked_kernel(
     x_ptr, x_row_stride, x_col_stride,
     packed_ptr, absmax_ptr, code_pairs_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
-    bias_ptr, t_ptr, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
+    bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
     out_ptr, out_row_stride,
     n_rows, n_out, n_in, rank,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
@@ -157,8 +213,8 @@ def _nf4_matvec_blocked_kernel(
     if BLOCK_M == 1:
         acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
     _store_rows(
-        acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride,
-        scale, out_ptr, out_row_stride, HAS_BIAS, HAS_LORA, BLOCK_R,
+        acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
+        lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS, HAS_LORA, BLOCK_R,
     )
 
 
@@ -166,7 +222,7 @@ def _nf4_matvec_blocked_kernel(
 def _nf4_matvec_kernel(
     x_ptr, x_row_stride, x_col_stride,
     packed_ptr, absmax_ptr, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
-    bias_ptr, t_ptr, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
+    bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
     out_ptr, out_row_stride,
     n_rows, n_out, n_in, rank,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, WEIGHT_BF16: tl.constexpr, WEIGHT_FP16: tl.constexpr,
@@ -201,12 +257,12 @@ def _nf4_matvec_kernel(
         ).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     _store_rows(
-        acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride,
-        scale, out_ptr, out_row_stride, HAS_BIAS, HAS_LORA, BLOCK_R,
+        acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
+        lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS, HAS_LORA, BLOCK_R,
     )
 
 
-def _check_args(x, weight, bias, lora_a, lora_b, n_out, n_in):
+def _check_args(x, weight, bias, lora_a, lora_b, lora_t, n_out, n_in):
     check_float("x", x)
     if x.dtype == torch.float64:
         raise ValueError("nf4_matvec computes in fp32; x has dtype float64 (use nf4_matvec_reference)")
@@ -215,13 +271,22 @@ def _check_args(x, weight, bias, lora_a, lora_b, n_out, n_in):
     rows = x.numel() // max(n_in, 1)
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"nf4_matvec takes 1 to {MAX_ROWS} rows of x, got {rows}")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, lora_a, lora_b)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, lora_a, lora_b, lora_t)):
         raise ValueError("nf4_matvec is inference only (no autograd); run it under torch.no_grad()")
     check_kernel_device("x", x)
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
     if bias is not None and tuple(bias.shape) != (n_out,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({n_out},)")
+    if lora_t is not None:
+        if lora_a is not None or lora_b is None:
+            raise ValueError("lora_t replaces lora_a: give it with lora_b alone")
+        if lora_t.dtype != torch.float32 or lora_t.dim() != 2 or lora_t.shape[0] != rows or lora_t.stride(1) != 1:
+            raise ValueError(f"lora_t must be fp32 [{rows}, r] with unit column stride; got {lora_t.dtype} "
+                             f"{tuple(lora_t.shape)} strides {lora_t.stride()}")
+        if tuple(lora_b.shape) != (n_out, lora_t.shape[1]):
+            raise ValueError(f"lora_b has shape {tuple(lora_b.shape)}; expected {(n_out, lora_t.shape[1])}")
+        return
     if (lora_a is None) != (lora_b is None):
         raise ValueError("lora_a and lora_b go together")
     if lora_a is not None:
@@ -240,27 +305,34 @@ def nf4_matvec(
     lora_b: torch.Tensor | None = None,
     scale: float = 1.0,
     quant_state=None,
+    lora_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x dequant(W)ᵀ + b + scale · (x Aᵀ) Bᵀ` for x `[..., K]` of 1 to 8 rows and W a 2-D NF4 `Params4bit`
-    `[N, K]` (or packed bytes with `quant_state`); returns `[..., N]` in x's dtype. No autograd."""
+    `[N, K]` (or packed bytes with `quant_state`); returns `[..., N]` in x's dtype. No autograd. `lora_t`: x Aᵀ
+    already computed (fp32 `[rows, r]`, unit column stride; `lora_down_rows`), given with B instead of A."""
     launch = _launch(weight, quant_state)
     if len(launch.shape) != 2:
         raise ValueError(f"nf4_matvec needs a 2-D weight; quant_state.shape is {tuple(launch.shape)}")
     n_out, n_in = int(launch.shape[0]), int(launch.shape[1])
-    _check_args(x, weight, bias, lora_a, lora_b, n_out, n_in)
     x2d = x.reshape(-1, n_in)
     n_rows = x2d.shape[0]
+    _check_args(x, weight, bias, lora_a, lora_b, lora_t, n_out, n_in)
     out = empty((n_rows, n_out), x.dtype, x.device)
-    has_lora = lora_a is not None and lora_a.shape[0] > 0
-    t = torch.matmul(x2d.float(), lora_a.float().t()).contiguous() if has_lora else out
-    rank = lora_a.shape[0] if has_lora else 0
+    if lora_t is not None:
+        t, rank = lora_t, lora_t.shape[1]
+    elif lora_a is not None and lora_a.shape[0] > 0:
+        t, rank = lora_down_rows(x2d, [lora_a]), lora_a.shape[0]
+    else:
+        t, rank = out, 0
+    has_lora = rank > 0
     lora_b_arg = lora_b if has_lora else out
     packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize = launch.inputs
     blocksize = 2 * launch.meta["HALF_BLOCK"]
     args = (
         x2d, x2d.stride(0), x2d.stride(1),
         packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize,
-        bias if bias is not None else out, t, lora_b_arg, lora_b_arg.stride(0), lora_b_arg.stride(1), float(scale),
+        bias if bias is not None else out, t, t.stride(0), lora_b_arg, lora_b_arg.stride(0), lora_b_arg.stride(1),
+        float(scale),
         out, out.stride(0),
         n_rows, n_out, n_in, rank,
     )

@@ -2,11 +2,12 @@
 Hugging Face's `generate` runs them after the prompt.
 
 A forward without gradients over at most `MAX_ROWS` rows reads every weight once for a handful of products,
-so its speed is the bytes read: each NF4 base goes through `nf4_matvec` (packed weight read once, dequantised
-in registers, LoRA unmerged), never dequantised to a dense copy first. Attention of one new token over the
-cache groups the query heads that share a KV head (`[B, Hkv, G, D]`: the G heads take the place of query
-positions), so the KV heads are never repeated. The norms, RoPE and gates stay on their fused kernels, which
-take one token as they take many.
+so its speed is the bytes read and the kernels launched: each NF4 base goes through `nf4_matvec` (packed weight
+read once, dequantised in registers, LoRA unmerged), never dequantised to a dense copy first, and the first
+products x Aᵀ of the adapters on one input (q, k and v; gate and up) come from one `lora_down_rows` launch.
+Attention of one new token over the cache groups the query heads that share a KV head (`[B, Hkv, G, D]`: the G
+heads take the place of query positions), so the KV heads are never repeated. The norms, RoPE and gates stay on
+their fused kernels, which take one token as they take many.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from unsloth_lite.kernels.lora import LoRAProjection
-from unsloth_lite.kernels.nf4_matvec import MAX_ROWS, nf4_matvec, nf4_matvec_reference
+from unsloth_lite.kernels.nf4_matvec import MAX_ROWS, lora_down_rows, nf4_matvec, nf4_matvec_reference
 from unsloth_lite.kernels.utils import INTERPRET
 
 # Attention implementations whose mask (None, or 4-D boolean or additive) SDPA reads as they do.
@@ -31,12 +32,21 @@ def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor) -> tu
     """`x Wᵀ + b + s (x Aᵀ) Bᵀ` for each projection of the rows `x`: NF4 bases through `nf4_matvec` (its
     PyTorch reference off the kernels' devices, and for float64), dense bases through one product each."""
     kernels = (x.is_cuda or INTERPRET) and x.dtype != torch.float64
+    quantized = [getattr(p.base, "quant_state", None) is not None for p in projections]
+    adapted = [i for i, p in enumerate(projections) if kernels and quantized[i] and p.rank]
+    products = {}
+    if adapted:  # x Aᵀ of every adapted NF4 projection from one launch
+        t = lora_down_rows(x.reshape(-1, x.shape[-1]), [projections[i].lora_a for i in adapted])
+        products = dict(zip(adapted, t.split([projections[i].rank for i in adapted], dim=1), strict=True))
     outputs = []
-    for p in projections:
-        adapter = (p.lora_a, p.lora_b) if p.rank else (None, None)
-        if getattr(p.base, "quant_state", None) is not None:
-            matvec = nf4_matvec if kernels else nf4_matvec_reference
-            outputs.append(matvec(x, p.base, p.bias, *adapter, scale=p.scale))
+    for i, p in enumerate(projections):
+        if quantized[i] and kernels:
+            lora = dict(lora_b=p.lora_b, lora_t=products[i]) if p.rank else {}
+            outputs.append(nf4_matvec(x, p.base, p.bias, scale=p.scale, **lora))
+            continue
+        if quantized[i]:
+            adapter = (p.lora_a, p.lora_b) if p.rank else (None, None)
+            outputs.append(nf4_matvec_reference(x, p.base, p.bias, *adapter, scale=p.scale))
             continue
         weight = p.base if p.base.dtype == x.dtype else p.base.to(x.dtype)
         y = torch.nn.functional.linear(x, weight, None if p.bias is None else p.bias.to(x.dtype))
