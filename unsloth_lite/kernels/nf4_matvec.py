@@ -118,6 +118,8 @@ def _lora_down_kernel(
 
 
 MAX_ADAPTERS_PER_LAUNCH = 3  # q, k, v: the most projections that share an input
+# One program walks a whole row of A (up to 17,408 weights at the 27B's down projection): wide steps.
+LORA_BLOCK_K = 256 if INTERPRET else 1024
 
 
 def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor:
@@ -140,7 +142,7 @@ def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor
         _lora_down_kernel[(width,)](
             x, x.stride(0), x.stride(1), *pointers, group[0].shape[0], group[1].shape[0] if len(group) > 1 else 0,
             t[:, start:], t.stride(0), rows, n_in,
-            BLOCK_M=triton.next_power_of_2(rows), BLOCK_K=BLOCK_K, num_warps=4,
+            BLOCK_M=triton.next_power_of_2(rows), BLOCK_K=LORA_BLOCK_K, num_warps=4,
         )
         start += width
     return t
