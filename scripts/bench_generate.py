@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 import sys
 import time
@@ -69,7 +68,7 @@ from bench_common import (
     write_json,
 )
 from bench_train import TINY as TINY_QWEN3
-from bench_train import W1, _error, _tokenizer, ensure_checkpoint
+from bench_train import W1, _error, _tokenizer, ensure_checkpoint, worker_env
 from bench_train_27b import ATTENTION_MLP, model_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -358,17 +357,7 @@ def run_worker(args, variant: str, checkpoints: dict) -> list[dict]:
            "--checkpoints", json.dumps(checkpoints)] + ["--tiny"] * args.tiny
     if args.profile_dir:
         cmd += ["--profile-dir", args.profile_dir]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    paths = [str(ROOT / "scripts"), str(ROOT), env.get("PYTHONPATH")]
-    if variant == "unsloth":
-        env.update(UNSLOTH_DISABLE_STATISTICS="1", UNSLOTH_COMPILE_LOCATION="/tmp/unsloth_compiled_cache")
-        if args.unsloth_site:
-            paths.insert(0, str(Path(args.unsloth_site).resolve()))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
-    if args.tiny:
-        env["TRITON_INTERPRET"] = "1"
-    else:
-        env.pop("TRITON_INTERPRET", None)
+    env = worker_env(variant, args)
     print(f"[{variant}] starting", flush=True)
     start = time.perf_counter()
     try:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import torch
 from bench_common import bench_device, environment, markdown_table, parse_results, write_json
-from bench_train import _error, measure
+from bench_train import _error, measure, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_27B_RESULT "
@@ -238,15 +237,7 @@ def run_worker(args, variant: str, checkpoint: str | None = None) -> dict:
     cmd += ["--tiny"] * args.tiny + ["--all-linear"] * args.all_linear
     cmd += ["--layers", str(args.layers)] if args.layers else []
     cmd += ["--checkpoint", checkpoint] if checkpoint else []
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    paths = [str(ROOT / "scripts"), str(ROOT), env.get("PYTHONPATH")]
-    if variant == "unsloth":
-        env.update(UNSLOTH_DISABLE_STATISTICS="1", UNSLOTH_COMPILE_LOCATION="/tmp/unsloth_compiled_cache")
-        if args.unsloth_site:
-            paths.insert(0, str(Path(args.unsloth_site).resolve()))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
-    if args.tiny:
-        env["TRITON_INTERPRET"] = "1"
+    env = worker_env(variant, args)
     print(f"[{variant}] starting", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
