@@ -330,9 +330,11 @@ def nf4_matvec(
     lora_b_arg = lora_b if has_lora else out
     packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize = launch.inputs
     blocksize = 2 * launch.meta["HALF_BLOCK"]
+    block_n, tile_k = blocked_tile(n_out)
+    blocked = n_in % blocksize == 0 and tile_k % blocksize == 0
     args = (
         x2d, x2d.stride(0), x2d.stride(1),
-        packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize,
+        packed, absmax, code_pairs(code) if blocked else code, nested_code, nested_absmax, offset, nested_blocksize,
         bias if bias is not None else out, t, t.stride(0), lora_b_arg, lora_b_arg.stride(0), lora_b_arg.stride(1),
         float(scale),
         out, out.stride(0),
@@ -342,11 +344,9 @@ def nf4_matvec(
         BLOCKSIZE=blocksize, NESTED=launch.meta["NESTED"], HAS_BIAS=bias is not None, HAS_LORA=has_lora,
         BLOCK_R=max(2, triton.next_power_of_2(rank)), num_warps=4,
     )
-    block_n, tile_k = blocked_tile(n_out)
-    if n_in % blocksize == 0 and tile_k % blocksize == 0:
-        blocked_args = args[:5] + (code_pairs(code),) + args[6:]
+    if blocked:
         _nf4_matvec_blocked_kernel[(triton.cdiv(n_out, block_n),)](
-            *blocked_args, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
+            *args, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             **meta,
         )
     else:
