@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -26,6 +27,15 @@ def report_unknown(kind: str, chosen, known) -> bool:
     if unknown:
         print(f"unknown {kind} {unknown}; choose from {','.join(known)}", file=sys.stderr)
     return bool(unknown)
+
+
+def drop_missing_unsloth(variants: list[str], chosen: bool, unsloth_site: str | None) -> list[str]:
+    """`variants` less `unsloth` where it came with the defaults (not `chosen`), no `--unsloth-site` was given
+    and unsloth does not import here; says so."""
+    if "unsloth" in variants and not chosen and not unsloth_site and importlib.util.find_spec("unsloth") is None:
+        print("unsloth is not importable (--unsloth-site): its variant is left out")
+        return [v for v in variants if v != "unsloth"]
+    return variants
 
 
 def bench_ms(fn, device: torch.device, warmup_ms: int = 25, rep_ms: int = 200) -> float:

@@ -61,6 +61,7 @@ import torch
 from bench_common import (
     bench_device,
     copy_bandwidth_gbps,
+    drop_missing_unsloth,
     environment,
     markdown_table,
     parse_results,
@@ -69,7 +70,7 @@ from bench_common import (
 )
 from bench_train import TINY as TINY_QWEN3
 from bench_train import W1, _error, _tokenizer, ensure_checkpoint, worker_env
-from bench_train_27b import ATTENTION_MLP, model_config
+from bench_train_27b import ATTENTION_MLP, model_config, with_special_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_GENERATE_RESULT "
@@ -86,8 +87,7 @@ def shape_config(shape: str, tiny: bool) -> dict:
     """The shape's config; the 27B's with the special tokens W1 has (the stand-in tokenizer needs them)."""
     if shape == "qwen3_8b":
         return dict(TINY_QWEN3 if tiny else W1)
-    c = model_config(tiny, None)
-    return dict(c, pad_token_id=c["vocab_size"] - 3, eos_token_id=c["vocab_size"] - 1, bos_token_id=None)
+    return with_special_tokens(model_config(tiny, None))
 
 
 def weightless_model(shape: str, c: dict):
@@ -453,12 +453,7 @@ def main(argv=None) -> int:
     if report_unknown("shapes", args.shapes.split(","), SHAPES):
         return 2
     variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
-    if "unsloth" in variants and not args.variants and not args.unsloth_site:
-        import importlib.util
-
-        if importlib.util.find_spec("unsloth") is None:
-            print("unsloth is not importable (--unsloth-site): its variant is left out")
-            variants.remove("unsloth")
+    variants = drop_missing_unsloth(variants, bool(args.variants), args.unsloth_site)
     bandwidth = copy_bandwidth_gbps(device) if args.measure_bandwidth else args.bandwidth_gbps
     checkpoints = unsloth_checkpoints(args, device) if "unsloth" in variants else {}
     rows = [row for variant in variants for row in run_worker(args, variant, checkpoints)]

@@ -297,7 +297,7 @@ def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf"):
     return model, {}
 
 
-def load_unsloth(path, device, dtype, seq):
+def load_unsloth(path, device, dtype, seq, targets=TARGET_MODULES):
     import unsloth  # before transformers: it patches it on import
     from unsloth import FastLanguageModel
 
@@ -305,7 +305,7 @@ def load_unsloth(path, device, dtype, seq):
         model_name=str(path), max_seq_length=seq, dtype=dtype, load_in_4bit=True,
     )
     model = FastLanguageModel.get_peft_model(
-        model, r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0, target_modules=TARGET_MODULES, bias="none",
+        model, r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0, target_modules=targets, bias="none",
         use_gradient_checkpointing="unsloth", random_state=SEED,
     )
     if hasattr(FastLanguageModel, "for_training"):

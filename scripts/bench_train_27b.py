@@ -42,8 +42,8 @@ import traceback
 from pathlib import Path
 
 import torch
-from bench_common import bench_device, environment, markdown_table, parse_results, write_json
-from bench_train import _error, measure, worker_env
+from bench_common import bench_device, drop_missing_unsloth, environment, markdown_table, parse_results, write_json
+from bench_train import _error, load_unsloth, measure, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_27B_RESULT "
@@ -82,6 +82,12 @@ def model_config(tiny: bool, layers: int | None) -> dict:
     return c
 
 
+def with_special_tokens(c: dict) -> dict:
+    """`c` with the special token ids W1 has (the last three of the vocabulary): the stand-in tokenizer of a
+    written checkpoint needs them."""
+    return dict(c, pad_token_id=c["vocab_size"] - 3, eos_token_id=c["vocab_size"] - 1, bos_token_id=None)
+
+
 def build_model(c: dict, device: torch.device, dtype: torch.dtype, quant_storage: torch.dtype = torch.uint8):
     """The random-weight model of config `c`, built on `device` in `dtype`, decoder linears quantised to NF4,
     packed as `quant_storage` (the compute dtype where FSDP shards them)."""
@@ -103,22 +109,10 @@ def build_model(c: dict, device: torch.device, dtype: torch.dtype, quant_storage
     return model
 
 
-def load_unsloth(checkpoint: str, seq: int, dtype: torch.dtype, targets: list[str]):
-    import unsloth  # noqa: F401  (before transformers: it patches it on import)
-    from unsloth import FastLanguageModel
-
-    model, _ = FastLanguageModel.from_pretrained(model_name=checkpoint, max_seq_length=seq, dtype=dtype,
-                                                 load_in_4bit=True)
-    return FastLanguageModel.get_peft_model(
-        model, r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0, target_modules=targets, bias="none",
-        use_gradient_checkpointing="unsloth", random_state=SEED,
-    )
-
-
 def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_linear: bool,
          quant_storage: torch.dtype = torch.uint8, checkpoint: str | None = None, seq: int = 0):
     if variant == "unsloth":
-        return load_unsloth(checkpoint, seq, dtype, ATTENTION_MLP + DELTANET * all_linear)
+        return load_unsloth(checkpoint, device, dtype, seq, ATTENTION_MLP + DELTANET * all_linear)[0]
     if variant == "hf":
         sys.modules["fla"] = None  # transformers then binds its PyTorch delta rule
     elif variant == "hf_fla":
@@ -224,8 +218,7 @@ def unsloth_checkpoint(args, device: torch.device) -> str:
     """The directory of the pre-quantised checkpoint Unsloth loads, written where missing (module docstring)."""
     from bench_generate import write_checkpoint_in_shards  # it imports this module: not at the top
 
-    c = model_config(args.tiny, args.layers)
-    c = dict(c, pad_token_id=c["vocab_size"] - 3, eos_token_id=c["vocab_size"] - 1, bos_token_id=None)
+    c = with_special_tokens(model_config(args.tiny, args.layers))
     name = f"qwen3_5_27b_shape_nf4_{c['num_hidden_layers']}_layers"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     return str(write_checkpoint_in_shards("qwen3_5_27b", c, Path(args.workdir) / name, device, dtype, quantized=True))
@@ -290,12 +283,7 @@ def main(argv=None) -> int:
                                   check_gradients=row))
         return 0 if "error" not in row else 1
     variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
-    if "unsloth" in variants and not args.variants and not args.unsloth_site:
-        import importlib.util
-
-        if importlib.util.find_spec("unsloth") is None:
-            print("unsloth is not importable (--unsloth-site): its variant is left out")
-            variants.remove("unsloth")
+    variants = drop_missing_unsloth(variants, bool(args.variants), args.unsloth_site)
     checkpoint = unsloth_checkpoint(args, device) if "unsloth" in variants else None
     rows = [run_worker(args, v, checkpoint if v == "unsloth" else None) for v in variants]
     baseline = next((r for r in rows if r["variant"] == "hf_fla" and r.get("step_s")), None)
