@@ -75,10 +75,8 @@ def seed(request) -> int:
 
 @pytest.fixture
 def torch_delta_rule(monkeypatch):
-    """Qwen3.5's Gated DeltaNet through Hugging Face's PyTorch reference (`helpers.torch_delta_rule_functions`),
+    """Qwen3.5's Gated DeltaNet through Hugging Face's PyTorch reference (`helpers.bind_torch_delta_rule`),
     for the float64 parity tests."""
-    from helpers import torch_delta_rule_functions
-    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from helpers import bind_torch_delta_rule
 
-    for name, function in torch_delta_rule_functions().items():
-        monkeypatch.setattr(modeling_qwen3_5, name, function)
+    bind_torch_delta_rule(monkeypatch.setattr)

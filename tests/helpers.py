@@ -21,15 +21,16 @@ TOLERANCE = {
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
-def torch_delta_rule_functions() -> dict[str, Callable]:
-    """Qwen3.5's Gated DeltaNet functions of Hugging Face's PyTorch reference, by name in its model module.
-    Where flash-linear-attention is installed, transformers binds its kernels to these names (wrapped) when the
-    module is imported; they have no float64 and no CPU path."""
+def bind_torch_delta_rule(set_attribute: Callable = setattr) -> None:
+    """Binds Qwen3.5's Gated DeltaNet in Hugging Face's model module to its PyTorch reference, through
+    `set_attribute` (pytest's `monkeypatch.setattr` to undo it). Where flash-linear-attention is installed,
+    transformers binds its kernels to these names (wrapped) when the module is imported; they have no float64
+    and no CPU path."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
-    return {name: getattr(getattr(modeling_qwen3_5, name), "__wrapped__", getattr(modeling_qwen3_5, name))
-            for name in names}
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        bound = getattr(modeling_qwen3_5, name)
+        set_attribute(modeling_qwen3_5, name, getattr(bound, "__wrapped__", bound))
 
 
 def dtype_id(dtype: torch.dtype) -> str:

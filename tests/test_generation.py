@@ -99,11 +99,9 @@ LONG_RUNS = [("dense", "static"), ("dense+lora", None), ("4bit+lora", "static")]
 
 
 def check_64_tokens() -> None:
-    from helpers import torch_delta_rule_functions
-    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from helpers import bind_torch_delta_rule
 
-    for name, function in torch_delta_rule_functions().items():  # no CUDA in this process
-        setattr(modeling_qwen3_5, name, function)
+    bind_torch_delta_rule()  # no CUDA in this process
     torch.manual_seed(0)
     for arch in ARCHS:
         for variant, cache_implementation in LONG_RUNS:
