@@ -12,7 +12,8 @@ compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), 
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
 `--sweep` also times the unsloth-lite kernel at each tile of `SWEEP_TILES` (features x weights along K a
-program, `nf4_matvec.blocked_tile`'s choice) per shape, to choose that table from one run.
+program, `nf4_matvec.blocked_tile`'s choice) per shape, to choose that table from one run, and at the chosen
+tile with the code book read from memory (`nf4_matvec.PTX_LOOKUP` off: the interpreter's decoding).
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, 8-bit absmax, second-level absmax, x) and write (y) once;
@@ -97,12 +98,20 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
 
 
 def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
-    """Device time of the blocked kernel at every tile of SWEEP_TILES, per projection shape, one row of x."""
+    """Device time of the blocked kernel at every tile of SWEEP_TILES, per projection shape, one row of x; and
+    at the chosen tile with the code book read from memory instead of looked up in registers (`PTX_LOOKUP`)."""
     from unsloth_lite.kernels import nf4_matvec as matvec
 
     dtype = torch.float32 if tiny else torch.bfloat16
-    chosen, rows = matvec.blocked_tile, []
+    chosen, ptx_lookup, rows = matvec.blocked_tile, matvec.PTX_LOOKUP, []
     keys = sorted({key for s in shapes for key in projection_shapes(s, tiny)})
+
+    def time_us(x, weight):
+        with torch.no_grad():
+            fn = variant_fn("unsloth_lite", x, weight)
+            ms = graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
+        return None if ms is None else round(1e3 * ms, 2)
+
     try:
         for n_out, n_in in keys:
             weight = nf4_weight(n_out, n_in, device, dtype)
@@ -110,13 +119,13 @@ def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
             row = dict(out=n_out, **{"in": n_in}, chosen="x".join(map(str, chosen(n_out))))
             for features, tile_k in SWEEP_TILES:
                 matvec.blocked_tile = lambda _n, tile=(features, tile_k): tile
-                with torch.no_grad():
-                    fn = variant_fn("unsloth_lite", x, weight)
-                    ms = graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
-                row[f"{features}x{tile_k}"] = None if ms is None else round(1e3 * ms, 2)
+                row[f"{features}x{tile_k}"] = time_us(x, weight)
+            matvec.blocked_tile, matvec.PTX_LOOKUP = chosen, False
+            row["chosen, table"] = time_us(x, weight)
+            matvec.PTX_LOOKUP = ptx_lookup
             rows.append(row)
     finally:
-        matvec.blocked_tile = chosen
+        matvec.blocked_tile, matvec.PTX_LOOKUP = chosen, ptx_lookup
     return rows
 
 
@@ -156,7 +165,8 @@ def main(argv=None) -> int:
     print(markdown_table(totals, ["model", "variant", "ms_per_token"]))
     sweep = sweep_tiles(shapes, device, args.tiny) if args.sweep else []
     if sweep:
-        print(markdown_table(sweep, ["out", "in", "chosen"] + [f"{f}x{k}" for f, k in SWEEP_TILES]))
+        tiles = [f"{features}x{tile_k}" for features, tile_k in SWEEP_TILES]
+        print(markdown_table(sweep, ["out", "in", "chosen", *tiles, "chosen, table"]))
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
                               copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, sweep=sweep))
     return 0

@@ -225,10 +225,11 @@ def assert_greedy_path_followed(arch, variant, cache_implementation, new_tokens,
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["dense", "4bit+lora"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_greedy_path_matches_cuda(arch, variant):
+def test_bf16_greedy_path_matches_cuda(arch, variant, torch_delta_rule):
     """bf16 on CUDA, random weights, 32 new tokens along the reference's greedy path (see
     `assert_greedy_path_followed`): static cache (the decode step replayed as a CUDA graph) and dynamic cache
-    (eager decode steps)."""
+    (eager decode steps). The unpatched models run Hugging Face's own PyTorch DeltaNet, the float32 reference,
+    not flash-linear-attention's kernels where those are installed."""
     patched = assert_greedy_path_followed(arch, variant, "static", 32, "cuda", torch.bfloat16)
     assert captured_decode_steps(patched) == 1
     assert_greedy_path_followed(arch, variant, "dynamic", 32, "cuda", torch.bfloat16)

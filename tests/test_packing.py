@@ -257,9 +257,11 @@ def assert_bf16_packed_as_accurate_as_padded(arch, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ARCHS)
-def test_packed_bf16_on_cuda_through_varlen_attn(arch):
+def test_packed_bf16_on_cuda_through_varlen_attn(arch, torch_delta_rule):
     """bfloat16 on CUDA: the packed row goes through torch's `varlen_attn` (with grouped KV heads); its loss and
-    gradients as accurate as Hugging Face's on the padded batch (`assert_bf16_packed_as_accurate_as_padded`)."""
+    gradients as accurate as Hugging Face's on the padded batch (`assert_bf16_packed_as_accurate_as_padded`).
+    The unpatched models run Hugging Face's PyTorch DeltaNet: flash-linear-attention's backward, where
+    installed, refuses Hopper GPUs with triton < 3.7.1."""
     from unsloth_lite.models.packing import _uses_varlen_attn
 
     assert _uses_varlen_attn(torch.empty(1, device="cuda", dtype=torch.bfloat16), 0.0)

@@ -50,6 +50,8 @@ MAX_ROWS = 8
 # Output features per program: N / BLOCK_N programs keep every SM busy at the hidden sizes of real models.
 BLOCK_N = 16
 BLOCK_K = 256 if INTERPRET else 128  # the interpreter's cost is per operation: fewer, wider tiles
+# The blocked kernel decodes nibbles with `prmt` (no memory access) when compiled; the interpreter runs no PTX.
+PTX_LOOKUP = not INTERPRET
 
 
 def blocked_tile(n_out: int) -> tuple[int, int]:
@@ -164,6 +166,63 @@ def code_pairs(code: torch.Tensor) -> torch.Tensor:
     return table
 
 
+# bitsandbytes' NF4 code book (the NormalFloat levels of QLoRA; `quant_type="nf4"` always uses it).
+NF4_CODE = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+
+
+def _nf4_lookup_ptx(high_nibbles: bool) -> str:
+    """PTX that maps the four bytes of `$4` to the fp32 bit patterns of NF4_CODE[nibble] in `$0..$3` (the high
+    or the low nibble of each byte), with no memory access: `prmt` looks up four bytes at once in an 8-byte
+    table held in two registers, so each of the four byte planes of the 16 fp32 codes is two lookups (entries
+    0-7 and 8-15) and a select on the nibble's top bit; eight more `prmt` transpose the planes into words."""
+    words = torch.tensor(NF4_CODE, dtype=torch.float32).view(torch.int32).tolist()
+    plane = [[(w >> (8 * p)) & 0xFF for w in words] for p in range(4)]
+
+    def table(p, first):  # entries first..first+3 of plane p, little-endian
+        return sum(plane[p][first + i] << (8 * i) for i in range(4))
+
+    lines = [".reg .b32 n, t, s, m, lo, hi, v0, v1, v2, v3, a, b, c, d, ta, tb;"]
+    lines += ["shr.b32 n, $4, 4;" if high_nibbles else "mov.b32 n, $4;", "and.b32 n, n, 0x0F0F0F0F;"]
+    # selector: the four nibbles side by side in 16 bits, top bits cleared (prmt reads bit 3 as a sign flag)
+    lines += ["shr.b32 t, n, 4;", "or.b32 t, t, n;", "prmt.b32 s, t, t, 0x20;", "and.b32 s, s, 0x7777;"]
+    # 0xFF in each byte whose nibble is 8-15: prmt's sign mode replicates bit 7 of the byte
+    lines += ["shl.b32 m, n, 4;", "prmt.b32 m, m, m, 0xBA98;"]
+    for p in range(4):
+        lines += [
+            f"mov.b32 ta, 0x{table(p, 0):08X};", f"mov.b32 tb, 0x{table(p, 4):08X};", "prmt.b32 lo, ta, tb, s;",
+            f"mov.b32 ta, 0x{table(p, 8):08X};", f"mov.b32 tb, 0x{table(p, 12):08X};", "prmt.b32 hi, ta, tb, s;",
+            "and.b32 hi, hi, m;", "not.b32 t, m;", "and.b32 lo, lo, t;", f"or.b32 v{p}, lo, hi;",
+        ]
+    lines += [
+        "prmt.b32 a, v0, v1, 0x5140;", "prmt.b32 b, v0, v1, 0x7362;",
+        "prmt.b32 c, v2, v3, 0x5140;", "prmt.b32 d, v2, v3, 0x7362;",
+        "prmt.b32 $0, a, c, 0x5410;", "prmt.b32 $1, a, c, 0x7632;",
+        "prmt.b32 $2, b, d, 0x5410;", "prmt.b32 $3, b, d, 0x7632;",
+    ]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+NF4_EVEN_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=True))
+NF4_ODD_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=False))
+
+
+@triton.jit
+def _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP: tl.constexpr):
+    """fp32 code-book values of the high (even weight) and low (odd weight) nibble of each byte of `packed`."""
+    if PTX_LOOKUP:
+        even = tl.inline_asm_elementwise(NF4_EVEN_PTX, "=r,=r,=r,=r,r", [packed], dtype=tl.int32, is_pure=True,
+                                         pack=4)
+        odd = tl.inline_asm_elementwise(NF4_ODD_PTX, "=r,=r,=r,=r,r", [packed], dtype=tl.int32, is_pure=True,
+                                        pack=4)
+        return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
+    both = tl.load(code_pairs_ptr + packed.to(tl.int32))
+    return both.to(tl.int32).to(tl.float32, bitcast=True), (both >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _nf4_matvec_blocked_kernel(
     x_ptr, x_row_stride, x_col_stride,
@@ -174,6 +233,7 @@ def _nf4_matvec_blocked_kernel(
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
+    PTX_LOOKUP: tl.constexpr,
 ):
     HALF: tl.constexpr = BLOCKSIZE // 2  # bytes of one quantisation block
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -194,21 +254,19 @@ def _nf4_matvec_blocked_kernel(
         )[:, :, None]
         byte_in_row = blocks[:, None] * HALF + pair[None, :]  # [BLOCKS_PER_TILE, HALF]
         packed = tl.load(packed_ptr + row_bytes[:, None, None] + byte_in_row[None, :, :], mask=mask_nb[:, :, None],
-                         other=0).to(tl.int32)
-        both = tl.load(code_pairs_ptr + packed)  # masked bytes decode to finite weights; their x is 0
-        code_even = both.to(tl.int32).to(tl.float32, bitcast=True)
-        code_odd = (both >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        x_even_ptr = x_ptr + (2 * byte_in_row) * x_col_stride
-        mask_x = mask_blocks[:, None]
+                         other=0)
+        code_even, code_odd = _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP)  # masked bytes: finite, x is 0
+        # x's even and odd elements from one contiguous load, split in registers
+        x_pairs_ptr = x_ptr + (2 * byte_in_row[:, :, None] + tl.arange(0, 2)[None, None, :]) * x_col_stride
+        mask_x = mask_blocks[:, None, None]
         if BLOCK_M == 1:
-            x_even = tl.load(x_even_ptr, mask=mask_x, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_even_ptr + x_col_stride, mask=mask_x, other=0.0).to(tl.float32)
+            x_even, x_odd = tl.split(tl.load(x_pairs_ptr, mask=mask_x, other=0.0).to(tl.float32))
             partial += (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
         else:
             for m in tl.static_range(BLOCK_M):
-                mask_row = mask_x & ((blocks * 0 + m) < n_rows)[:, None]
-                x_even = tl.load(x_even_ptr + m * x_row_stride, mask=mask_row, other=0.0).to(tl.float32)
-                x_odd = tl.load(x_even_ptr + m * x_row_stride + x_col_stride, mask=mask_row, other=0.0).to(tl.float32)
+                mask_row = mask_x & ((blocks * 0 + m) < n_rows)[:, None, None]
+                x_even, x_odd = tl.split(
+                    tl.load(x_pairs_ptr + m * x_row_stride, mask=mask_row, other=0.0).to(tl.float32))
                 products = (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
                 row_sum = tl.sum(tl.sum(products, axis=2), axis=1)
                 acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
@@ -347,7 +405,7 @@ def nf4_matvec(
     if blocked:
         _nf4_matvec_blocked_kernel[(triton.cdiv(n_out, block_n),)](
             *args, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
-            **meta,
+            PTX_LOOKUP=PTX_LOOKUP, **meta,
         )
     else:
         _nf4_matvec_kernel[(triton.cdiv(n_out, BLOCK_N),)](
