@@ -26,9 +26,9 @@ LENGTHS = (9, 4, 13, 6)  # odd and uneven, one shorter than Qwen3.5's conv kerne
 PAD = 0
 
 
-def lora_model(arch, device, dtype=torch.float32):
+def lora_model(arch, device, dtype=torch.float32, **overrides):
     """A tiny model with LoRA on every linear layer, B initialised non-zero so every A gets a gradient."""
-    base = tiny_qwen3_5(device, dtype) if arch == "qwen3_5" else tiny_model(arch, device, dtype)
+    base = tiny_qwen3_5(device, dtype) if arch == "qwen3_5" else tiny_model(arch, device, dtype, **overrides)
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
     return get_peft_model(base, config)
 
@@ -239,7 +239,8 @@ def assert_bf16_packed_as_accurate_as_padded(arch, device):
     (measured), so each gradient may be off by at most 3x Hugging Face's error on it (at least 2e-2)."""
     from helpers import relative_error
 
-    exact = lora_model(arch, device)
+    # Qwen2's tiny head size (48 / 4 = 12) is no multiple of 8, which flash attention needs: 64 / 4 = 16.
+    exact = lora_model(arch, device, **({"hidden_size": 64} if arch == "qwen2" else {}))
     hugging_face = copy.deepcopy(exact).to(torch.bfloat16)
     patched = patch_model(copy.deepcopy(hugging_face))
     docs = documents((37, 5, 120, 64, 2, 200))
@@ -264,8 +265,23 @@ def test_packed_bf16_on_cuda_through_varlen_attn(arch, torch_delta_rule):
     installed, refuses Hopper GPUs with triton < 3.7.1."""
     from unsloth_lite.models.packing import _uses_varlen_attn
 
-    assert _uses_varlen_attn(torch.empty(1, device="cuda", dtype=torch.bfloat16), 0.0)
+    assert _uses_varlen_attn(torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16), 0.0)
     assert_bf16_packed_as_accurate_as_padded(arch, "cuda")
+
+
+@pytest.mark.gpu
+def test_head_sizes_flash_attention_cannot_take_fall_back_on_cuda():
+    """Flash attention takes head sizes that are multiples of 8 up to 256; others go through the SDPA path."""
+    from unsloth_lite.models.packing import _uses_varlen_attn
+
+    for head_dim, expected in ((12, False), (128, True), (256, True), (512, False)):
+        query = torch.empty(1, 2, 5, head_dim, device="cuda", dtype=torch.bfloat16)
+        assert _uses_varlen_attn(query, 0.0) is expected, head_dim
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(1, 2, 5, 12, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+    out = varlen_attention(q, k, v, {"cu_seq_lens_q": cu, "max_length_q": 3}, 0.3)
+    expected = varlen_attention(q.float(), k.float(), v.float(), {"cu_seq_lens_q": cu, "max_length_q": 3}, 0.3)
+    assert_close(out.float(), expected, 1e-2, "output")
 
 
 @pytest.mark.gpu

@@ -77,8 +77,10 @@ def _varlen_attn():
 
 
 def _uses_varlen_attn(query: torch.Tensor, dropout: float) -> bool:
+    """Flash attention's domain: CUDA, half precision, no dropout, a head size that is a multiple of 8 up to 256."""
+    head_dim = query.shape[-1]
     return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0 \
-        and _varlen_attn() is not None
+        and head_dim % 8 == 0 and head_dim <= 256 and _varlen_attn() is not None
 
 
 def varlen_attention(query, key, value, packed: dict, scaling: float, dropout: float = 0.0) -> torch.Tensor:
@@ -86,10 +88,10 @@ def varlen_attention(query, key, value, packed: dict, scaling: float, dropout: f
     `value [1, Hkv, T, D]` (Hq a multiple of Hkv), `packed` from `packed_sequence_kwargs`; returns
     `[1, T, Hq, D]`, the layout of transformers' attention functions.
 
-    On CUDA in half precision: torch's `varlen_attn`, reading q/k/v as `[T, H, D]` views (the projections'
-    own storage) and the KV heads without copies where it takes grouped heads. Elsewhere (CPU, float32,
-    dropout, torch without it): SDPA with a block-diagonal causal mask and native GQA, which holds a
-    `[T, T]` boolean mask: the reference path, exact but not fast."""
+    On CUDA in half precision (head size a multiple of 8, at most 256): torch's `varlen_attn`, reading q/k/v
+    as `[T, H, D]` views (the projections' own storage) and the KV heads without copies where it takes grouped
+    heads. Elsewhere (CPU, float32, dropout, other head sizes, torch without it): SDPA with a block-diagonal
+    causal mask and native GQA, which holds a `[T, T]` boolean mask: the reference path, exact but not fast."""
     cu_seqlens, longest = packed["cu_seq_lens_q"], packed["max_length_q"]
     if _uses_varlen_attn(query, dropout):
         varlen_attn, causal, gqa, repeat_kv = _varlen_attn()
