@@ -11,8 +11,8 @@ compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), 
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
-`--sweep` also times the unsloth-lite kernel at each tile of `SWEEP_TILES` (features x weights along K a
-program, `nf4_matvec.blocked_tile`'s choice) per shape, to choose that table from one run, and at the chosen
+`--sweep` also times the unsloth-lite kernel at each tile of `SWEEP_TILES` (features x weights along K / warps
+of a program, `nf4_matvec.blocked_tile`'s choice) per shape, to choose that table from one run, and at the chosen
 tile with the code book read from memory (`nf4_matvec.PTX_LOOKUP` off: the interpreter's decoding).
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
@@ -41,7 +41,9 @@ from bench_common import (
 from bench_generate import SHAPES, nf4_bytes, shape_config, weightless_model
 
 VARIANTS = ("unsloth_lite", "bitsandbytes", "dequantize_matmul")
-SWEEP_TILES = [(4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256)]
+# (features, weights along K, warps) a program
+SWEEP_TILES = [(4, 1024, 4), (8, 512, 4), (16, 1024, 4), (32, 512, 4), (8, 512, 8), (16, 1024, 8), (32, 512, 8),
+               (64, 256, 8)]
 TINY_VARIANTS = ("unsloth_lite", "dequantize_matmul")
 
 
@@ -97,6 +99,11 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
     return rows
 
 
+def tile_name(tile: tuple[int, int, int]) -> str:
+    features, tile_k, warps = tile
+    return f"{features}x{tile_k}/{warps}w"
+
+
 def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
     """Device time of the blocked kernel at every tile of SWEEP_TILES, per projection shape, one row of x; and
     at the chosen tile with the code book read from memory instead of looked up in registers (`PTX_LOOKUP`)."""
@@ -116,10 +123,10 @@ def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
         for n_out, n_in in keys:
             weight = nf4_weight(n_out, n_in, device, dtype)
             x = torch.randn(1, n_in, device=device, dtype=dtype)
-            row = dict(out=n_out, **{"in": n_in}, chosen="x".join(map(str, chosen(n_out))))
-            for features, tile_k in SWEEP_TILES:
-                matvec.blocked_tile = lambda _n, tile=(features, tile_k): tile
-                row[f"{features}x{tile_k}"] = time_us(x, weight)
+            row = dict(out=n_out, **{"in": n_in}, chosen=tile_name(chosen(n_out)))
+            for tile in SWEEP_TILES:
+                matvec.blocked_tile = lambda _n, tile=tile: tile
+                row[tile_name(tile)] = time_us(x, weight)
             matvec.blocked_tile, matvec.PTX_LOOKUP = chosen, False
             row["chosen, table"] = time_us(x, weight)
             matvec.PTX_LOOKUP = ptx_lookup
@@ -165,8 +172,7 @@ def main(argv=None) -> int:
     print(markdown_table(totals, ["model", "variant", "ms_per_token"]))
     sweep = sweep_tiles(shapes, device, args.tiny) if args.sweep else []
     if sweep:
-        tiles = [f"{features}x{tile_k}" for features, tile_k in SWEEP_TILES]
-        print(markdown_table(sweep, ["out", "in", "chosen", *tiles, "chosen, table"]))
+        print(markdown_table(sweep, ["out", "in", "chosen", *map(tile_name, SWEEP_TILES), "chosen, table"]))
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
                               copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, sweep=sweep))
     return 0

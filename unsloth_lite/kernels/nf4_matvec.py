@@ -54,18 +54,16 @@ BLOCK_K = 256 if INTERPRET else 128  # the interpreter's cost is per operation: 
 PTX_LOOKUP = not INTERPRET
 
 
-def blocked_tile(n_out: int) -> tuple[int, int]:
-    """(features, weights along K) of the blocked kernel's tile. Measured on the H200 at batch 1 over the
-    Qwen3-8B and Qwen3.5-27B projections: 512 weights along K beat 256; 16 features a program where N is
-    large, fewer where N / 16 programs would leave SMs idle (k/v projections: N = 1024). The interpreter's cost
-    is per program and per operation: few, wide tiles."""
+def blocked_tile(n_out: int) -> tuple[int, int, int]:
+    """(features, weights along K, warps) of the blocked kernel's programs. Measured on the H200 at batch 1 over
+    the Qwen3-8B and Qwen3.5-27B projections (`bench_nf4_matvec.py --sweep`): 8 features by 512 weights where N
+    is large; 4 by 1024 where N / 8 programs would leave SMs idle (k/v projections: N = 1024). The
+    interpreter's cost is per program and per operation: few, wide tiles."""
     if INTERPRET:
-        return 64, 256
-    if n_out >= 12288:
-        return 16, 512
+        return 64, 256, 4
     if n_out >= 2048:
-        return 8, 512
-    return 4, 1024
+        return 8, 512, 4
+    return 4, 1024, 4
 
 
 @triton.jit
@@ -388,7 +386,7 @@ def nf4_matvec(
     lora_b_arg = lora_b if has_lora else out
     packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize = launch.inputs
     blocksize = 2 * launch.meta["HALF_BLOCK"]
-    block_n, tile_k = blocked_tile(n_out)
+    block_n, tile_k, warps = blocked_tile(n_out)
     blocked = n_in % blocksize == 0 and tile_k % blocksize == 0
     args = (
         x2d, x2d.stride(0), x2d.stride(1),
@@ -400,18 +398,18 @@ def nf4_matvec(
     )
     meta = dict(
         BLOCKSIZE=blocksize, NESTED=launch.meta["NESTED"], HAS_BIAS=bias is not None, HAS_LORA=has_lora,
-        BLOCK_R=max(2, triton.next_power_of_2(rank)), num_warps=4,
+        BLOCK_R=max(2, triton.next_power_of_2(rank)),
     )
     if blocked:
         _nf4_matvec_blocked_kernel[(triton.cdiv(n_out, block_n),)](
             *args, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
-            PTX_LOOKUP=PTX_LOOKUP, **meta,
+            PTX_LOOKUP=PTX_LOOKUP, num_warps=warps, **meta,
         )
     else:
         _nf4_matvec_kernel[(triton.cdiv(n_out, BLOCK_N),)](
             *args, BLOCK_M=max(2, triton.next_power_of_2(n_rows)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
             WEIGHT_BF16=launch.dtype == torch.bfloat16, WEIGHT_FP16=launch.dtype == torch.float16,
-            enable_fp_fusion=False, **meta,
+            enable_fp_fusion=False, num_warps=4, **meta,
         )
     return out.view(*x.shape[:-1], n_out)
 
