@@ -284,6 +284,7 @@ def train(model, optimizer, device: torch.device, warmup: list[dict], timed: lis
     counts = [token_counts(batch, pad_id) for batch in timed]
     out = {key: sum(c[key] for c in counts) for key in ("real_tokens", "tokens", "target_tokens")}
     out.update(timed_steps=len(timed), time_s=sum(times), warmup_s=round(warmup_s, 1),
+               step_s=[round(t, 4) for t in times],
                first_losses=[float(x) for x in losses[:FIRST_LOSSES]])
     if cuda:
         out.update(peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
