@@ -216,6 +216,10 @@ def test_packed_sequence_kwargs_and_mask():
     assert torch.equal(block_diagonal_causal_mask(static["cu_seq_lens_q"], 9), expected)
     five = packed_sequence_kwargs(torch.tensor([[0, 0, 0, 0, 0, 1]]), static_shapes=True)
     assert five["cu_seq_lens_q"].tolist() == [0, 1, 2, 3, 4, 6, 6, 6, 6]
+    # a long row keeps a slot per 128 tokens whatever its documents: 1,024 tokens in 3 documents, room for 8
+    long_row = torch.cat([torch.arange(500), torch.arange(24), torch.arange(500)])[None]
+    offsets = packed_sequence_kwargs(long_row, static_shapes=True)["cu_seq_lens_q"].tolist()
+    assert offsets == [0, 500, 524, 1024, 1024, 1024, 1024, 1024, 1024]
 
 
 def test_static_shapes_change_nothing(device, monkeypatch):

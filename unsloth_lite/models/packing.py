@@ -17,6 +17,12 @@ import inspect
 
 import torch
 
+# Static packed shapes reserve a document slot per this many tokens: W4's instruction records (median 214
+# tokens) put 30-40 documents in 8,192 tokens, so its rows share one count (64) and one CUDA graph pair; with
+# a power of two of the actual count instead, rows crossed 32 and each new count cost a capture (4-5 s at
+# Qwen3-8B, measured on the H200).
+MIN_TOKENS_PER_DOCUMENT_SLOT = 128
+
 
 def packed_sequence_kwargs(position_ids: torch.Tensor | None, static_shapes: bool | None = None) -> dict | None:
     """`cu_seq_lens_q/k` and `max_length_q/k` of a packed row, or None where `position_ids` do not describe
@@ -27,10 +33,11 @@ def packed_sequence_kwargs(position_ids: torch.Tensor | None, static_shapes: boo
     reuses them, and `varlen_attn` needs the longest length as a Python int anyway.
 
     `static_shapes` (default: on CUDA) gives every row of one length the same shapes and arguments whatever
-    its documents: the offsets are padded to a power-of-two count with empty documents at the row's end, and
-    the longest length is the row's. CUDA-graphed layers key their graphs on those (`checkpointing.py`), so
-    packed rows of a fixed token budget then replay a few graphs (one per power of two of documents) instead
-    of capturing a new pair for every row; the attention's extra blocks of empty documents exit at once."""
+    its documents: the offsets are padded to a power-of-two count with empty documents at the row's end, at
+    least one slot per MIN_TOKENS_PER_DOCUMENT_SLOT tokens, and the longest length is the row's. CUDA-graphed
+    layers key their graphs on those (`checkpointing.py`), so packed rows of a fixed token budget replay one
+    graph pair (a second only for rows of unusually many short documents) instead of capturing a new pair for
+    every row; the attention's extra blocks of empty documents exit at once."""
     if position_ids is None:
         return None
     if position_ids.dim() == 3:  # Qwen3.5's multimodal rotary positions: [text, t, h, w] or [t, h, w] first
@@ -46,7 +53,7 @@ def packed_sequence_kwargs(position_ids: torch.Tensor | None, static_shapes: boo
     longest = int((offsets[1:] - offsets[:-1]).max())
     if position_ids.is_cuda if static_shapes is None else static_shapes:
         documents = starts.numel()
-        capacity = 1 << (documents - 1).bit_length()
+        capacity = 1 << (max(documents, length // MIN_TOKENS_PER_DOCUMENT_SLOT) - 1).bit_length()
         offsets = torch.nn.functional.pad(offsets, (0, capacity - documents), value=length)
         longest = length
     cu_seqlens = offsets.to(position_ids.device, non_blocking=True)
