@@ -224,7 +224,8 @@ def _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP: tl.constexpr):
 @triton.jit
 def _nf4_matvec_blocked_kernel(
     x_ptr, x_row_stride, x_col_stride,
-    packed_ptr, absmax_ptr, code_pairs_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+    packed_ptr, absmax_ptr, code_pairs_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+    nested_blocksize: tl.constexpr,  # a compile-time constant: no 64-bit division call per absmax (in the SASS)
     bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
     out_ptr, out_row_stride,
     n_rows, n_out, n_in, rank,
@@ -279,7 +280,7 @@ def _nf4_matvec_blocked_kernel(
 @triton.jit
 def _nf4_matvec_kernel(
     x_ptr, x_row_stride, x_col_stride,
-    packed_ptr, absmax_ptr, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+    packed_ptr, absmax_ptr, code_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize: tl.constexpr,
     bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
     out_ptr, out_row_stride,
     n_rows, n_out, n_in, rank,
