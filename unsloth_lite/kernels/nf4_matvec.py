@@ -188,12 +188,12 @@ def _nf4_lookup_ptx(high_nibbles: bool) -> str:
     # selector: the four nibbles side by side in 16 bits, top bits cleared (prmt reads bit 3 as a sign flag)
     lines += ["shr.b32 t, n, 4;", "or.b32 t, t, n;", "prmt.b32 s, t, t, 0x20;", "and.b32 s, s, 0x7777;"]
     # 0xFF in each byte whose nibble is 8-15: prmt's sign mode replicates bit 7 of the byte
-    lines += ["shl.b32 m, n, 4;", "prmt.b32 m, m, m, 0xBA98;"]
+    lines += ["shl.b32 m, n, 4;", "prmt.b32 m, m, m, 0xBA98;", "not.b32 t, m;"]
     for p in range(4):
         lines += [
             f"mov.b32 ta, 0x{table(p, 0):08X};", f"mov.b32 tb, 0x{table(p, 4):08X};", "prmt.b32 lo, ta, tb, s;",
             f"mov.b32 ta, 0x{table(p, 8):08X};", f"mov.b32 tb, 0x{table(p, 12):08X};", "prmt.b32 hi, ta, tb, s;",
-            "and.b32 hi, hi, m;", "not.b32 t, m;", "and.b32 lo, lo, t;", f"or.b32 v{p}, lo, hi;",
+            "and.b32 hi, hi, m;", "and.b32 lo, lo, t;", f"or.b32 v{p}, lo, hi;",
         ]
     lines += [
         "prmt.b32 a, v0, v1, 0x5140;", "prmt.b32 b, v0, v1, 0x7362;",
@@ -391,7 +391,9 @@ def nf4_matvec(
     blocked = n_in % blocksize == 0 and tile_k % blocksize == 0
     args = (
         x2d, x2d.stride(0), x2d.stride(1),
-        packed, absmax, code_pairs(code) if blocked else code, nested_code, nested_absmax, offset, nested_blocksize,
+        # the blocked kernel reads the pair table only where it cannot decode in registers
+        packed, absmax, code_pairs(code) if blocked and not PTX_LOOKUP else code, nested_code, nested_absmax, offset,
+        nested_blocksize,
         bias if bias is not None else out, t, t.stride(0), lora_b_arg, lora_b_arg.stride(0), lora_b_arg.stride(1),
         float(scale),
         out, out.stride(0),
