@@ -173,3 +173,43 @@ def run_worker_process(cmd: list[str], env: dict, cwd, result_prefix: str, timeo
         timer.cancel()
     results = parse_results(lines, result_prefix)
     return results, lines, proc.returncode
+
+
+def memory_peak_report(step, device: torch.device, top: int = 20) -> dict:
+    """Runs `step()` once with the CUDA allocator's history recorded and returns what was live at its peak:
+    the bytes allocated before it, the peak over those, and the live blocks grouped by the innermost frame of
+    the project (or, failing that, of transformers / peft / torch), largest first."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot(device)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live, current, peak, peak_live = {}, 0, 0, {}
+    for event in snapshot["device_traces"][device.index or 0]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            current += event["size"]
+            if current > peak:
+                peak, peak_live = current, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            current -= live.pop(event["addr"])["size"]
+    groups: dict[str, int] = {}
+    for event in peak_live.values():
+        key = _allocation_site(event.get("frames", []))
+        groups[key] = groups.get(key, 0) + event["size"]
+    ranked = sorted(groups.items(), key=lambda item: -item[1])[:top]
+    return dict(allocated_before_gib=before / 2**30, peak_over_before_gib=peak / 2**30,
+                live_at_peak=[dict(site=site, mib=round(size / 2**20, 1)) for site, size in ranked])
+
+
+def _allocation_site(frames: list[dict]) -> str:
+    for marker in ("unsloth_lite", "transformers", "peft", "torch"):
+        for frame in frames:
+            if marker in frame["filename"]:
+                path = frame["filename"].split("site-packages/")[-1]
+                return f"{path}:{frame['line']} {frame['name']}"
+    return "?"

@@ -22,6 +22,8 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
 - `hf`: the same without flash-linear-attention (transformers' PyTorch delta rule and convolution).
 - `unsloth_lite`: `patch_model` + `add_lora` + `enable_gradient_checkpointing(offload_to_cpu=True)`: every
   module on the fused path, the DeltaNet on our Triton kernels.
+- `unsloth_lite_nf4_embeddings`: the same with the embedding and lm_head in NF4 too (`quantize_embeddings_nf4`:
+  rows dequantised on lookup, lm_head tiles inside the fused loss).
 - `unsloth_lite_graphs`: the same with `cuda_graphs=True`.
 - `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same
   targets, `use_gradient_checkpointing="unsloth"`), only where unsloth imports (from `--unsloth-site`). Unsloth
@@ -42,12 +44,20 @@ import traceback
 from pathlib import Path
 
 import torch
-from bench_common import bench_device, drop_missing_unsloth, environment, markdown_table, parse_results, write_json
+from bench_common import (
+    bench_device,
+    drop_missing_unsloth,
+    environment,
+    markdown_table,
+    memory_peak_report,
+    parse_results,
+    write_json,
+)
 from bench_train import _error, load_unsloth, measure, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_27B_RESULT "
-VARIANTS = ("hf_fla", "hf", "unsloth", "unsloth_lite", "unsloth_lite_graphs")
+VARIANTS = ("hf_fla", "hf", "unsloth", "unsloth_lite", "unsloth_lite_nf4_embeddings", "unsloth_lite_graphs")
 TINY_VARIANTS = ("hf", "unsloth_lite")
 ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DELTANET = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
@@ -134,6 +144,8 @@ def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_li
     import unsloth_lite
     from unsloth_lite.training.checkpointing import enable_gradient_checkpointing
 
+    if "nf4_embeddings" in variant:
+        unsloth_lite.quantize_embeddings_nf4(model)
     model = unsloth_lite.add_lora(unsloth_lite.patch_model(model), r=LORA_R, lora_alpha=LORA_ALPHA,
                                   target_modules=targets)
     enable_gradient_checkpointing(model, offload_to_cpu=device.type == "cuda", cuda_graphs="graphs" in variant)
@@ -207,11 +219,25 @@ def worker_main(args) -> int:
             result["load_gib"] = torch.cuda.memory_allocated(device) / 2**30
         result.update(measure(args, model, optimizer, device, 1, args.seq, c["vocab_size"], args.warmup, args.steps,
                               profile=False))
+        if args.memory_report and device.type == "cuda":
+            result["memory_report"] = memory_report(model, optimizer, device, args.seq, c["vocab_size"])
     except (Exception, SystemExit) as error:  # this variant's error, never a crash of the whole run
         traceback.print_exc()
         result.update(_error(error))
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
+
+
+def memory_report(model, optimizer, device: torch.device, seq: int, vocab: int) -> dict:
+    """One more step with the allocator's history recorded: what is live at its peak, by allocation site."""
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(SEED)).to(device)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return memory_peak_report(step, device)
 
 
 def unsloth_checkpoint(args, device: torch.device) -> str:
@@ -227,7 +253,7 @@ def unsloth_checkpoint(args, device: torch.device) -> str:
 def run_worker(args, variant: str, checkpoint: str | None = None) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--seq", str(args.seq),
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    cmd += ["--tiny"] * args.tiny + ["--all-linear"] * args.all_linear
+    cmd += ["--tiny"] * args.tiny + ["--all-linear"] * args.all_linear + ["--memory-report"] * args.memory_report
     cmd += ["--layers", str(args.layers)] if args.layers else []
     cmd += ["--checkpoint", checkpoint] if checkpoint else []
     env = worker_env(variant, args)
@@ -254,6 +280,8 @@ def parse_args(argv=None):
     parser.add_argument("--check-gradients", action="store_true",
                         help="instead of timing: first-step loss and LoRA gradients, patched vs Hugging Face's "
                              "PyTorch path, on one model")
+    parser.add_argument("--memory-report", action="store_true",
+                        help="one more step with the allocator's history: live blocks at its peak, by site")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--worker-timeout", type=float, default=900)
