@@ -35,6 +35,12 @@ and then, chunk-parallel, with dU = dV_new, dW = −dV_new S0ᵀ, and writing Ū
     dγ_C  += exp(γ_C) Σ S0⊙dS_C + Σ K̃ ⊙ (V_new dS_Cᵀ)
     dg     = reverse in-chunk cumsum of dγ   (the dγ_C terms reach every token of the chunk)
 
+The row and column sums of a D_ij term cancel in that cumulative sum except where j < t <= i, so the kernel
+sums each kind of term over the tokens it reaches instead (no cancellation of large partial sums):
+
+    dg_t = Σ_{i>=t} Σ_{j<t} P_ij + Σ_{s>=t} (Γ terms)_s + Σ_{s<t} (K̃ terms)_s + (exp(γ_C) terms),
+           P = dM⊙M + β_i dA⊙A  (a reverse cumulative sum of P down its columns, then row t summed over j < t)
+
 and through the L2 norm x̂ = x r, r = (Σx² + 1e-6)^-½:  dx = r (dx̂ − x̂ (x̂·dx̂)). dq and dk of a key head are summed
 over its G value heads inside one program.
 

@@ -326,8 +326,9 @@ def _backward_inputs_kernel(
         dM = tl.zeros([C, C], dtype=tl.float32)
         dM_T = tl.zeros([C, C], dtype=tl.float32)
         dbeta = tl.zeros([C], dtype=tl.float32)
-        dgam = tl.zeros([C], dtype=tl.float32)
-        dgam_last = tl.sum(tl.zeros([C], dtype=tl.float32), 0)
+        dgam = tl.zeros([C], dtype=tl.float32)  # terms of exp(γ_i) alone: they reach g_t for t <= i
+        dgam_after = tl.zeros([C], dtype=tl.float32)  # terms of exp(γ_C - γ_i): they reach g_t for t > i
+        dgam_last = tl.sum(tl.zeros([C], dtype=tl.float32), 0)  # terms of exp(γ_C) alone: every g_t
         for v0 in range(0, Dv, BV):
             e = v0 + tl.arange(0, BV)
             mask_e = e < Dv
@@ -371,9 +372,8 @@ def _backward_inputs_kernel(
             # state update: S_C += K̃ᵀ V_new
             x = tl.dot(vn, dsc_T, input_precision=PREC)
             dk += x * decay_k[:, None]
-            x = tl.sum(k * x, 1) * decay_k
-            dgam -= x
-            dgam_last += tl.sum(x, 0) + tl.exp(gam_last) * tl.sum(tl.sum(s0_T * dsc_T, 1), 0)
+            dgam_after += tl.sum(k * x, 1) * decay_k
+            dgam_last += tl.exp(gam_last) * tl.sum(tl.sum(s0_T * dsc_T, 1), 0)
             # W = T(βΓ⊙K): dW̃ = Tᵀ dW = -Tᵀ dV_new S0ᵀ
             x = -tl.dot(du, s0_T, input_precision=PREC)
             dk += x * (beta * decay_q)[:, None]
@@ -389,20 +389,23 @@ def _backward_inputs_kernel(
         dq += tl.dot(dM, k, input_precision=PREC)
         dk += tl.dot(dM_T, q, input_precision=PREC)
         kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
-        x = dM * tl.dot(q, kT, input_precision=PREC)  # dM ⊙ M
-        dgam += tl.sum(x, 1) - tl.sum(x, 0)
+        pairs = dM * tl.dot(q, kT, input_precision=PREC)  # dM ⊙ M: terms of D_ij = exp(γ_i - γ_j)
         # A = strictly-lower(β_i (k_i·k_j) D_ij)
         p = tl.where(lower, tl.dot(k, kT, input_precision=PREC) * decay, 0.0)
         dA = tl.where(lower, dA, 0.0)
         x = dA * p
         dbeta += tl.sum(x, 1)
-        x = x * beta[:, None]
-        dgam += tl.sum(x, 1) - tl.sum(x, 0)
+        pairs += x * beta[:, None]
         dA = dA * decay * beta[:, None]
         dA_T = tl.where(upper, dA_T * decay_T * beta[None, :], 0.0)
         dk += tl.dot(dA + dA_T, k, input_precision=PREC)  # (G + Gᵀ) K
-        # dg = reverse cumsum of dγ (the γ_C terms reach every position)
-        dg = tl.sum(dgam, 0) - tl.cumsum(dgam, 0) + dgam + dgam_last
+        # dg_t = Σ_{s>=t} dγ_s + dγ_C, summed by what each term depends on (module docstring): a D_ij term
+        # reaches g_t for j < t <= i only, so the pairs are summed over that range directly rather than as
+        # row and column sums that cancel in the reverse cumulative sum.
+        after = tl.cumsum(pairs, 0, reverse=True)  # [t, j]: Σ_{i>=t} pairs_ij
+        dg = tl.sum(tl.where(lower, after, 0.0), 1)
+        dg += tl.cumsum(dgam, 0, reverse=True)
+        dg += tl.sum(tl.where(lower, dgam_after[None, :], 0.0), 1) + dgam_last
         tl.store(dg_ptr + (b * T + t) * Hv + h, dg.to(dg_ptr.dtype.element_ty), mask=mask_t)
         tl.store(dbeta_ptr + (b * T + t) * Hv + h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mask_t)
 
