@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from helpers import TOLERANCE, assert_close, cast_inputs, dtype_id
 
+import unsloth_lite.kernels.gated_delta_rule as gated_delta_rule
 from unsloth_lite.kernels import chunk_gated_delta_rule
 from unsloth_lite.kernels.gated_delta_rule import (
     _value_block,
@@ -158,6 +159,19 @@ def test_gated_delta_rule_varlen_int64_no_state(device):
     cu = torch.tensor([0, 30, 130], dtype=torch.int64)
     inputs = make_inputs(1, 130, 2, 1, 16, 16, l2=False)
     run_and_compare(inputs, torch.float32, device, l2=False, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("state", ["initial_state", "no_state"])
+def test_gated_delta_rule_backward_by_windows(state, device, monkeypatch):
+    """A fixed-length batch longer than WINDOW runs its backward window by window (here 128, 128 and 44
+    tokens): every gradient, the initial state's included, as the recurrence's."""
+    monkeypatch.setattr(gated_delta_rule, "WINDOW", 128)
+    calls = []
+    windows = gated_delta_rule._backward_by_windows
+    monkeypatch.setattr(gated_delta_rule, "_backward_by_windows", lambda *a, **kw: calls.append(1) or windows(*a, **kw))
+    inputs = make_inputs(2, 300, 1, 2, 16, 16, l2=True, n_states=2 if state == "initial_state" else None)
+    run_and_compare(inputs, torch.float32, device, l2=True)
+    assert calls
 
 
 def test_gated_delta_rule_some_grads_only(device):

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from helpers import TOLERANCE, assert_close, dtype_id
 
+from unsloth_lite.kernels import lora
 from unsloth_lite.kernels.lora import LoRAProjection, lora_mlp, lora_projections
 
 
@@ -58,14 +59,20 @@ def test_lora_projections(nf4, dtype, device):
     assert_close(x.grad, x64.grad, tol, "dx")
 
 
-@pytest.mark.parametrize("output_needed", [True, False], ids=["output", "gradients-only"])
+@pytest.mark.parametrize("mode", ["output", "gradients-only", "gradients-only-row-blocks"])
 @pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-def test_lora_mlp(nf4, dtype, output_needed, device):
-    """Without `output_needed` (a checkpoint's recomputation) the output is not computed; the gradients are
-    the same."""
+def test_lora_mlp(nf4, dtype, mode, device, monkeypatch):
+    """Without `output_needed` (a checkpoint's recomputation) the output is not computed and the backward runs
+    the MLP over row blocks (three here: 600 rows at a block budget of 40,000 elements); the gradients are the
+    same."""
     hidden, inter = 64, 192
-    x = torch.randn(2, 7, hidden, device=device, dtype=dtype, requires_grad=True)
+    output_needed = mode == "output"
+    seq = 300 if mode.endswith("row-blocks") else 7
+    if mode.endswith("row-blocks"):
+        monkeypatch.setattr(lora, "MLP_BLOCK_ELEMENTS", 40_000)
+        assert len(lora.mlp_row_blocks(2 * seq, inter)) == 3
+    x = torch.randn(2, seq, hidden, device=device, dtype=dtype, requires_grad=True)
     shapes = ((hidden, inter), (hidden, inter), (inter, hidden))
     made = [make_projection(*shape, 8, device, dtype, nf4=nf4) for shape in shapes]
     out = lora_mlp(x, *(p for p, _ in made), output_needed=output_needed)

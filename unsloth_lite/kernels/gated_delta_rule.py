@@ -80,6 +80,9 @@ from unsloth_lite.kernels.utils import (
 )
 
 CHUNK = 64
+# Tokens per window of a long fixed-length batch's backward (`_backward_by_windows`), a multiple of CHUNK:
+# Qwen3.5-27B's W2 length takes the single pass.
+WINDOW = 2048
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -239,26 +242,60 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
         scale, use_l2 = ctx.scale, ctx.use_l2
-        lay = _Layout(q, cu_seqlens)
         if do is None:
             do = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
-        w, u, tm = _prepare(q, k, v, g, beta, lay, use_l2, store_t=True)
-        _, _, hs, vn = _forward_states(
-            q, k, g, w, u, initial_state, lay, scale, use_l2,
-            compute_o=False, store_final=False, store_states=True, v_dtype=v.dtype,
-        )
-        del u
         want_dh0 = initial_state is not None and ctx.needs_input_grad[6]
-        dhs, dvn, dh0 = _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, want_dh0)
-        del w
-        dq, dk, dv, dg, dbeta = _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use_l2)
+        if cu_seqlens is None and q.shape[1] > WINDOW:
+            grads, dh0 = _backward_by_windows(q, k, v, g, beta, do, initial_state, dht, scale, use_l2, want_dh0)
+        else:
+            *grads, dh0 = _backward(q, k, v, g, beta, do, initial_state, dht, cu_seqlens, scale, use_l2, want_dh0)
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
         need = ctx.needs_input_grad
-        return (
-            dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-            dg if need[3] else None, dbeta if need[4] else None, None, dh0, None, None, None,
+        return (*(grad if wanted else None for grad, wanted in zip(grads, need[:5], strict=True)),
+                None, dh0, None, None, None)
+
+
+def _backward(q, k, v, g, beta, do, h0, dht, cu_seqlens, scale, use_l2, want_dh0):
+    """(dq, dk, dv, dg, dβ, d initial state or None) of one pass over the whole sequence."""
+    lay = _Layout(q, cu_seqlens)
+    w, u, tm = _prepare(q, k, v, g, beta, lay, use_l2, store_t=True)
+    _, _, hs, vn = _forward_states(
+        q, k, g, w, u, h0, lay, scale, use_l2,
+        compute_o=False, store_final=False, store_states=True, v_dtype=v.dtype,
+    )
+    del u
+    dhs, dvn, dh0 = _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, want_dh0)
+    del w
+    return (*_backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use_l2), dh0)
+
+
+def _backward_by_windows(q, k, v, g, beta, do, h0, dht, scale, use_l2, want_dh0):
+    """The backward of a fixed-length batch longer than WINDOW tokens, one window at a time from the last:
+    the scratch (fp32, about 15 times the bytes of a bf16 v) is that of one window, not of the sequence.
+    A first pass runs the states forward to keep each window's starting state; the gradient of a window's
+    starting state is the next one back's end-state gradient."""
+    windows = [slice(start, min(start + WINDOW, q.shape[1])) for start in range(0, q.shape[1], WINDOW)]
+    starts = [h0]
+    for window in windows[:-1]:
+        xs = [x[:, window] for x in (q, k, v, g, beta)]
+        lay = _Layout(xs[0], None)
+        w, u, _ = _prepare(*xs, lay, use_l2, store_t=False)
+        starts.append(_forward_states(
+            xs[0], xs[1], xs[3], w, u, starts[-1], lay, scale, use_l2,
+            compute_o=False, store_final=True, store_states=False, v_dtype=v.dtype,
+        )[1])
+        del w, u
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v, g, beta)]
+    for n in reversed(range(len(windows))):
+        window = windows[n]
+        xs = [x[:, window] for x in (q, k, v, g, beta)]
+        *window_grads, dht = _backward(
+            *xs, do[:, window], starts[n], dht, None, scale, use_l2, want_dh0=n > 0 or want_dh0
         )
+        for grad, window_grad in zip(grads, window_grads, strict=True):
+            grad[:, window].copy_(window_grad)
+    return grads, dht
 
 
 # ----------------------------------------------------------------------------------------------------------

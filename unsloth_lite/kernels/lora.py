@@ -19,7 +19,10 @@ The MLP, with projections gate (g), up (u) and down (d) and h = silu(g) ⊙ u:
 
 A caller that needs the gradient of `out` but not its value (a checkpoint's recomputation) skips
 W_d's product: the backward reads only t_d = h A_dᵀ of the down projection's forward. The same holds for any
-projection: its backward reads x and t, never y.
+projection: its backward reads x and t, never y. The MLP goes further there: its forward saves only x and the
+backward runs the whole MLP, gate and up included, over blocks of rows (`mlp_row_blocks`), so neither g and u
+are kept between the recomputation and the backward nor does any [tokens, intermediate] buffer grow with the
+sequence beyond a block; the adapters' gradients are summed over the blocks. No product is computed twice.
 
 Saved: the layer input, the pre-activations g and u, and the rank-r products t. h (the largest activation
 after g and u) is not saved: the backward recomputes it from g and u. dg and du are written over g and u,
@@ -208,6 +211,51 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         return (dx.view(ctx.input_shape), None, None, *adapter_grads)
 
 
+# Elements of one [rows, intermediate] buffer of the row-blocked MLP backward (2^27: 256 MiB in bf16). One
+# block covers Qwen3-8B's batch 4 x 2048 and Qwen3.5-27B's 2048 tokens; 32k tokens of the 27B take five.
+MLP_BLOCK_ELEMENTS = 2**27
+
+
+def mlp_row_blocks(n_rows: int, intermediate: int) -> list[slice]:
+    """Row blocks of the recomputation path's MLP backward: as few as keep each under MLP_BLOCK_ELEMENTS
+    elements, of equal size rounded up to a multiple of 256 rows."""
+    blocks = max(1, -(-n_rows * intermediate // MLP_BLOCK_ELEMENTS))
+    rows = -(-n_rows // blocks)
+    rows = -(-rows // 256) * 256 if blocks > 1 else n_rows
+    return [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
+
+
+def _mlp_backward(dout2d, x2d, g, u, t_gate_up, t_down, projections, adapters, dx=None):
+    """dx (accumulated into `dx` when given) and the adapters' gradients of the MLP on rows x2d, from its
+    pre-activations g and u (overwritten) and rank-r products."""
+    gate, up, down = projections
+    gate_up, down_adapters = adapters
+    h = _swiglu(g, u)
+    dh, down_grads = _project_all_backward([dout2d], h, t_down, (down,), down_adapters)
+    del h
+    dg, du = _swiglu_grads(dh, g, u, out=(g, u))  # g and u are dead from here on
+    dx, gate_up_grads = _project_all_backward([dg, du], x2d, t_gate_up, (gate, up), gate_up, dx=dx)
+    return dx, gate_up_grads + down_grads
+
+
+def _mlp_backward_by_row_blocks(dout2d, x2d, projections, adapters):
+    """The recomputation path's backward: the MLP's forward and backward over each row block in turn."""
+    gate, up, down = projections
+    gate_up, down_adapters = adapters
+    dx = torch.zeros_like(x2d)
+    blocks = mlp_row_blocks(x2d.shape[0], gate.out_features)
+    total = None
+    for rows in blocks:
+        x_rows = x2d[rows]
+        (g, u), t_gate_up = _project_all(x_rows, (gate, up), gate_up)
+        (_,), t_down = _project_all(_swiglu(g, u), (down,), down_adapters, output_needed=False)
+        _, grads = _mlp_backward(dout2d[rows], x_rows, g, u, t_gate_up, t_down, projections, adapters, dx=dx[rows])
+        if len(blocks) > 1:  # the blocks' sums in fp32 (autograd casts to the adapters' dtype)
+            grads = [None if d is None else d.float() for d in grads]
+        total = grads if total is None else [a if b is None else a.add_(b) for a, b in zip(total, grads, strict=True)]
+    return dx, total
+
+
 class LoRAMLPFunction(torch.autograd.Function):
     """down(silu(gate(x)) ⊙ up(x)), each projection with its adapter."""
 
@@ -215,31 +263,29 @@ class LoRAMLPFunction(torch.autograd.Function):
     def forward(ctx, x, projections, output_needed, *adapter_weights):
         gate, up, down = projections
         x2d = x.reshape(-1, x.shape[-1])
-        gate_up = _Adapters((gate, up), x2d.dtype)
-        (g, u), t_gate_up = _project_all(x2d, (gate, up), gate_up)
-        h = _swiglu(g, u)
-        down_adapters = _Adapters((down,), x2d.dtype)
-        (out,), t_down = _project_all(h, (down,), down_adapters, output_needed)
-        ctx.projections, ctx.adapters = projections, (gate_up, down_adapters)
-        ctx.input_shape = x.shape
+        adapters = (_Adapters((gate, up), x2d.dtype), _Adapters((down,), x2d.dtype))
+        ctx.projections, ctx.adapters, ctx.input_shape = projections, adapters, x.shape
+        ctx.by_row_blocks = not output_needed
+        if not output_needed:
+            ctx.save_for_backward(x2d)
+            return x2d.new_empty((*x.shape[:-1], down.out_features))
+        (g, u), t_gate_up = _project_all(x2d, (gate, up), adapters[0])
+        (out,), t_down = _project_all(_swiglu(g, u), (down,), adapters[1])
         ctx.save_for_backward(x2d, g, u, t_gate_up, t_down)
         return out.view(*x.shape[:-1], down.out_features)
 
     @staticmethod
     def backward(ctx, dout):
-        gate, up, down = ctx.projections
-        gate_up, down_adapters = ctx.adapters
-        x2d, g, u, t_gate_up, t_down = ctx.saved_tensors
         if getattr(ctx, "buffers_reused", False):
             raise RuntimeError("the LoRA MLP backward reuses its saved activations and cannot run twice")
         ctx.buffers_reused = True
-        dout2d = dout.reshape(-1, down.out_features)
-        h = _swiglu(g, u)
-        dh, down_grads = _project_all_backward([dout2d], h, t_down, (down,), down_adapters)
-        del h
-        dg, du = _swiglu_grads(dh, g, u, out=(g, u))  # g and u are dead from here on
-        dx, gate_up_grads = _project_all_backward([dg, du], x2d, t_gate_up, (gate, up), gate_up)
-        return (dx.view(ctx.input_shape), None, None, *gate_up_grads, *down_grads)
+        dout2d = dout.reshape(-1, ctx.projections[2].out_features)
+        if ctx.by_row_blocks:
+            (x2d,) = ctx.saved_tensors
+            dx, grads = _mlp_backward_by_row_blocks(dout2d, x2d, ctx.projections, ctx.adapters)
+        else:
+            dx, grads = _mlp_backward(dout2d, *ctx.saved_tensors, ctx.projections, ctx.adapters)
+        return (dx.view(ctx.input_shape), None, None, *grads)
 
 
 class FrozenLinearFunction(torch.autograd.Function):
