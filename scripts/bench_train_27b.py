@@ -24,6 +24,8 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
   module on the fused path, the DeltaNet on our Triton kernels.
 - `unsloth_lite_nf4_embeddings`: the same with the embedding and lm_head in NF4 too (`quantize_embeddings_nf4`:
   rows dequantised on lookup, lm_head tiles inside the fused loss).
+- `unsloth_lite_host_embeddings`: the same with the bf16 input embedding in host memory
+  (`offload_embeddings_to_host`: a batch's rows gathered on the host and copied over).
 - `unsloth_lite_graphs`: the same with `cuda_graphs=True`.
 - `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same
   targets, `use_gradient_checkpointing="unsloth"`), only where unsloth imports (from `--unsloth-site`). Unsloth
@@ -57,7 +59,10 @@ from bench_train import _error, load_unsloth, measure, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_27B_RESULT "
-VARIANTS = ("hf_fla", "hf", "unsloth", "unsloth_lite", "unsloth_lite_nf4_embeddings", "unsloth_lite_graphs")
+VARIANTS = (
+    "hf_fla", "hf", "unsloth", "unsloth_lite", "unsloth_lite_nf4_embeddings", "unsloth_lite_host_embeddings",
+    "unsloth_lite_graphs",
+)
 TINY_VARIANTS = ("hf", "unsloth_lite")
 ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DELTANET = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
@@ -146,6 +151,8 @@ def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_li
 
     if "nf4_embeddings" in variant:
         unsloth_lite.quantize_embeddings_nf4(model)
+    if "host_embeddings" in variant:
+        unsloth_lite.offload_embeddings_to_host(model)
     model = unsloth_lite.add_lora(unsloth_lite.patch_model(model), r=LORA_R, lora_alpha=LORA_ALPHA,
                                   target_modules=targets)
     enable_gradient_checkpointing(model, offload_to_cpu=device.type == "cuda", cuda_graphs="graphs" in variant)

@@ -23,6 +23,7 @@ _LAZY = {
     "Trainer": "unsloth_lite.training",
     "add_lora": "unsloth_lite.models",
     "load_model": "unsloth_lite.models",
+    "offload_embeddings_to_host": "unsloth_lite.models",
     "patch_model": "unsloth_lite.models",
     "quantize_embeddings_nf4": "unsloth_lite.models",
 }
@@ -43,6 +44,7 @@ __all__ = [
     "load_model",
     "lora_mlp",
     "lora_projections",
+    "offload_embeddings_to_host",
     "patch_model",
     "qk_norm_rope",
     "quantize_embeddings_nf4",

@@ -158,7 +158,7 @@ def check_packing(data, model) -> None:
 def check_fsdp(training: dict, model, checkpointing) -> None:
     """training.fsdp (TrainingArguments' and accelerate's spelling): FSDP2 only (FSDP1 flattens the parameters
     into one buffer, where a 4-bit weight loses its quantisation state), and not with what it cannot shard:
-    CUDA-graphed layers (graphs would keep storage FSDP frees) and NF4 embeddings."""
+    CUDA-graphed layers (graphs would keep storage FSDP frees) and NF4 or host-held embeddings."""
     value = training.get("fsdp")
     if not value or value in ("", [], "no", "false"):
         return
@@ -169,9 +169,10 @@ def check_fsdp(training: dict, model, checkpointing) -> None:
     if checkpointing.cuda_graphs:
         raise RecipeError("checkpointing.cuda_graphs: not with training.fsdp (FSDP frees and re-gathers the weights "
                           "the graphs would replay); set it to false")
-    if model.quantize_embeddings:
-        raise RecipeError("model.quantize_embeddings: not with training.fsdp (the NF4 embeddings are not sharded); "
-                          "set it to false")
+    for key in ("quantize_embeddings", "offload_embeddings"):
+        if getattr(model, key):
+            raise RecipeError(f"model.{key}: not with training.fsdp (the embeddings it makes are not sharded); "
+                              "set it to false")
 
 
 def check_max_seq_length(max_seq_length: int, positions: Any, config_path: str) -> None:

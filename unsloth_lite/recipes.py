@@ -65,6 +65,7 @@ class ModelSection:
     name_or_path: str
     load_in_4bit: bool = True
     quantize_embeddings: bool = False  # input embedding and lm_head in NF4 too (frozen)
+    offload_embeddings: bool = False  # input embedding in host memory (frozen)
     dtype: str = "bfloat16"
     max_seq_length: int = 2048
     attn_implementation: str = "sdpa"

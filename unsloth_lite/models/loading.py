@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from unsloth_lite.models.patching import patch_model
+from unsloth_lite.models.host_embeddings import offload_embeddings_to_host
 from unsloth_lite.models.quantized_embeddings import quantize_embeddings_nf4
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -32,12 +33,15 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     max_seq_length: int | None = None,
     quantize_embeddings: bool = False,
+    offload_embeddings: bool = False,
     quant_storage: torch.dtype = torch.uint8,
     **kwargs,
 ):
     """Returns `(model, tokenizer)`, the model patched. With `load_in_4bit` the decoder's linear layers are
     stored in bitsandbytes NF4 with double quantisation and compute in `dtype`; embeddings and lm_head stay in
     `dtype` unless `quantize_embeddings`, which stores them in NF4 too, frozen (`quantize_embeddings_nf4`).
+    `offload_embeddings` keeps the input embedding in host memory, frozen, in `dtype` (`offload_embeddings_to_host`;
+    with `quantize_embeddings` only the lm_head is then quantised).
     `quant_storage` is the dtype the packed NF4 bytes are stored as: the compute dtype for FSDP sharding
     (`unsloth_lite.training.distributed`), bytes otherwise. `max_seq_length` caps the tokenizer's
     `model_max_length` (and must fit the model's positions).
@@ -66,6 +70,8 @@ def load_model(
     if tokenizer is not None and max_seq_length is not None:
         tokenizer.model_max_length = max_seq_length
     model.max_seq_length = max_seq_length or positions
+    if offload_embeddings:
+        offload_embeddings_to_host(model)
     if quantize_embeddings:
         quantize_embeddings_nf4(model)
     return patch_model(model), tokenizer

@@ -27,6 +27,7 @@ from unsloth_lite.kernels.dequantize_nf4 import (
     dequantize_nf4_rows_reference,
 )
 from unsloth_lite.kernels.utils import INTERPRET, empty
+from unsloth_lite.models.host_embeddings import HostEmbedding
 
 NF4_BLOCKSIZE = 64
 
@@ -117,13 +118,14 @@ def quantize_embeddings_nf4(model: torch.nn.Module) -> torch.nn.Module:
     """Stores `model`'s input embedding and its lm_head as NF4 (bitsandbytes `Params4bit`, double quantisation,
     block 64), in place, freeing the dense weights (when nothing else holds them); returns `model`. Works on a
     Hugging Face causal LM, plain or PEFT-wrapped, patched or not (the fused path needs `patch_model`). Both
-    become frozen. Modules already quantised are left as they are."""
+    become frozen. Modules already quantised, and an embedding kept on the host (`offload_embeddings_to_host`),
+    are left as they are."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     embeddings = base.get_input_embeddings()
     head = base.get_output_embeddings()
     if head is not None and not (type(head) is torch.nn.Linear or is_nf4_linear(head)):
         raise ValueError(f"quantize_embeddings_nf4: the lm_head is a {type(head).__name__}, not a Linear")
-    if not isinstance(embeddings, (torch.nn.Embedding, NF4Embedding)):
+    if not isinstance(embeddings, (torch.nn.Embedding, NF4Embedding, HostEmbedding)):
         raise ValueError(f"quantize_embeddings_nf4: the input embedding is a {type(embeddings).__name__}")
     if type(embeddings) is torch.nn.Embedding and embeddings.max_norm is not None:
         raise ValueError("quantize_embeddings_nf4: an embedding with max_norm renormalises its rows; not supported")

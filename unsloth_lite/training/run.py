@@ -136,6 +136,7 @@ def load_base(recipe: Recipe, path) -> tuple:
         model, tokenizer = load_model(
             str(path), load_in_4bit=spec.load_in_4bit, dtype=torch_dtype(spec.dtype),
             max_seq_length=spec.max_seq_length, quantize_embeddings=spec.quantize_embeddings,
+            offload_embeddings=spec.offload_embeddings,
             attn_implementation=spec.attn_implementation,
             quant_storage=quant_storage(recipe.training, torch_dtype(spec.dtype)), **kwargs,
         )

@@ -1,0 +1,74 @@
+"""The input embedding kept in host memory (`offload_embeddings_to_host`).
+
+At Qwen3.5-27B's vocabulary the bf16 table `[248320, 5120]` is 2.5 GB of GPU memory, of which a step reads
+the rows of its tokens: 20 MB for 2,048 tokens. A `HostEmbedding` keeps the table in (pinned) host memory,
+gathers a batch's rows there into a pinned staging buffer and copies them to the ids' device; the rows are
+exactly the table's. The ids come to the host first, which waits for the GPU work queued before them; that
+wait also orders the next batch's gather after the previous batch's copy out of the staging buffer.
+
+The table is frozen (as in QLoRA) and stays on the host when the model is moved (`.to()`, `.cuda()`) or cast:
+only rows travel, in the table's dtype. A decode step that reads it cannot be captured in a CUDA graph (it
+waits on the host), so generation with it runs eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostEmbedding(torch.nn.Module):
+    """A frozen `[num_embeddings, embedding_dim]` table in host memory whose lookups land on the ids' device."""
+
+    def __init__(self, weight: torch.Tensor, padding_idx: int | None = None):
+        super().__init__()
+        table = weight.detach().to("cpu")
+        if torch.cuda.is_available():
+            table = table.pin_memory()
+        self.weight = torch.nn.Parameter(table, requires_grad=False)
+        self.num_embeddings, self.embedding_dim = table.shape
+        self.padding_idx = padding_idx
+        self._staging: torch.Tensor | None = None
+
+    def _apply(self, fn, recurse=True):
+        # Moves and casts of the model leave the table where and as it is (module docstring).
+        weight = self._parameters.pop("weight")
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._parameters["weight"] = weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.to("cpu").reshape(-1)
+        if input_ids.device.type == "cpu":
+            return torch.nn.functional.embedding(ids, self.weight).view(*input_ids.shape, self.embedding_dim)
+        staging = self._staging
+        if staging is None or staging.shape[0] < ids.numel():
+            staging = torch.empty((ids.numel(), self.embedding_dim), dtype=self.weight.dtype, pin_memory=True)
+            self._staging = staging
+        rows = torch.index_select(self.weight, 0, ids, out=staging[: ids.numel()])
+        return rows.to(input_ids.device, non_blocking=True).view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        padding = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, host{padding}"
+
+
+def offload_embeddings_to_host(model: torch.nn.Module) -> torch.nn.Module:
+    """Moves `model`'s input embedding into host memory as a frozen `HostEmbedding` (module docstring), in
+    place, freeing its device copy when nothing else holds it; returns `model`. Works on a Hugging Face causal
+    LM, plain or PEFT-wrapped, patched or not. A table tied to the lm_head is refused (the lm_head reads all of
+    it every step)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embeddings = base.get_input_embeddings()
+    if isinstance(embeddings, HostEmbedding):
+        return model
+    if type(embeddings) is not torch.nn.Embedding:
+        raise ValueError(f"offload_embeddings: the input embedding is a {type(embeddings).__name__}, not an Embedding")
+    if embeddings.max_norm is not None:
+        raise ValueError("offload_embeddings: an embedding with max_norm renormalises its rows; not supported")
+    head = base.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is embeddings.weight:
+        raise ValueError("offload_embeddings: the input embedding is tied to the lm_head, which reads all of it "
+                         "on the device every step")
+    base.set_input_embeddings(HostEmbedding(embeddings.weight, embeddings.padding_idx))
+    return model
