@@ -3,6 +3,7 @@ Hugging Face + PEFT + bitsandbytes (with and without flash-linear-attention) and
 
     python scripts/bench_train_27b.py --out bench_train_w2.json                # on a GPU: W2
     python scripts/bench_train_27b.py --check-gradients --out w2_gradients.json  # patched vs HF, one model
+    python scripts/bench_train_27b.py --max-seq --variants unsloth_lite_nf4_embeddings --out w2_max_seq.json
     TRITON_INTERPRET=1 python scripts/bench_train_27b.py --tiny                # CPU smoke run
 
 Model: `qwen3_5_text` as published for Qwen3.5-27B (hidden 5120, 64 layers as 16 x [3 Gated DeltaNet + 1 gated
@@ -33,6 +34,11 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
   present), its decoder linears pre-quantised in the same NF4 format (`bench_generate.write_checkpoint_in_shards`:
   16 GB instead of 54). Its weights differ from the built ones, so its first loss is not compared.
 Hugging Face's variants use its non-reentrant checkpointing with `enable_input_require_grads`.
+
+`--max-seq`: per variant, the longest batch-1 sequence (a multiple of 256) that trains one step within
+`--memory-cap-gib` (24): after loading, the allocator's cache is emptied and
+`torch.cuda.set_per_process_memory_fraction` holds the process to the cap; the search is `bench_train.py`'s
+(doubling from `--seq`, then bisection, at most `--max-probes` probes; running out of memory fails a probe).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from bench_common import (
     parse_results,
     write_json,
 )
-from bench_train import _error, load_unsloth, measure, worker_env
+from bench_train import _error, load_unsloth, measure, search_max_seq, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_27B_RESULT "
@@ -224,6 +230,10 @@ def worker_main(args) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             result["load_gib"] = torch.cuda.memory_allocated(device) / 2**30
+        if args.max_seq:
+            result.update(max_seq_search(args, model, optimizer, device, c))
+            print(RESULT_PREFIX + json.dumps(result), flush=True)
+            return 0
         result.update(measure(args, model, optimizer, device, 1, args.seq, c["vocab_size"], args.warmup, args.steps,
                               profile=False))
         if args.memory_report and device.type == "cuda":
@@ -233,6 +243,33 @@ def worker_main(args) -> int:
         result.update(_error(error))
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
+
+
+def max_seq_search(args, model, optimizer, device: torch.device, c: dict) -> dict:
+    """The longest sequence that trains one step within --memory-cap-gib (module docstring)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), device)
+
+    def probe(seq: int) -> bool | None:
+        try:
+            measure(args, model, optimizer, device, 1, seq, c["vocab_size"], 0, 1, profile=False)
+            return True
+        except (Exception, SystemExit) as error:
+            if not _error(error).get("oom"):
+                traceback.print_exc()
+                return None
+            return False
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    ceiling = c["max_position_embeddings"] // 256 * 256
+    return dict(memory_cap_gib=args.memory_cap_gib, **search_max_seq(probe, args.seq, ceiling, args.max_probes))
 
 
 def memory_report(model, optimizer, device: torch.device, seq: int, vocab: int) -> dict:
@@ -261,6 +298,8 @@ def run_worker(args, variant: str, checkpoint: str | None = None) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--seq", str(args.seq),
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--tiny"] * args.tiny + ["--all-linear"] * args.all_linear + ["--memory-report"] * args.memory_report
+    if args.max_seq:
+        cmd += ["--max-seq", "--memory-cap-gib", str(args.memory_cap_gib), "--max-probes", str(args.max_probes)]
     cmd += ["--layers", str(args.layers)] if args.layers else []
     cmd += ["--checkpoint", checkpoint] if checkpoint else []
     env = worker_env(variant, args)
@@ -289,6 +328,9 @@ def parse_args(argv=None):
                              "PyTorch path, on one model")
     parser.add_argument("--memory-report", action="store_true",
                         help="one more step with the allocator's history: live blocks at its peak, by site")
+    parser.add_argument("--max-seq", action="store_true", help="longest batch-1 sequence within --memory-cap-gib")
+    parser.add_argument("--memory-cap-gib", type=float, default=24.0, help="--max-seq: the GPU memory cap")
+    parser.add_argument("--max-probes", type=int, default=8, help="--max-seq: probes per variant")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--worker-timeout", type=float, default=900)
@@ -308,6 +350,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args)
+    if args.max_seq and args.tiny:
+        print("--max-seq: needs a GPU (the memory cap is the CUDA allocator's); not with --tiny", file=sys.stderr)
+        return 2
     device = bench_device(args.tiny)
     if device is None:
         return 1
@@ -332,6 +377,8 @@ def main(argv=None) -> int:
                 r[key] = round(r[key], 2)
     columns = ["variant", "seq", "layers", "tokens_per_s", "vs_hf_fla", "peak_gib", "peak_reserved_gib", "load_gib",
                "first_loss", "warmup_s", "error"]
+    if args.max_seq:
+        columns = ["variant", "max_seq", "first_failure", "memory_cap_gib", "load_gib", "error"]
     print(markdown_table(rows, columns))
     packages = ("torch", "triton", "transformers", "peft", "bitsandbytes", "fla-core")
     write_json(args.out, dict(environment=environment(device, packages), config=model_config(args.tiny, args.layers),

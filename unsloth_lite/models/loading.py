@@ -8,8 +8,8 @@ import warnings
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from unsloth_lite.models.patching import patch_model
 from unsloth_lite.models.host_embeddings import offload_embeddings_to_host
+from unsloth_lite.models.patching import patch_model
 from unsloth_lite.models.quantized_embeddings import quantize_embeddings_nf4
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
