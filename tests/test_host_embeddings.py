@@ -66,7 +66,22 @@ def test_moves_and_casts_leave_the_table_on_the_host(device):
     model.to(device=device, dtype=torch.bfloat16)
     assert model.get_input_embeddings().weight is table and table.device.type == "cpu"
     assert table.dtype == torch.float32 and model.lm_head.weight.dtype == torch.bfloat16
+    assert all(p.device.type == device.split(":")[0] for p in model.parameters())  # none on the host
     assert offload_embeddings_to_host(model).get_input_embeddings().weight is table  # already there: unchanged
+
+
+def test_state_dict_holds_the_table(device):
+    reference = tiny_model("qwen3", device)
+    expected = reference.state_dict()
+    model = offload_embeddings_to_host(copy.deepcopy(reference))
+    state = model.state_dict()
+    assert state.keys() == expected.keys()
+    assert torch.equal(state["model.embed_tokens.weight"], expected["model.embed_tokens.weight"].cpu())
+    other = offload_embeddings_to_host(tiny_model("qwen3", device))
+    other.load_state_dict(state)
+    assert torch.equal(other.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    with pytest.raises(RuntimeError, match="Missing key.*embed_tokens.weight"):
+        other.load_state_dict({k: v for k, v in state.items() if k != "model.embed_tokens.weight"})
 
 
 def test_refuses_tied_and_unknown_embeddings(device):

@@ -6,9 +6,11 @@ gathers a batch's rows there into a pinned staging buffer and copies them to the
 exactly the table's. The ids come to the host first, which waits for the GPU work queued before them; that
 wait also orders the next batch's gather after the previous batch's copy out of the staging buffer.
 
-The table is frozen (as in QLoRA) and stays on the host when the model is moved (`.to()`, `.cuda()`) or cast:
-only rows travel, in the table's dtype. A decode step that reads it cannot be captured in a CUDA graph (it
-waits on the host), so generation with it runs eagerly.
+The table is frozen (as in QLoRA). It is held as a plain tensor, not a parameter, so that nothing that walks
+the model's parameters moves, casts, shards or broadcasts it: it stays on the host in its dtype through `.to()`,
+`.cuda()`, DDP and optimizers, and only rows travel. It is still the module's `weight` in `state_dict()` and
+`load_state_dict()`. A decode step that reads it cannot be captured in a CUDA graph (it waits on the host), so
+generation with it runs eagerly.
 """
 
 from __future__ import annotations
@@ -22,20 +24,27 @@ class HostEmbedding(torch.nn.Module):
     def __init__(self, weight: torch.Tensor, padding_idx: int | None = None):
         super().__init__()
         table = weight.detach().to("cpu")
-        if torch.cuda.is_available():
-            table = table.pin_memory()
-        self.weight = torch.nn.Parameter(table, requires_grad=False)
+        self.weight = table.pin_memory() if torch.cuda.is_available() else table  # not registered (docstring)
         self.num_embeddings, self.embedding_dim = table.shape
         self.padding_idx = padding_idx
         self._staging: torch.Tensor | None = None
 
-    def _apply(self, fn, recurse=True):
-        # Moves and casts of the model leave the table where and as it is (module docstring).
-        weight = self._parameters.pop("weight")
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            self._parameters["weight"] = weight
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.weight
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "weight"
+        if key in state_dict:
+            with torch.no_grad():
+                self.weight.copy_(state_dict[key])
+        elif strict:
+            missing_keys.append(key)
+        super()._load_from_state_dict(
+            {k: v for k, v in state_dict.items() if k != key}, prefix, local_metadata, strict, missing_keys,
+            unexpected_keys, error_msgs,
+        )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.to("cpu").reshape(-1)
