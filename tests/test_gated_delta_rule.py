@@ -163,13 +163,13 @@ def test_gated_delta_rule_varlen_int64_no_state(device):
 
 @pytest.mark.parametrize("state", ["initial_state", "no_state"])
 def test_gated_delta_rule_backward_by_windows(state, device, monkeypatch):
-    """A fixed-length batch longer than WINDOW runs its backward window by window (here 128, 128 and 44
-    tokens): every gradient, the initial state's included, as the recurrence's."""
+    """A sequence longer than WINDOW runs its backward window by window (here 128, 128 and 44 tokens): every
+    gradient, the initial state's included, as the recurrence's."""
     monkeypatch.setattr(gated_delta_rule, "WINDOW", 128)
     calls = []
     windows = gated_delta_rule._backward_by_windows
     monkeypatch.setattr(gated_delta_rule, "_backward_by_windows", lambda *a, **kw: calls.append(1) or windows(*a, **kw))
-    inputs = make_inputs(2, 300, 1, 2, 16, 16, l2=True, n_states=2 if state == "initial_state" else None)
+    inputs = make_inputs(1, 300, 1, 2, 16, 16, l2=True, n_states=1 if state == "initial_state" else None)
     run_and_compare(inputs, torch.float32, device, l2=True)
     assert calls
 

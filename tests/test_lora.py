@@ -59,19 +59,26 @@ def test_lora_projections(nf4, dtype, device):
     assert_close(x.grad, x64.grad, tol, "dx")
 
 
-@pytest.mark.parametrize("mode", ["output", "gradients-only", "gradients-only-row-blocks"])
+@pytest.mark.parametrize("output_needed", [True, False], ids=["output", "gradients-only"])
 @pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-def test_lora_mlp(nf4, dtype, mode, device, monkeypatch):
+def test_lora_mlp(nf4, dtype, output_needed, device):
     """Without `output_needed` (a checkpoint's recomputation) the output is not computed and the backward runs
-    the MLP over row blocks (three here: 600 rows at a block budget of 40,000 elements); the gradients are the
-    same."""
+    the whole MLP itself; the gradients are the same."""
+    check_lora_mlp(nf4, dtype, output_needed, device, seq=7)
+
+
+@pytest.mark.parametrize(("dtype", "nf4"), [(torch.float32, False), (torch.bfloat16, True)], ids=["fp32", "bf16-nf4"])
+def test_lora_mlp_row_blocks(dtype, nf4, device, monkeypatch):
+    """The recomputation's backward over two row blocks (280 rows at a budget of 20,000 elements: 256 + 24),
+    the adapters' gradients summed over them."""
+    monkeypatch.setattr(lora, "MLP_BLOCK_ELEMENTS", 20_000)
+    assert [(b.start, b.stop) for b in lora.mlp_row_blocks(280, 192)] == [(0, 256), (256, 280)]
+    check_lora_mlp(nf4, dtype, False, device, seq=140)
+
+
+def check_lora_mlp(nf4, dtype, output_needed, device, seq):
     hidden, inter = 64, 192
-    output_needed = mode == "output"
-    seq = 300 if mode.endswith("row-blocks") else 7
-    if mode.endswith("row-blocks"):
-        monkeypatch.setattr(lora, "MLP_BLOCK_ELEMENTS", 40_000)
-        assert len(lora.mlp_row_blocks(2 * seq, inter)) == 3
     x = torch.randn(2, seq, hidden, device=device, dtype=dtype, requires_grad=True)
     shapes = ((hidden, inter), (hidden, inter), (inter, hidden))
     made = [make_projection(*shape, 8, device, dtype, nf4=nf4) for shape in shapes]
