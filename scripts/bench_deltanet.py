@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from bench_common import bench_device, bench_ms, environment, markdown_table, write_json
 
-from unsloth_lite.kernels.gated_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
+from unsloth_lite.kernels.gated_delta_rule import chunk_gated_delta_rule
+from unsloth_lite.kernels.gated_delta_rule_reference import chunk_gated_delta_rule_reference
 
 W2_HEADS = dict(key_heads=16, value_heads=48, head_dim=128)
 TINY_HEADS = dict(key_heads=2, value_heads=6, head_dim=16)

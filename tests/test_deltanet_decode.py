@@ -11,7 +11,7 @@ from unsloth_lite.kernels.deltanet_decode import (
     delta_rule_step,
     delta_rule_step_reference,
 )
-from unsloth_lite.kernels.gated_delta_rule import recurrent_gated_delta_rule_reference
+from unsloth_lite.kernels.gated_delta_rule_reference import recurrent_gated_delta_rule_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)

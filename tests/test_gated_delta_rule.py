@@ -11,8 +11,8 @@ from helpers import TOLERANCE, assert_close, cast_inputs, dtype_id
 
 import unsloth_lite.kernels.gated_delta_rule as gated_delta_rule
 from unsloth_lite.kernels import chunk_gated_delta_rule
-from unsloth_lite.kernels.gated_delta_rule import (
-    _value_block,
+from unsloth_lite.kernels.gated_delta_rule import _value_block
+from unsloth_lite.kernels.gated_delta_rule_reference import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
 )

@@ -31,7 +31,8 @@ from unsloth_lite.kernels.deltanet_decode import (
     delta_rule_step_reference,
 )
 from unsloth_lite.kernels.deltanet_gates import deltanet_gates, deltanet_gates_reference
-from unsloth_lite.kernels.gated_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
+from unsloth_lite.kernels.gated_delta_rule import chunk_gated_delta_rule
+from unsloth_lite.kernels.gated_delta_rule_reference import chunk_gated_delta_rule_reference
 from unsloth_lite.kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
 from unsloth_lite.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from unsloth_lite.kernels.swiglu import sigmoid_gate, sigmoid_gate_reference
