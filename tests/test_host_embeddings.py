@@ -7,6 +7,7 @@ import gc
 
 import pytest
 import torch
+from helpers import assert_close
 from peft import LoraConfig, get_peft_model
 from test_patch_model import batch, tiny_model
 from test_qlora_models import save_tiny_checkpoint
@@ -44,8 +45,8 @@ def test_lookups_are_the_table_rows(device):
 
 
 def test_lora_model_trains_as_with_its_device_embedding(device):
-    """Loss and every LoRA gradient identical, with our gradient checkpointing (which makes the embedding's
-    output require grad)."""
+    """Loss and every LoRA gradient as with the embedding on the device, with our gradient checkpointing (which
+    makes the embedding's output require grad)."""
     reference = lora_model(device)
     offloaded = offload_embeddings_to_host(copy.deepcopy(reference))
     assert isinstance(offloaded.get_input_embeddings(), HostEmbedding)
@@ -54,10 +55,11 @@ def test_lora_model_trains_as_with_its_device_embedding(device):
         model.train()
     expected_loss, expected = loss_and_gradients(reference, device)
     loss, grads = loss_and_gradients(offloaded, device)
-    assert torch.equal(loss, expected_loss)
+    # the same rows in, the same kernels: equal up to the order of atomic sums on a GPU
+    assert_close(loss, expected_loss, 1e-6, "loss")
     assert grads.keys() == expected.keys() and grads
     for name, grad in grads.items():
-        assert torch.equal(grad, expected[name]), name
+        assert_close(grad, expected[name], 1e-6, name)
 
 
 def test_moves_and_casts_leave_the_table_on_the_host(device):
