@@ -472,6 +472,26 @@ def _error(error: BaseException) -> dict:
     return dict(error=f"{type(error).__name__}: {message[0] if message else ''}"[:300])
 
 
+def one_step_probe(args, model, optimizer, device: torch.device, vocab: int):
+    """`probe(seq)` for `search_max_seq`: True if one batch-1 step of `seq` tokens trains, False if it runs
+    out of memory, None for any other error (printed). Memory is freed after each probe."""
+    def probe(seq: int) -> bool | None:
+        try:
+            measure(args, model, optimizer, device, 1, seq, vocab, 0, 1, profile=False)
+            return True
+        except (Exception, SystemExit) as error:
+            if not _error(error).get("oom"):
+                traceback.print_exc()
+                return None
+            return False
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    return probe
+
+
 def search_max_seq(probe, start: int, ceiling: int, max_probes: int) -> dict:
     """Longest multiple of SEQ_MULTIPLE <= ceiling for which `probe(seq)` is True (fits), None if even the
     shortest fails: doubling from `start` (halving while nothing fits yet), then bisection, at most
@@ -535,21 +555,7 @@ def worker_main(args) -> int:
         return 0
 
     if args.max_seq:
-        def probe(seq: int) -> bool | None:
-            try:
-                measure(args, model, optimizer, device, 1, seq, config["vocab_size"], 0, 1, profile=False)
-                return True
-            except (Exception, SystemExit) as error:
-                failure = _error(error)
-                if not failure.get("oom"):
-                    traceback.print_exc()
-                    return None
-                return False
-            finally:
-                optimizer.zero_grad(set_to_none=True)
-                gc.collect()
-                torch.cuda.empty_cache()
-
+        probe = one_step_probe(args, model, optimizer, device, config["vocab_size"])
         ceiling = config["max_position_embeddings"] // SEQ_MULTIPLE * SEQ_MULTIPLE
         search = search_max_seq(probe, args.seq, ceiling, args.max_probes)
         report(dict(variant=args.worker, memory_cap_gib=args.memory_cap_gib, load_gib=info.get("load_gib"), **search))

@@ -44,6 +44,7 @@ Hugging Face's variants use its non-reentrant checkpointing with `enable_input_r
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -61,7 +62,7 @@ from bench_common import (
     parse_results,
     write_json,
 )
-from bench_train import _error, load_unsloth, measure, search_max_seq, worker_env
+from bench_train import SEQ_MULTIPLE, _error, load_unsloth, measure, one_step_probe, search_max_seq, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_27B_RESULT "
@@ -247,28 +248,12 @@ def worker_main(args) -> int:
 
 def max_seq_search(args, model, optimizer, device: torch.device, c: dict) -> dict:
     """The longest sequence that trains one step within --memory-cap-gib (module docstring)."""
-    import gc
-
     gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), device)
-
-    def probe(seq: int) -> bool | None:
-        try:
-            measure(args, model, optimizer, device, 1, seq, c["vocab_size"], 0, 1, profile=False)
-            return True
-        except (Exception, SystemExit) as error:
-            if not _error(error).get("oom"):
-                traceback.print_exc()
-                return None
-            return False
-        finally:
-            optimizer.zero_grad(set_to_none=True)
-            gc.collect()
-            torch.cuda.empty_cache()
-
-    ceiling = c["max_position_embeddings"] // 256 * 256
+    probe = one_step_probe(args, model, optimizer, device, c["vocab_size"])
+    ceiling = c["max_position_embeddings"] // SEQ_MULTIPLE * SEQ_MULTIPLE
     return dict(memory_cap_gib=args.memory_cap_gib, **search_max_seq(probe, args.seq, ceiling, args.max_probes))
 
 
