@@ -242,16 +242,20 @@ def _mlp_backward_by_row_blocks(dout2d, x2d, projections, adapters):
     """The recomputation path's backward: the MLP's forward and backward over each row block in turn."""
     gate, up, down = projections
     gate_up, down_adapters = adapters
-    dx = torch.zeros_like(x2d)
+
+    def block_backward(rows, dx=None):
+        (g, u), t_gate_up = _project_all(x2d[rows], (gate, up), gate_up)
+        (_,), t_down = _project_all(_swiglu(g, u), (down,), down_adapters, output_needed=False)
+        return _mlp_backward(dout2d[rows], x2d[rows], g, u, t_gate_up, t_down, projections, adapters, dx=dx)
+
     blocks = mlp_row_blocks(x2d.shape[0], gate.out_features)
+    if len(blocks) == 1:
+        return block_backward(blocks[0])
+    dx = torch.zeros_like(x2d)
     total = None
     for rows in blocks:
-        x_rows = x2d[rows]
-        (g, u), t_gate_up = _project_all(x_rows, (gate, up), gate_up)
-        (_,), t_down = _project_all(_swiglu(g, u), (down,), down_adapters, output_needed=False)
-        _, grads = _mlp_backward(dout2d[rows], x_rows, g, u, t_gate_up, t_down, projections, adapters, dx=dx[rows])
-        if len(blocks) > 1:  # the blocks' sums in fp32 (autograd casts to the adapters' dtype)
-            grads = [None if d is None else d.float() for d in grads]
+        _, grads = block_backward(rows, dx[rows])
+        grads = [None if d is None else d.float() for d in grads]  # summed in fp32 (autograd casts them back)
         total = grads if total is None else [a if b is None else a.add_(b) for a, b in zip(total, grads, strict=True)]
     return dx, total
 
