@@ -48,7 +48,10 @@ Kernels (`gated_delta_rule_kernels.py`):
 
 1. `_prepare_kernel`, chunk-parallel: T, W, U into fp32 scratch (and T itself for the backward).
 2. `_forward_states_kernel`, sequential over the chunks of a sequence, one program per (Dv block, sequence, head):
-   V_new, the output and the state; the backward reruns it to store the chunk-start states and V_new.
+   V_new and the state, storing the chunk-start states and V_new (the backward reruns it so); past WINDOW
+   tokens the forward computes the output in it too, keeping no per-chunk states.
+2b. `_output_kernel`, chunk-parallel: the output from the stored chunk-start states and V_new (up to WINDOW
+   tokens: the sequential pass then carries no q or Q Kᵀ on its path).
 3. `_backward_states_kernel`, the reverse sequential pass: dS_C of every chunk, dV_new, d(initial state).
 4. `_backward_inputs_kernel`, chunk-parallel, one program per (chunk, key head): dq, dk, dv, dg, dβ.
 
@@ -69,6 +72,7 @@ from unsloth_lite.kernels.gated_delta_rule_kernels import (
     _backward_inputs_kernel,
     _backward_states_kernel,
     _forward_states_kernel,
+    _output_kernel,
     _prepare_kernel,
 )
 from unsloth_lite.kernels.utils import (
@@ -182,6 +186,20 @@ def _forward_states(q, k, g, w, u, h0, lay, scale, use_l2, *, compute_o, store_f
     )
 
 
+def _output(q, k, g, hs, vn, lay, scale, use_l2, v_dtype, batch, dv):
+    hv = hs.shape[0]
+    o = empty((batch, lay.T, hv, dv), v_dtype, q.device)
+    bv = min(64, max(16, triton.next_power_of_2(dv)))  # 64: no spills in the sm_90 SASS (128: 76 a thread)
+    _output_kernel[(lay.NCH, hv, triton.cdiv(dv, bv))](
+        q, *_strides(q), k, *_strides(k), g, *_strides(g), hs, vn, o,
+        lay.cu, lay.chunk_seq, lay.chunk_first,
+        lay.T, lay.NC, lay.NCH, hv, hv // k.shape[2], k.shape[3], dv, scale,
+        C=CHUNK, DK=max(16, triton.next_power_of_2(k.shape[3])), BV=bv,
+        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype), num_warps=8, num_stages=1,
+    )
+    return o
+
+
 def _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, store_dh0):
     hv, dk, dv = w.shape[0], k.shape[3], do.shape[3]
     group = hv // k.shape[2]
@@ -230,10 +248,18 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens):
         lay = _Layout(q, cu_seqlens)
         w, u, _ = _prepare(q, k, v, g, beta, lay, use_l2, store_t=False)
-        o, ht, _, _ = _forward_states(
-            q, k, g, w, u, initial_state, lay, scale, use_l2,
-            compute_o=True, store_final=output_final_state, store_states=False, v_dtype=v.dtype,
-        )
+        if q.shape[1] <= WINDOW:  # the sequential pass updates the states only; the output is chunk-parallel
+            _, ht, hs, vn = _forward_states(
+                q, k, g, w, u, initial_state, lay, scale, use_l2,
+                compute_o=False, store_final=output_final_state, store_states=True, v_dtype=v.dtype,
+            )
+            del w, u
+            o = _output(q, k, g, hs, vn, lay, scale, use_l2, v.dtype, q.shape[0], v.shape[3])
+        else:  # longer: no per-chunk states kept, the output computed in the sequential pass
+            o, ht, _, _ = _forward_states(
+                q, k, g, w, u, initial_state, lay, scale, use_l2,
+                compute_o=True, store_final=output_final_state, store_states=False, v_dtype=v.dtype,
+            )
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         ctx.scale, ctx.use_l2 = scale, use_l2
         return o, ht

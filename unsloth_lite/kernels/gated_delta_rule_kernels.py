@@ -211,6 +211,48 @@ def _forward_states_kernel(
 
 
 @triton.jit
+def _output_kernel(
+    q_ptr, s_qb, s_qt, s_qh, s_qd,
+    k_ptr, s_kb, s_kt, s_kh, s_kd,
+    g_ptr, s_gb, s_gt, s_gh,
+    hs_ptr, vn_ptr, o_ptr,
+    cu_ptr, chunk_seq_ptr, chunk_first_ptr,
+    T, NC, NCH, Hv, G, Dk, Dv, scale,
+    C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Chunk-parallel, from the stored chunk-start states S0 and V_new: O = scale (Q⊙Γ) S0 + M V_new for the Dv
+    columns [pid_v*BV, +BV) of one chunk of one value head."""
+    pid_c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    pid_v = tl.program_id(2)
+    hk = h // G
+    b, t0, eos = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    rows = tl.arange(0, C)
+    t = t0 + rows
+    mask_t = t < eos
+    d = tl.arange(0, DK)
+    e = pid_v * BV + tl.arange(0, BV)
+    mask_e = e < Dv
+    q, _ = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+    q = q * scale
+    kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
+    lower_incl = rows[None, :] <= rows[:, None]
+    m = tl.dot(q, kT, input_precision=PREC)
+    m = tl.where(lower_incl, m * tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    base = h * NCH + pid_c
+    s0 = tl.load(hs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :], mask=(d[:, None] < Dk) & mask_e[None, :],
+                 other=0.0)
+    vn = tl.load(vn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], mask=mask_e[None, :], other=0.0)
+    o = tl.dot(q * tl.exp(gam)[:, None], s0, input_precision=PREC) + tl.dot(m, vn, input_precision=PREC)
+    tl.store(
+        o_ptr + ((b * T + t[:, None]) * Hv + h) * Dv + e[None, :],
+        o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :],
+    )
+
+
+@triton.jit
 def _backward_states_kernel(
     q_ptr, s_qb, s_qt, s_qh, s_qd,
     k_ptr, s_kb, s_kt, s_kh, s_kd,
