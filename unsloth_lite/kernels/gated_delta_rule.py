@@ -52,7 +52,9 @@ Kernels (`gated_delta_rule_kernels.py`):
    tokens the forward computes the output in it too, keeping no per-chunk states.
 2b. `_output_kernel`, chunk-parallel: the output from the stored chunk-start states and V_new (up to WINDOW
    tokens: the sequential pass then carries no q or Q Kᵀ on its path).
-3. `_backward_states_kernel`, the reverse sequential pass: dS_C of every chunk, dV_new, d(initial state).
+3. `_backward_state_free_kernel`, chunk-parallel: the reverse pass's terms that do not depend on the state,
+   Mᵀ dO and scale (Q⊙Γ)ᵀ dO, written where that pass stores dV_new and dS_C; then `_backward_states_kernel`,
+   the reverse sequential pass: dS_C of every chunk, dV_new, d(initial state), two products a chunk.
 4. `_backward_inputs_kernel`, chunk-parallel, one program per (chunk, key head): dq, dk, dv, dg, dβ.
 
 Saved for the backward: the inputs only; the backward recomputes T/W/U and the states (scratch freed on return).
@@ -70,6 +72,7 @@ import triton
 
 from unsloth_lite.kernels.gated_delta_rule_kernels import (
     _backward_inputs_kernel,
+    _backward_state_free_kernel,
     _backward_states_kernel,
     _forward_states_kernel,
     _output_kernel,
@@ -204,18 +207,27 @@ def _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, store_dh0):
     hv, dk, dv = w.shape[0], k.shape[3], do.shape[3]
     group = hv // k.shape[2]
     dev = q.device
-    bv = _value_block(dv)
+    DK = max(16, triton.next_power_of_2(dk))
     dhs = empty((hv, lay.NCH, dk, dv), torch.float32, dev)
     dvn = empty((hv, lay.NCH, CHUNK, dv), torch.float32, dev)
     dh0 = empty((lay.n_seq, hv, dk, dv), torch.float32, dev) if store_dh0 else dhs
-    _backward_states_kernel[(triton.cdiv(dv, bv), lay.n_seq * hv)](
+    free_bv = min(64, max(16, triton.next_power_of_2(dv)))
+    _backward_state_free_kernel[(lay.NCH, hv, triton.cdiv(dv, free_bv))](
         q, *_strides(q), k, *_strides(k), g, *_strides(g), do, *_strides(do),
+        dhs, dvn, lay.cu, lay.chunk_seq, lay.chunk_first,
+        lay.T, lay.NC, lay.NCH, hv, group, dk, dv, scale,
+        C=CHUNK, DK=DK, BV=free_bv, L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype),
+        num_warps=8, num_stages=1,
+    )
+    bv = _value_block(dv)
+    _backward_states_kernel[(triton.cdiv(dv, bv), lay.n_seq * hv)](
+        k, *_strides(k), g, *_strides(g),
         w,
         dht if dht is not None else w, *(_strides(dht) if dht is not None else (0, 0, 0, 0)),
         dhs, dvn, dh0,
         lay.cu, lay.chunk_first,
-        lay.T, lay.NC, lay.NCH, hv, group, dk, dv, scale,
-        C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), BV=bv,
+        lay.T, lay.NC, lay.NCH, hv, group, dk, dv,
+        C=CHUNK, DK=DK, BV=bv,
         L2=use_l2, VARLEN=lay.varlen, HAS_DHT=dht is not None, STORE_DH0=store_dh0,
         PREC=_dot_precision(q.dtype), num_warps=8, num_stages=1,
     )

@@ -253,22 +253,66 @@ def _output_kernel(
 
 
 @triton.jit
-def _backward_states_kernel(
+def _backward_state_free_kernel(
     q_ptr, s_qb, s_qt, s_qh, s_qd,
     k_ptr, s_kb, s_kt, s_kh, s_kd,
     g_ptr, s_gb, s_gt, s_gh,
     do_ptr, s_ob, s_ot, s_oh, s_oe,
+    dhs_ptr, dvn_ptr,
+    cu_ptr, chunk_seq_ptr, chunk_first_ptr,
+    T, NC, NCH, Hv, G, Dk, Dv, scale,
+    C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Chunk-parallel, the reverse pass's terms that do not depend on the state, for the Dv columns
+    [pid_v*BV, +BV) of one chunk of one value head: Mᵀ dO into dV_new's slot and scale (Q⊙Γ)ᵀ dO into
+    dS_C's slot (the reverse pass reads each before it writes its own value there)."""
+    pid_c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    pid_v = tl.program_id(2)
+    hk = h // G
+    b, t0, eos = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    rows = tl.arange(0, C)
+    t = t0 + rows
+    mask_t = t < eos
+    d = tl.arange(0, DK)
+    e = pid_v * BV + tl.arange(0, BV)
+    mask_e = e < Dv
+    gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
+    k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    qT = _load_cols(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2) * scale
+    # mT[j, i] = M[i, j] = scale (q_i·k_j) exp(γ_i - γ_j) for i >= j.
+    upper_incl = rows[None, :] >= rows[:, None]
+    mT = tl.dot(k, qT, input_precision=PREC)
+    mT = tl.where(upper_incl, mT * tl.exp(tl.where(upper_incl, gam[None, :] - gam[:, None], 0.0)), 0.0)
+    do = tl.load(
+        do_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + e[None, :] * s_oe,
+        mask=mask_t[:, None] & mask_e[None, :], other=0.0,
+    ).to(tl.float32)
+    base = h * NCH + pid_c
+    tl.store(dvn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], tl.dot(mT, do, input_precision=PREC),
+             mask=mask_e[None, :])
+    tl.store(dhs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :],
+             tl.dot(qT * tl.exp(gam)[None, :], do, input_precision=PREC),
+             mask=(d[:, None] < Dk) & mask_e[None, :])
+
+
+@triton.jit
+def _backward_states_kernel(
+    k_ptr, s_kb, s_kt, s_kh, s_kd,
+    g_ptr, s_gb, s_gt, s_gh,
     w_ptr,
     dht_ptr, s_dtn, s_dth, s_dtd, s_dte,
     dhs_ptr, dvn_ptr, dh0_ptr,
     cu_ptr, chunk_first_ptr,
-    T, NC, NCH, Hv, G, Dk, Dv, scale,
+    T, NC, NCH, Hv, G, Dk, Dv,
     C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """The reverse sequential pass: for each chunk from the last, store dS_C (the gradient of its end state),
-    dV_new = Mᵀ dO + K̃ dS_C, and dS <- exp(γ_C) dS_C + scale (Q⊙Γ)ᵀ dO - Wᵀ dV_new."""
+    dV_new = Mᵀ dO + K̃ dS_C, and dS <- exp(γ_C) dS_C + scale (Q⊙Γ)ᵀ dO - Wᵀ dV_new, the state-free terms
+    Mᵀ dO and scale (Q⊙Γ)ᵀ dO read from the slots `_backward_state_free_kernel` wrote them to."""
     pid_v = tl.program_id(0)
     pid_nh = tl.program_id(1).to(tl.int64)
     n = pid_nh // Hv
@@ -287,34 +331,26 @@ def _backward_states_kernel(
         ).to(tl.float32)
     else:
         dS = tl.zeros([DK, BV], dtype=tl.float32)
-    upper_incl = rows[None, :] >= rows[:, None]
     for j in range(0, count):
         i = count - 1 - j
         c = first + i
         t = bos + i * C + rows
         mask_t = t < eos
         base = h * NCH + c
-        tl.store(dhs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :], dS, mask=mask_de)
+        state_slot = dhs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :]
+        value_slot = dvn_ptr + (base * C + rows[:, None]) * Dv + e[None, :]
+        q_do = tl.load(state_slot, mask=mask_de, other=0.0)
+        m_do = tl.load(value_slot, mask=mask_e[None, :], other=0.0)
+        tl.debug_barrier()  # every thread has read its slots before any overwrites them
+        tl.store(state_slot, dS, mask=mask_de)
         gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
         gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
-        qT = _load_cols(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2) * scale
-        # mT[j, i] = M[i, j] = scale (q_i·k_j) exp(γ_i - γ_j) for i >= j.
-        mT = tl.dot(k, qT, input_precision=PREC)
-        mT = tl.where(upper_incl, mT * tl.exp(tl.where(upper_incl, gam[None, :] - gam[:, None], 0.0)), 0.0)
-        do = tl.load(
-            do_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + e[None, :] * s_oe,
-            mask=mask_t[:, None] & mask_e[None, :], other=0.0,
-        ).to(tl.float32)
         k = k * tl.exp(gam_last - gam)[:, None]
-        dvn = tl.dot(mT, do, input_precision=PREC) + tl.dot(k, dS, input_precision=PREC)
-        tl.store(dvn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], dvn, mask=mask_e[None, :])
+        dvn = m_do + tl.dot(k, dS, input_precision=PREC)
+        tl.store(value_slot, dvn, mask=mask_e[None, :])
         wT = tl.load(w_ptr + (base * C + rows[None, :]) * Dk + d[:, None], mask=mask_d[:, None], other=0.0)
-        dS = (
-            dS * tl.exp(gam_last)
-            + tl.dot(qT * tl.exp(gam)[None, :], do, input_precision=PREC)
-            - tl.dot(wT, dvn, input_precision=PREC)
-        )
+        dS = dS * tl.exp(gam_last) + q_do - tl.dot(wT, dvn, input_precision=PREC)
     if STORE_DH0:
         tl.store(dh0_ptr + ((n * Hv + h) * Dk + d[:, None]) * Dv + e[None, :], dS, mask=mask_de)
 
