@@ -242,10 +242,11 @@ def _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use
     dvv = empty(v.shape, v.dtype, dev)
     dg = empty(g.shape, g.dtype, dev)
     dbeta = empty(beta.shape, beta.dtype, dev)
+    flip = empty((lay.NCH * hk * 2 * CHUNK * CHUNK,), torch.float32, dev)
     _backward_inputs_kernel[(lay.NCH, hk)](
         q, *_strides(q), k, *_strides(k), v, *_strides(v), g, *_strides(g), beta, *_strides(beta),
         do, *_strides(do),
-        tm, hs, dhs, vn, dvn,
+        tm, hs, dhs, vn, dvn, flip,
         dq, dkk, dvv, dg, dbeta,
         lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, hk, hv // hk, dk, dv, scale,

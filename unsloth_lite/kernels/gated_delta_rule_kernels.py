@@ -363,14 +363,16 @@ def _backward_inputs_kernel(
     g_ptr, s_gb, s_gt, s_gh,
     beta_ptr, s_bb, s_bt, s_bh,
     do_ptr, s_ob, s_ot, s_oh, s_oe,
-    tm_ptr, hs_ptr, dhs_ptr, vn_ptr, dvn_ptr,
+    tm_ptr, hs_ptr, dhs_ptr, vn_ptr, dvn_ptr, flip_ptr,
     dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
     cu_ptr, chunk_seq_ptr, chunk_first_ptr,
     T, NC, NCH, Hk, G, Dk, Dv, scale,
     C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Chunk-parallel: dq, dk of one key head (summed over its G value heads), and dv, dg, dβ of each of them."""
+    """Chunk-parallel: dq, dk of one key head (summed over its G value heads), and dv, dg, dβ of each of them.
+    The transposes of dM and of dA's term G are read back from the program's own `[2, C, C]` of `flip_ptr`
+    after a barrier, not accumulated as second products."""
     pid_c = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
     Hv = Hk * G
@@ -385,10 +387,11 @@ def _backward_inputs_kernel(
     q = q * scale
     lower = rows[None, :] < rows[:, None]
     lower_incl = rows[None, :] <= rows[:, None]
-    upper = rows[None, :] > rows[:, None]
-    upper_incl = rows[None, :] >= rows[:, None]
     dq = tl.zeros([C, DK], dtype=tl.float32)  # gradient of scale·q̂
     dk = tl.zeros([C, DK], dtype=tl.float32)  # gradient of k̂
+    flip = flip_ptr + (pid_c * Hk + hk) * 2 * C * C
+    square = rows[:, None] * C + rows[None, :]
+    square_T = rows[None, :] * C + rows[:, None]
     for j in range(0, G):
         h = hk * G + j
         base = h * NCH + pid_c
@@ -398,11 +401,8 @@ def _backward_inputs_kernel(
         decay_q = tl.exp(gam)
         decay_k = tl.exp(gam_last - gam)
         tm_T = tl.load(tm_ptr + (base * C + rows[None, :]) * C + rows[:, None])  # Tᵀ
-        tm = tl.load(tm_ptr + (base * C + rows[:, None]) * C + rows[None, :])
         dA = tl.zeros([C, C], dtype=tl.float32)
-        dA_T = tl.zeros([C, C], dtype=tl.float32)
         dM = tl.zeros([C, C], dtype=tl.float32)
-        dM_T = tl.zeros([C, C], dtype=tl.float32)
         dbeta = tl.zeros([C], dtype=tl.float32)
         dgam = tl.zeros([C], dtype=tl.float32)  # terms of exp(γ_i) alone: they reach g_t for t <= i
         dgam_after = tl.zeros([C], dtype=tl.float32)  # terms of exp(γ_C - γ_i): they reach g_t for t > i
@@ -416,13 +416,8 @@ def _backward_inputs_kernel(
             vn = tl.load(vn_ptr + rows_ce, mask=mask_e[None, :], other=0.0)
             vn_T = tl.load(vn_ptr + cols_ce, mask=mask_e[:, None], other=0.0)
             dvn = tl.load(dvn_ptr + rows_ce, mask=mask_e[None, :], other=0.0)
-            dvn_T = tl.load(dvn_ptr + cols_ce, mask=mask_e[:, None], other=0.0)
             do = tl.load(
                 do_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + e[None, :] * s_oe, mask=mask_te, other=0.0
-            ).to(tl.float32)
-            do_T = tl.load(
-                do_ptr + b * s_ob + t[None, :] * s_ot + h * s_oh + e[:, None] * s_oe,
-                mask=mask_t[None, :] & mask_e[:, None], other=0.0,
             ).to(tl.float32)
             state = base * Dk * Dv + d[None, :] * Dv + e[:, None]
             mask_ed = mask_e[:, None] & mask_d[None, :]
@@ -433,16 +428,13 @@ def _backward_inputs_kernel(
             ).to(tl.float32)
 
             du = tl.dot(tm_T, dvn, input_precision=PREC)  # Tᵀ dV_new
-            du_T = tl.dot(dvn_T, tm, input_precision=PREC)
             tl.store(
                 dv_ptr + ((b * T + t[:, None]) * Hv + h) * Dv + e[None, :],
                 (du * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mask_te,
             )
             dbeta += tl.sum(v * du, 1)
             dA -= tl.dot(du, vn_T, input_precision=PREC)
-            dA_T -= tl.dot(vn, du_T, input_precision=PREC)
             dM += tl.dot(do, vn_T, input_precision=PREC)
-            dM_T += tl.dot(vn, do_T, input_precision=PREC)
             # inter-chunk read of the state: O += scale (Q⊙Γ) S0
             x = tl.dot(do, s0_T, input_precision=PREC)
             dq += x * decay_q[:, None]
@@ -461,11 +453,10 @@ def _backward_inputs_kernel(
 
         # intra-chunk attention M = tril(scale Q Kᵀ ⊙ D)
         decay = tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0))
-        decay_T = tl.exp(tl.where(upper_incl, gam[None, :] - gam[:, None], 0.0))
         dM = tl.where(lower_incl, dM * decay, 0.0)
-        dM_T = tl.where(upper_incl, dM_T * decay_T, 0.0)
+        tl.debug_barrier()  # the previous value head's transposes are read: the flip buffer is free
+        tl.store(flip + square, dM)
         dq += tl.dot(dM, k, input_precision=PREC)
-        dk += tl.dot(dM_T, q, input_precision=PREC)
         kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
         pairs = dM * tl.dot(q, kT, input_precision=PREC)  # dM ⊙ M: terms of D_ij = exp(γ_i - γ_j)
         # A = strictly-lower(β_i (k_i·k_j) D_ij)
@@ -474,8 +465,12 @@ def _backward_inputs_kernel(
         x = dA * p
         dbeta += tl.sum(x, 1)
         pairs += x * beta[:, None]
-        dA = dA * decay * beta[:, None]
-        dA_T = tl.where(upper, dA_T * decay_T * beta[None, :], 0.0)
+        dA = dA * decay * beta[:, None]  # G
+        tl.store(flip + C * C + square, dA)
+        tl.debug_barrier()  # every thread's stores visible to every thread of the program
+        dM_T = tl.load(flip + square_T, cache_modifier=".cg")
+        dA_T = tl.load(flip + C * C + square_T, cache_modifier=".cg")
+        dk += tl.dot(dM_T, q, input_precision=PREC)
         dk += tl.dot(dA + dA_T, k, input_precision=PREC)  # (G + Gᵀ) K
         # dg_t = Σ_{s>=t} dγ_s + dγ_C, summed by what each term depends on (module docstring): a D_ij term
         # reaches g_t for j < t <= i only, so the pairs are summed over that range directly rather than as
