@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import subprocess
 import sys
 import time
 import traceback
@@ -64,8 +63,8 @@ from bench_common import (
     drop_missing_unsloth,
     environment,
     markdown_table,
-    parse_results,
     report_unknown,
+    run_worker_process,
     write_json,
 )
 from bench_train import TINY as TINY_QWEN3
@@ -357,22 +356,19 @@ def run_worker(args, variant: str, checkpoints: dict) -> list[dict]:
            "--checkpoints", json.dumps(checkpoints)] + ["--tiny"] * args.tiny
     if args.profile_dir:
         cmd += ["--profile-dir", args.profile_dir]
-    env = worker_env(variant, args)
-    print(f"[{variant}] starting", flush=True)
+    label = f"[{variant}]"
+    print(f"{label} starting", flush=True)
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              errors="replace", timeout=args.worker_timeout)
-        lines, code = proc.stdout.splitlines(), proc.returncode
-    except subprocess.TimeoutExpired:
-        lines, code = [], f"no result within --worker-timeout {args.worker_timeout:.0f} s"
-    results = parse_results(lines, RESULT_PREFIX)
+    results, lines, returncode = run_worker_process(
+        cmd, worker_env(variant, args), ROOT, RESULT_PREFIX, args.worker_timeout, label, args.verbose,
+    )
+    code = f"no result within --worker-timeout {args.worker_timeout:.0f} s" if returncode in (-9, 137) else returncode
     done = {r["shape"] for r in results}
     results += [dict(variant=variant, shape=s, error=f"worker: {code}")
                 for s in args.shapes.split(",") if s not in done]
-    if any("error" in r for r in results) or args.verbose:
-        print("\n".join(f"[{variant}] {line}" for line in lines[-25:]), flush=True)
-    print(f"[{variant}] done in {time.perf_counter() - start:.0f} s", flush=True)
+    if any("error" in r for r in results) and not args.verbose:
+        print("\n".join(f"{label} {line}" for line in lines[-25:]), flush=True)
+    print(f"{label} done in {time.perf_counter() - start:.0f} s", flush=True)
     return results
 
 

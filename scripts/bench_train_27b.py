@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import subprocess
 import sys
 import time
 import traceback
@@ -59,7 +58,7 @@ from bench_common import (
     environment,
     markdown_table,
     memory_peak_report,
-    parse_results,
+    run_worker_process,
     write_json,
 )
 from bench_train import SEQ_MULTIPLE, _error, load_unsloth, measure, one_step_probe, search_max_seq, worker_env
@@ -287,18 +286,37 @@ def run_worker(args, variant: str, checkpoint: str | None = None) -> dict:
         cmd += ["--max-seq", "--memory-cap-gib", str(args.memory_cap_gib), "--max-probes", str(args.max_probes)]
     cmd += ["--layers", str(args.layers)] if args.layers else []
     cmd += ["--checkpoint", checkpoint] if checkpoint else []
-    env = worker_env(variant, args)
-    print(f"[{variant}] starting", flush=True)
+    label = f"[{variant}]"
+    print(f"{label} starting", flush=True)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          errors="replace", timeout=args.worker_timeout)
-    lines = proc.stdout.splitlines()
-    results = parse_results(lines, RESULT_PREFIX)
-    result = results[0] if results else dict(variant=variant, error=f"worker exited with {proc.returncode}")
-    if "error" in result or args.verbose:
-        print("\n".join(f"[{variant}] {line}" for line in lines[-25:]), flush=True)
-    print(f"[{variant}] done in {time.perf_counter() - start:.0f} s: {result.get('error', '')}", flush=True)
+    results, lines, returncode = run_worker_process(
+        cmd, worker_env(variant, args), ROOT, RESULT_PREFIX, args.worker_timeout, label, args.verbose,
+    )
+    if results:
+        result = results[0]
+    else:
+        reason = "timed out" if returncode in (-9, 137) else f"exited with {returncode}"
+        result = dict(variant=variant, error=f"worker {reason}")
+    if "error" in result and not args.verbose:
+        print("\n".join(f"{label} {line}" for line in lines[-25:]), flush=True)
+    print(f"{label} done in {time.perf_counter() - start:.0f} s: {result.get('error', 'ok')}", flush=True)
     return result
+
+
+def summarise(rows: list[dict], seq: int) -> list[dict]:
+    """Copies of the rows with tokens/s, the speed ratios to hf_fla and to Unsloth, and rounded memory."""
+    rows = [dict(r) for r in rows]
+    step = {r["variant"]: r["step_s"] for r in rows if r.get("step_s")}
+    for r in rows:
+        if r.get("step_s"):
+            r["tokens_per_s"] = round(seq / r["step_s"], 1)
+            for peer in ("hf_fla", "unsloth"):
+                if peer in step:
+                    r[f"vs_{peer}"] = round(step[peer] / r["step_s"], 3)
+        for key in ("peak_gib", "peak_reserved_gib", "load_gib"):
+            if key in r:
+                r[key] = round(r[key], 2)
+    return rows
 
 
 def parse_args(argv=None):
@@ -350,24 +368,18 @@ def main(argv=None) -> int:
     variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
     variants = drop_missing_unsloth(variants, bool(args.variants), args.unsloth_site)
     checkpoint = unsloth_checkpoint(args, device) if "unsloth" in variants else None
-    rows = [run_worker(args, v, checkpoint if v == "unsloth" else None) for v in variants]
-    baseline = next((r for r in rows if r["variant"] == "hf_fla" and r.get("step_s")), None)
-    for r in rows:
-        if r.get("step_s"):
-            r["tokens_per_s"] = round(args.seq / r["step_s"], 1)
-            if baseline:
-                r["vs_hf_fla"] = round(baseline["step_s"] / r["step_s"], 3)
-        for key in ("peak_gib", "peak_reserved_gib", "load_gib"):
-            if key in r:
-                r[key] = round(r[key], 2)
-    columns = ["variant", "seq", "layers", "tokens_per_s", "vs_hf_fla", "peak_gib", "peak_reserved_gib", "load_gib",
-               "first_loss", "warmup_s", "error"]
+    packages = ("torch", "triton", "transformers", "peft", "bitsandbytes", "fla-core")
+    env = environment(device, packages)
+    rows = []
+    for variant in variants:  # the file is rewritten after each worker: a later one's crash loses nothing
+        rows.append(run_worker(args, variant, checkpoint if variant == "unsloth" else None))
+        write_json(args.out, dict(environment=env, config=model_config(args.tiny, args.layers),
+                                  rows=summarise(rows, args.seq)))
+    columns = ["variant", "seq", "layers", "tokens_per_s", "vs_hf_fla", "vs_unsloth", "peak_gib", "peak_reserved_gib",
+               "load_gib", "first_loss", "warmup_s", "error"]
     if args.max_seq:
         columns = ["variant", "max_seq", "first_failure", "memory_cap_gib", "load_gib", "error"]
-    print(markdown_table(rows, columns))
-    packages = ("torch", "triton", "transformers", "peft", "bitsandbytes", "fla-core")
-    write_json(args.out, dict(environment=environment(device, packages), config=model_config(args.tiny, args.layers),
-                              rows=rows))
+    print(markdown_table(summarise(rows, args.seq), columns))
     return 0
 
 

@@ -117,6 +117,21 @@ def test_bench_train_27b_tiny_mode_runs(tmp_path):
     assert abs(rows["hf"]["first_loss"] - rows["unsloth_lite"]["first_loss"]) < 1e-3 * rows["hf"]["first_loss"]
 
 
+def test_bench_train_27b_records_a_worker_timeout(tmp_path):
+    """A worker past --worker-timeout is killed and becomes an error row: the other variants' results and the
+    output file are not lost with it."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
+    out = tmp_path / "out.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_train_27b.py", "--tiny", "--variants", "unsloth_lite", "--worker-timeout",
+         "0.5", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r.get("error")) for r in rows] == [("unsloth_lite", "worker timed out")]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
 def test_bench_train_27b_checks_gradients(tmp_path):
     """--check-gradients on the tiny Qwen3.5: the patched model's first-step loss and LoRA gradients equal
