@@ -175,6 +175,41 @@ def run_worker_process(cmd: list[str], env: dict, cwd, result_prefix: str, timeo
     return results, lines, proc.returncode
 
 
+TOP_KERNELS = 15
+
+
+def kernel_profile(prof, top: int = TOP_KERNELS) -> dict:
+    """Kernels launched in the profiled region: their number, summed time (ms), and the `top` names
+    with the most time (name shortened, calls, ms), to show where a step's device time goes."""
+    try:
+        events = list(prof.profiler.kineto_results.events())
+    except Exception as error:
+        print(f"could not read the profile: {error}", file=sys.stderr)
+        return dict(kernels_per_step=None, kernel_ms=None)
+    kernels = [e for e in events if hasattr(e, "activity_type") and e.activity_type() == "kernel"]
+    if not kernels:  # older kineto bindings: device events that are not copies or memsets
+        kernels = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA
+                   and not e.name().startswith(("Memcpy", "Memset"))]
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name()[:120], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.duration_ns() / 1e6
+    heaviest = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    out = dict(
+        kernels_per_step=len(kernels), kernel_ms=sum(e.duration_ns() for e in kernels) / 1e6,
+        top_kernels=[dict(name=name, calls=calls, ms=round(ms, 2)) for name, (calls, ms) in heaviest],
+    )
+    host_ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    if host_ops:
+        host_ops.sort(key=lambda e: -e.self_cpu_time_total)
+        out["top_host_ops"] = [
+            dict(name=e.key[:80], calls=e.count, ms=round(e.self_cpu_time_total / 1e3, 2))
+            for e in host_ops[:top]
+        ]
+    return out
+
+
 def memory_peak_report(step, device: torch.device, top: int = 20) -> dict:
     """Runs `step()` once with the CUDA allocator's history recorded and returns what was live at its peak:
     the bytes allocated before it, the peak over those, and the live blocks grouped by the innermost frame of

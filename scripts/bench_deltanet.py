@@ -1,6 +1,7 @@
 """Gated DeltaNet forward+backward at Qwen3.5-27B's shapes (K2 of BENCHMARKS.md): time and gradient errors.
 
     python scripts/bench_deltanet.py --out bench_deltanet.json        # on a GPU: T = 2048 and 8192, bf16
+    python scripts/bench_deltanet.py --seqs 2048 --profile            # and each kernel's device time
     TRITON_INTERPRET=1 python scripts/bench_deltanet.py --tiny        # on a CPU: tiny shapes, ours only
 
 Inputs as Qwen3.5-27B's DeltaNet layer feeds them: q, k `[1, T, 16, 128]` and v `[1, T, 48, 128]` (each of the
@@ -25,7 +26,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_common import bench_device, bench_ms, environment, markdown_table, write_json
+from bench_common import bench_device, bench_ms, environment, kernel_profile, markdown_table, write_json
 
 from unsloth_lite.kernels.gated_delta_rule import chunk_gated_delta_rule
 from unsloth_lite.kernels.gated_delta_rule_reference import chunk_gated_delta_rule_reference
@@ -103,12 +104,32 @@ def relative(a, r) -> float:
     return float((a - r).norm() / r.norm())
 
 
+def profile_kernels(call) -> dict:
+    """The kernels of one more (warm) call: count, summed device time and the heaviest by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return kernel_profile(prof)
+
+
+def print_profiles(rows: list[dict]) -> None:
+    for r in rows:
+        if "profile" in r:
+            p = r["profile"]
+            print(f"\n{r['variant']} T={r['seq']}: {p['kernels_per_step']} kernels, {p['kernel_ms']:.3f} ms on the GPU")
+            print(markdown_table(p["top_kernels"], ["name", "calls", "ms"]))
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, ours only")
     parser.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 2048,8192)")
     parser.add_argument("--variants", default="unsloth_lite,fla,hf_torch")
     parser.add_argument("--error-max-seq", type=int, default=2048, help="longest sequence to compute errors at")
+    parser.add_argument("--profile", action="store_true",
+                        help="also one more call per variant under torch.profiler: each kernel's device time (GPU)")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     return parser.parse_args(argv)
 
@@ -135,6 +156,8 @@ def main(argv=None) -> int:
             try:
                 out, grads = forward_backward(fn, inputs, grad_out)
                 row["ms"] = round(bench_ms(lambda f=fn, x=inputs, d=grad_out: forward_backward(f, x, d), device), 3)
+                if args.profile and device.type == "cuda":
+                    row["profile"] = profile_kernels(lambda f=fn, x=inputs, d=grad_out: forward_backward(f, x, d))
             except Exception as error:  # a peer that fails is reported, never a crash of the run
                 rows.append(dict(row, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
                 continue
@@ -150,6 +173,7 @@ def main(argv=None) -> int:
     columns = ["variant", "seq", "ms", "speedup_of_ours", "err_o", "err_dq", "err_dk", "err_dv", "err_dg",
                "err_dbeta", "error"]
     print(markdown_table(rows, columns))
+    print_profiles(rows)
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "transformers", "fla-core")),
                               heads=heads, rows=rows))
     return 0

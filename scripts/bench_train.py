@@ -93,6 +93,7 @@ import torch
 from bench_common import (
     bench_device,
     environment,
+    kernel_profile,
     markdown_table,
     matmul_tflops,
     report_unknown,
@@ -344,41 +345,6 @@ def _checkpointed_layers(model) -> int | None:
     return sum(isinstance(m, GradientCheckpointingLayer) and bool(m.gradient_checkpointing) for m in model.modules())
 
 
-TOP_KERNELS = 15
-
-
-def _kernel_profile(prof) -> dict:
-    """Kernels launched in the profiled region: their number, summed time (ms), and the TOP_KERNELS names
-    with the most time (name shortened, calls, ms), to show where a step's device time goes."""
-    try:
-        events = list(prof.profiler.kineto_results.events())
-    except Exception as error:
-        print(f"could not read the profile: {error}", file=sys.stderr)
-        return dict(kernels_per_step=None, kernel_ms=None)
-    kernels = [e for e in events if hasattr(e, "activity_type") and e.activity_type() == "kernel"]
-    if not kernels:  # older kineto bindings: device events that are not copies or memsets
-        kernels = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA
-                   and not e.name().startswith(("Memcpy", "Memset"))]
-    by_name: dict[str, list] = {}
-    for e in kernels:
-        entry = by_name.setdefault(e.name()[:120], [0, 0.0])
-        entry[0] += 1
-        entry[1] += e.duration_ns() / 1e6
-    top = sorted(by_name.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
-    out = dict(
-        kernels_per_step=len(kernels), kernel_ms=sum(e.duration_ns() for e in kernels) / 1e6,
-        top_kernels=[dict(name=name, calls=calls, ms=round(ms, 2)) for name, (calls, ms) in top],
-    )
-    host_ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-    if host_ops:
-        host_ops.sort(key=lambda e: -e.self_cpu_time_total)
-        out["top_host_ops"] = [
-            dict(name=e.key[:80], calls=e.count, ms=round(e.self_cpu_time_total / 1e3, 2))
-            for e in host_ops[:TOP_KERNELS]
-        ]
-    return out
-
-
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -452,7 +418,7 @@ def measure(args, model, optimizer, device, batch: int, seq: int, vocab: int, wa
         with profiler(activities=activities) as prof:
             step(batches[-1])
             _sync(device)
-        out.update(_kernel_profile(prof))
+        out.update(kernel_profile(prof))
     losses = [float(loss) for loss in losses]
     out.update(
         step_s=sum(times) / len(times) if times else None, step_s_min=min(times, default=None),
