@@ -250,6 +250,8 @@ def _bad(case):
         k = torch.randn(1, 8, 2, 32)
     elif case == "v":
         v = torch.randn(1, 8, 3, 16)
+    elif case == "head dim":
+        v = torch.randn(1, 8, 4, 160)
     elif case == "g":
         g = g[..., :2]
     elif case == "beta":
@@ -262,7 +264,7 @@ def _bad(case):
     return (q, k, v, g, beta), kwargs
 
 
-@pytest.mark.parametrize("case", ["q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"])
+@pytest.mark.parametrize("case", ["q", "k", "v", "head dim", "g", "beta", "initial_state", "cu_seqlens"])
 def test_gated_delta_rule_bad_arguments(case, device):
     args, kwargs = _bad(case)
     args = [a.to(device) for a in args]

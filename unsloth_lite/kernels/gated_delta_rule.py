@@ -90,7 +90,9 @@ CHUNK = 64
 # Tokens per window of a long fixed-length batch's backward (`_backward_by_windows`), a multiple of CHUNK:
 # Qwen3.5-27B's W2 length takes the single pass.
 WINDOW = 2048
-MAX_HEAD_DIM = 256
+# The input-gradient kernel's shared memory bounds the head dims: at 128 it takes 174 KB of Hopper's 227 KB a
+# program (Qwen3.5's heads are 128; 256 would need 320 KB).
+MAX_HEAD_DIM = 128
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
