@@ -22,15 +22,38 @@ DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16
 
 
 def bind_torch_delta_rule(set_attribute: Callable = setattr) -> None:
-    """Binds Qwen3.5's Gated DeltaNet in Hugging Face's model module to its PyTorch reference, through
+    """Binds Qwen3.5's Gated DeltaNet in Hugging Face's model module to PyTorch references, through
     `set_attribute` (pytest's `monkeypatch.setattr` to undo it). Where flash-linear-attention is installed,
     transformers binds its kernels to these names (wrapped) when the module is imported; they have no float64
-    and no CPU path."""
+    and no CPU path. Hugging Face's own PyTorch functions compute in float32 whatever they are given, so float64
+    inputs go to `unsloth_lite`'s float64 references instead (tested against Hugging Face's at float32
+    precision): a float64 model is then float64 throughout, a reference for the float32 kernels. `__wrapped__`
+    of each bound function is Hugging Face's."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+    from unsloth_lite.kernels.gated_delta_rule_reference import (
+        chunk_gated_delta_rule_reference,
+        recurrent_gated_delta_rule_reference,
+    )
+
+    for name, exact in (("torch_chunk_gated_delta_rule", chunk_gated_delta_rule_reference),
+                        ("torch_recurrent_gated_delta_rule", recurrent_gated_delta_rule_reference)):
         bound = getattr(modeling_qwen3_5, name)
-        set_attribute(modeling_qwen3_5, name, getattr(bound, "__wrapped__", bound))
+        set_attribute(modeling_qwen3_5, name, _float64_to(exact, getattr(bound, "__wrapped__", bound)))
+
+
+def _float64_to(exact: Callable, theirs: Callable) -> Callable:
+    def rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, **kwargs):
+        if query.dtype != torch.float64:
+            return theirs(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                          **kwargs)
+        return exact(query, key, value, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    rule.__wrapped__ = theirs
+    return rule
 
 
 def dtype_id(dtype: torch.dtype) -> str:

@@ -39,8 +39,9 @@ def batch(device, vocab=151, size=(2, 11)):
     return input_ids, labels
 
 
-# Hugging Face's Qwen3.5 runs its norms and delta rule in float32 even in a float64 model, so its gradients carry
-# float32 rounding, about 1e-7 of the largest gradient; those that cancel to a small fraction of the largest
+# Hugging Face's Qwen3.5 runs its norms in float32 even in a float64 model (its delta rule, which does too, is bound
+# to float64 references here: `helpers.bind_torch_delta_rule`), so its gradients carry float32 rounding, about 1e-7
+# of the largest gradient; those that cancel to a small fraction of the largest
 # (dt_bias's and A_log's, ~1e-6 of it) are compared against this floor rather than their own norm.
 QWEN3_5_GRADIENT_FLOOR = 1e-3
 
