@@ -24,7 +24,7 @@ import triton.language as tl
 
 @triton.jit
 def _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C: tl.constexpr, VARLEN: tl.constexpr):
-    """(batch row, first token, end of the sequence) of global chunk `pid_c`."""
+    """(batch row, the chunk's C token indices, which of them lie in its sequence) of global chunk `pid_c`."""
     if VARLEN:
         n = tl.load(chunk_seq_ptr + pid_c).to(tl.int64)
         bos = tl.load(cu_ptr + n).to(tl.int64)
@@ -36,7 +36,8 @@ def _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C: t
         b = pid_c // NC
         t0 = (pid_c % NC) * C
         eos = b * 0 + T
-    return b, t0, eos
+    t = t0 + tl.arange(0, C)
+    return b, t, t < eos
 
 
 @triton.jit
@@ -109,10 +110,8 @@ def _prepare_kernel(
     pid_c = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     hk = h // G
-    b, t0, eos = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
     rows = tl.arange(0, C)
-    t = t0 + rows
-    mask_t = t < eos
     k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
     kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
     beta = _load_vec(beta_ptr, b, t, h, s_bb, s_bt, s_bh, mask_t)
@@ -124,7 +123,7 @@ def _prepare_kernel(
     At = tl.where(upper, beta[None, :] * kk * tl.exp(tl.where(upper, gam[None, :] - gam[:, None], 0.0)), 0.0)
     eye = rows[:, None] == rows[None, :]
     Tm = tl.where(eye, 1.0, 0.0)
-    steps = tl.minimum(eos - t0, C) if TRIM_SUBSTITUTION else C
+    steps = tl.sum(mask_t.to(tl.int32), 0) if TRIM_SUBSTITUTION else C
     for i in range(1, steps):
         a_i = tl.sum(tl.where(rows[None, :] == i, At, 0.0), 1)  # A[i, :] along the rows of Tm
         Tm -= tl.where(rows[:, None] == i, tl.sum(a_i[:, None] * Tm, 0)[None, :], 0.0)
@@ -227,10 +226,8 @@ def _output_kernel(
     h = tl.program_id(1).to(tl.int64)
     pid_v = tl.program_id(2)
     hk = h // G
-    b, t0, eos = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
     rows = tl.arange(0, C)
-    t = t0 + rows
-    mask_t = t < eos
     d = tl.arange(0, DK)
     e = pid_v * BV + tl.arange(0, BV)
     mask_e = e < Dv
@@ -271,10 +268,8 @@ def _backward_state_free_kernel(
     h = tl.program_id(1).to(tl.int64)
     pid_v = tl.program_id(2)
     hk = h // G
-    b, t0, eos = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
     rows = tl.arange(0, C)
-    t = t0 + rows
-    mask_t = t < eos
     d = tl.arange(0, DK)
     e = pid_v * BV + tl.arange(0, BV)
     mask_e = e < Dv
@@ -376,10 +371,8 @@ def _backward_inputs_kernel(
     pid_c = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
     Hv = Hk * G
-    b, t0, eos = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
     rows = tl.arange(0, C)
-    t = t0 + rows
-    mask_t = t < eos
     d = tl.arange(0, DK)
     mask_d = d < Dk
     q, r_q = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
