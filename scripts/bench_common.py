@@ -175,6 +175,15 @@ def run_worker_process(cmd: list[str], env: dict, cwd, result_prefix: str, timeo
     return results, lines, proc.returncode
 
 
+def worker_failure(returncode: int) -> str:
+    """Why a worker of `run_worker_process` left no result: killed at its timeout (SIGKILL), or its exit code."""
+    return "timed out" if worker_timed_out(returncode) else f"exited with {returncode}"
+
+
+def worker_timed_out(returncode: int) -> bool:
+    return returncode in (-9, 137)
+
+
 TOP_KERNELS = 15
 
 

@@ -65,6 +65,7 @@ from bench_common import (
     markdown_table,
     report_unknown,
     run_worker_process,
+    worker_timed_out,
     write_json,
 )
 from bench_train import TINY as TINY_QWEN3
@@ -362,7 +363,9 @@ def run_worker(args, variant: str, checkpoints: dict) -> list[dict]:
     results, lines, returncode = run_worker_process(
         cmd, worker_env(variant, args), ROOT, RESULT_PREFIX, args.worker_timeout, label, args.verbose,
     )
-    code = f"no result within --worker-timeout {args.worker_timeout:.0f} s" if returncode in (-9, 137) else returncode
+    code = returncode
+    if worker_timed_out(returncode):
+        code = f"no result within --worker-timeout {args.worker_timeout:.0f} s"
     done = {r["shape"] for r in results}
     results += [dict(variant=variant, shape=s, error=f"worker: {code}")
                 for s in args.shapes.split(",") if s not in done]

@@ -82,7 +82,15 @@ from types import SimpleNamespace
 import bench_train
 import numpy as np
 import torch
-from bench_common import bench_device, environment, markdown_table, report_unknown, run_worker_process, write_json
+from bench_common import (
+    bench_device,
+    environment,
+    markdown_table,
+    report_unknown,
+    run_worker_process,
+    worker_failure,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_PACKING_RESULT "
@@ -349,7 +357,7 @@ def run_variant(args, checkpoint: Path | None, variant: str) -> dict:
     if results:
         result = results[0]
     else:
-        reason = "timed out" if returncode in (-9, 137) else f"exited with {returncode}"
+        reason = worker_failure(returncode)
         result = dict(variant=variant, model=args.model, error=f"worker {reason}")
     if "error" in result and not args.verbose:
         print("\n".join(f"{label} {line}" for line in lines[-15:]), flush=True)

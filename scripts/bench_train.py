@@ -98,6 +98,7 @@ from bench_common import (
     matmul_tflops,
     report_unknown,
     run_worker_process,
+    worker_failure,
     write_json,
 )
 
@@ -585,7 +586,7 @@ def run_worker(args, checkpoint: Path, variant: str, batch_sizes: list[int], max
     )
     if not results or (not max_seq and len(results) < len(batch_sizes)):
         tail = [line for line in lines if line.strip()][-15:]
-        reason = "timed out" if returncode in (-9, 137) else f"exited with {returncode}"
+        reason = worker_failure(returncode)
         done = {r.get("batch") for r in results}
         results += [dict(variant=variant, batch=b, seq=args.seq, error=f"worker {reason}: {tail[-1] if tail else ''}")
                     for b in ([None] if max_seq else [b for b in batch_sizes if b not in done])]

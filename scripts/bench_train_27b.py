@@ -59,6 +59,7 @@ from bench_common import (
     markdown_table,
     memory_peak_report,
     run_worker_process,
+    worker_failure,
     write_json,
 )
 from bench_train import SEQ_MULTIPLE, _error, load_unsloth, measure, one_step_probe, search_max_seq, worker_env
@@ -295,7 +296,7 @@ def run_worker(args, variant: str, checkpoint: str | None = None) -> dict:
     if results:
         result = results[0]
     else:
-        reason = "timed out" if returncode in (-9, 137) else f"exited with {returncode}"
+        reason = worker_failure(returncode)
         result = dict(variant=variant, error=f"worker {reason}")
     if "error" in result and not args.verbose:
         print("\n".join(f"{label} {line}" for line in lines[-25:]), flush=True)
