@@ -129,8 +129,9 @@ def dense_weight(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _Adapters:
     """The adapters of projections that share one input, in the compute dtype, formed once per forward and
     kept for the backward (rank-sized, so cheap to keep): every A stacked into one `[Σr, in]` matrix, so one
-    product gives all the rank-r products t, and each B pre-multiplied by its scale s (one kernel with the
-    cast), so the forward's update and the backward's u = dy (sB) need no scaling of their own."""
+    product gives all the rank-r products t. B is not pre-multiplied by its scale: a rounded sB is the same
+    error in every token's update, which the adapters' gradients (sums over tokens) then add up coherently;
+    the products take s as their alpha instead, applied in fp32 before their single rounding."""
 
     def __init__(self, projections, dtype: torch.dtype):
         a = [p.lora_a for p in projections]
@@ -138,9 +139,7 @@ class _Adapters:
             self.a = a[0].to(dtype)
         else:
             self.a = torch.cat(a, out=a[0].new_empty((sum(t.shape[0] for t in a), a[0].shape[1]), dtype=dtype))
-        self.scaled_b = [
-            torch.mul(p.lora_b, p.scale, out=p.lora_b.new_empty(p.lora_b.shape, dtype=dtype)) for p in projections
-        ]
+        self.b = [p.lora_b.to(dtype) for p in projections]
         ends = itertools.accumulate(t.shape[0] for t in a)
         self.slices = [slice(end - t.shape[0], end) for t, end in zip(a, ends, strict=True)]
 
@@ -153,10 +152,10 @@ def _project_all(x2d: torch.Tensor, projections, adapters: _Adapters, output_nee
     if not output_needed:
         return [x2d.new_empty((x2d.shape[0], p.out_features)) for p in projections], t
     outputs = []
-    for p, rows, scaled_b in zip(projections, adapters.slices, adapters.scaled_b, strict=True):
+    for p, rows, b in zip(projections, adapters.slices, adapters.b, strict=True):
         weight = base_weight(p, x2d.dtype)
         y = torch.matmul(x2d, weight.t()) if p.bias is None else torch.addmm(p.bias.to(x2d.dtype), x2d, weight.t())
-        outputs.append(y.addmm_(t[:, rows], scaled_b.t()) if p.rank else y)
+        outputs.append(y.addmm_(t[:, rows], b.t(), alpha=p.scale) if p.rank else y)
     return outputs, t
 
 
@@ -167,9 +166,9 @@ def _project_all_backward(grads, x2d: torch.Tensor, t: torch.Tensor, projections
     u_t = torch.empty((adapters.a.shape[0], x2d.shape[0]), dtype=x2d.dtype, device=x2d.device)
     zero = x2d.new_zeros(())
     d_lora_b = []
-    for dy, p, rows, scaled_b in zip(grads, projections, adapters.slices, adapters.scaled_b, strict=True):
+    for dy, p, rows, b in zip(grads, projections, adapters.slices, adapters.b, strict=True):
         if p.rank:
-            torch.matmul(scaled_b.t(), dy.t(), out=u_t[rows])  # s · (dy B)ᵀ
+            torch.addmm(zero, b.t(), dy.t(), beta=0, alpha=p.scale, out=u_t[rows])  # s · (dy B)ᵀ
         d_lora_b.append(torch.addmm(zero, dy.t(), t[:, rows], beta=0, alpha=p.scale) if p.rank else None)
         weight = base_weight(p, dy.dtype)
         if dx is None:
