@@ -1,5 +1,6 @@
 """unsloth_lite.Trainer as a drop-in for transformers.Trainer: the same losses step by step (fp32), with
-rows masking different numbers of tokens and gradient accumulation; evaluation without logits."""
+rows masking different numbers of tokens and gradient accumulation; evaluation without logits; the peak GPU
+memory on each training log line."""
 
 import copy
 
@@ -9,6 +10,7 @@ import transformers
 from helpers import assert_close
 
 import unsloth_lite
+from unsloth_lite.training import trainer as trainer_module
 from unsloth_lite.training.data import PaddingCollator, tokenize_dataset
 from unsloth_lite.training.tiny import arithmetic_records, build_tiny_qwen3, build_tiny_tokenizer
 
@@ -41,7 +43,9 @@ def step_losses(trainer):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def test_trainer_losses_equal_transformers_trainer(tokenizer, tmp_path):
+def test_trainer_losses_equal_transformers_trainer(tokenizer, tmp_path, monkeypatch):
+    """Also: every training log line carries the peak GPU memory so far (faked here: no GPU)."""
+    monkeypatch.setattr(trainer_module, "peak_gpu_gib", lambda: 1.25)
     model = build_tiny_qwen3(tokenizer, torch.float32, seed=3)
     train = dataset(tokenizer, 24, seed=1)
     collator = PaddingCollator(tokenizer.pad_token_id)
@@ -57,6 +61,7 @@ def test_trainer_losses_equal_transformers_trainer(tokenizer, tmp_path):
 
     expected, got = step_losses(reference), step_losses(ours)
     assert len(got) == len(expected) == 3
+    assert [entry.get("peak_gpu_gib") for entry in ours.state.log_history if "loss" in entry] == [1.25] * 3
     assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), 1e-4, "losses")
     for (name, p), (_, q) in zip(ours.model.named_parameters(), reference.model.named_parameters(), strict=True):
         assert_close(p, q, 1e-4, f"parameter {name} after training")

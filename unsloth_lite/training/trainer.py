@@ -20,6 +20,8 @@ process writes its part into the same staging directory and the main process ren
 (`unsloth_lite.training.distributed`). Resumed from the checkpoint taken at `max_steps`, training ends there,
 with no further step.
 
+Each training log line (`logging_steps`) carries `peak_gpu_gib`, the process's peak allocated GPU memory so far.
+
 Several processes: DDP is told not to look for unused parameters (`ddp_find_unused_parameters=False` where
 unset), which the reentrant checkpointing needs; FSDP (`TrainingArguments.fsdp`) refuses CUDA-graphed layers.
 """
@@ -43,6 +45,11 @@ from unsloth_lite.training.checkpointing import (
 from unsloth_lite.training.distributed import barrier, is_main_process
 
 STAGING_PREFIX = ".staging-"
+
+
+def peak_gpu_gib() -> float | None:
+    """This process's peak allocated GPU memory in GiB since the last reset, or None without CUDA."""
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
 
 
 class Trainer(transformers.Trainer):
@@ -98,6 +105,14 @@ class Trainer(transformers.Trainer):
             self.control.should_training_stop = True
             return
         return super()._run_epoch(*args, **kwargs)
+
+    def log(self, logs: dict, *args, **kwargs):
+        # The peak so far on each training log line: a run stopped early (a time limit, a crash) still shows it.
+        if "loss" in logs:
+            peak = peak_gpu_gib()
+            if peak is not None:
+                logs["peak_gpu_gib"] = peak
+        super().log(logs, *args, **kwargs)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         wants_logits = not prediction_loss_only and (
