@@ -107,11 +107,16 @@ def shard_model(model: torch.nn.Module, mesh=None, mp_policy=None, reshard_after
     return model
 
 
+def peak_gpu_gib() -> float | None:
+    """This process's peak allocated GPU memory in GiB since the last reset, or None without CUDA."""
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
+
+
 def gathered_peak_memory_gib() -> list[float]:
     """Each process's peak allocated GPU memory in GiB, in rank order (on every process)."""
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    peak = peak_gpu_gib() or 0.0
     if not is_distributed():
-        return [round(peak, 2)]
+        return [peak]
     values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, round(peak, 2))
+    dist.all_gather_object(values, peak)
     return values

@@ -42,14 +42,9 @@ from unsloth_lite.training.checkpointing import (
     checkpointing_layers,
     enable_gradient_checkpointing,
 )
-from unsloth_lite.training.distributed import barrier, is_main_process
+from unsloth_lite.training.distributed import barrier, is_main_process, peak_gpu_gib
 
 STAGING_PREFIX = ".staging-"
-
-
-def peak_gpu_gib() -> float | None:
-    """This process's peak allocated GPU memory in GiB since the last reset, or None without CUDA."""
-    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None
 
 
 class Trainer(transformers.Trainer):
