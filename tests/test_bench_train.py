@@ -135,7 +135,8 @@ def test_bench_train_27b_records_a_worker_timeout(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
 def test_bench_train_27b_checks_gradients(tmp_path):
     """--check-gradients on the tiny Qwen3.5: the patched model's first-step loss and LoRA gradients equal
-    Hugging Face's on the same 4-bit weights (fp32, every linear's rows whole quantisation blocks)."""
+    Hugging Face's on the same 4-bit weights (fp32, every linear's rows whole quantisation blocks), and both equal
+    the same model's in float64."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
     out = tmp_path / "out.json"
     result = subprocess.run(
@@ -146,6 +147,9 @@ def test_bench_train_27b_checks_gradients(tmp_path):
     row = json.loads(out.read_text())["check_gradients"]
     assert row["lora_grads"] == 20  # A and B of the DeltaNet layer's 3 MLP projections and the attention layer's 7
     assert row["loss_rel_diff"] < 1e-5 and row["grad_rel_err_max"] < 1e-4, row
+    # both fp32 paths against the same model in float64: the reference in precision really ran, and agrees
+    assert row["loss_rel_err"] < 1e-5 and row["reference_loss_rel_err"] < 1e-5, row
+    assert 0 < row["precise_grad_rel_err_max"] < 1e-4 and 0 < row["reference_precise_grad_rel_err_max"] < 1e-4, row
 
 
 def bench_generate():
