@@ -236,14 +236,16 @@ def load_variant(args, device: torch.device, dtype: torch.dtype) -> tuple:
     """(model, optimizer, info): through `bench_train.load` for qwen3_8b, `bench_train_27b.load` for 27B."""
     if args.model == "qwen3_8b":
         loader_args = SimpleNamespace(worker=BENCH_TRAIN_LOADER[args.worker], checkpoint=args.checkpoint,
-                                      seq=max(args.packing_tokens, args.w1_seq))
+                                      seq=max(args.packing_tokens, args.w1_seq),
+                                      uncheckpointed_layers=args.uncheckpointed_layers)
         return bench_train.load(loader_args, device, dtype)
     import bench_train_27b
 
     hf_loader = "hf_fla" if importlib.util.find_spec("fla") else "hf"
     loader = hf_loader if args.worker.startswith("hf") else "unsloth_lite"
     start = time.perf_counter()
-    model = bench_train_27b.load(loader, model_config(args), device, dtype, all_linear=False)
+    model = bench_train_27b.load(loader, model_config(args), device, dtype, all_linear=False,
+                                 uncheckpointed_layers=args.uncheckpointed_layers)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     info = dict(loader=loader, load_s=round(time.perf_counter() - start, 1),
@@ -343,7 +345,7 @@ def run_variant(args, checkpoint: Path | None, variant: str) -> dict:
     """Runs one variant's worker; its result, or an error row."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--model", args.model]
     for flag in ("packing_tokens", "rows", "padded_batch", "flatten_tokens", "w1_batch", "w1_seq", "warmup",
-                 "steps", "layers"):
+                 "steps", "layers", "uncheckpointed_layers"):
         if getattr(args, flag) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     cmd += ["--checkpoint", str(checkpoint)] if checkpoint else []
@@ -427,6 +429,8 @@ def parse_args(argv=None):
     parser.add_argument("--epoch", action="store_true", help="time a whole epoch of the records (tiny: always)")
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers (default: the workload's; tiny 1, or 2 at 27B)")
+    parser.add_argument("--uncheckpointed-layers", type=int, default=None,
+                        help="unsloth-lite variants: the last N decoder layers not checkpointed (default 0)")
     parser.add_argument("--workdir", default="/tmp/unsloth_lite_w1", help="where the qwen3_8b checkpoint is written")
     parser.add_argument("--unsloth-site", default=None, help="directory holding unsloth (put first on PYTHONPATH)")
     parser.add_argument("--jobs", type=int, default=1, help="workers at a time (--tiny only: a GPU runs one)")

@@ -79,6 +79,7 @@ Workers never touch the network (HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import hashlib
 import json
@@ -278,10 +279,11 @@ def load_hf(path, device, dtype, seq, liger=False):
     return get_peft_model(model, config), {}
 
 
-def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf"):
+def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf", uncheckpointed_layers=0):
     """`checkpointing`: "hf" (Hugging Face's non-reentrant), "ours" (`enable_gradient_checkpointing`),
     "offload" (the same with the saved layer inputs in pinned CPU memory), "graphs" (with CUDA graphs),
-    "graphs_offload" (both) or "graphs_offload_inputs_only" (both, `keep_residual=False`)."""
+    "graphs_offload" (both) or "graphs_offload_inputs_only" (both, `keep_residual=False`); with ours, the last
+    `uncheckpointed_layers` layers are not checkpointed."""
     import unsloth_lite
     from unsloth_lite.training.checkpointing import enable_gradient_checkpointing
 
@@ -295,6 +297,7 @@ def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf"):
         enable_gradient_checkpointing(
             model, offload_to_cpu="offload" in checkpointing, cuda_graphs="graphs" in checkpointing,
             keep_residual=False if "inputs_only" in checkpointing else None,
+            uncheckpointed_layers=uncheckpointed_layers,
         )
     return model, {}
 
@@ -324,16 +327,14 @@ def load_unsloth(path, device, dtype, seq, targets=TARGET_MODULES):
 
 LOADERS = {
     "hf": load_hf,
-    "hf_liger": lambda path, device, dtype, seq: load_hf(path, device, dtype, seq, liger=True),
+    "hf_liger": functools.partial(load_hf, liger=True),
     "unsloth": load_unsloth,
-    "unsloth_lite": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "graphs_offload"),
+    "unsloth_lite": functools.partial(load_unsloth_lite, checkpointing="graphs_offload"),
     "unsloth_lite_hf_ckpt": load_unsloth_lite,
-    "unsloth_lite_ckpt": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "ours"),
-    "unsloth_lite_offload": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "offload"),
-    "unsloth_lite_graphs": lambda path, device, dtype, seq: load_unsloth_lite(path, device, dtype, seq, "graphs"),
-    "unsloth_lite_inputs_only": lambda path, device, dtype, seq: load_unsloth_lite(
-        path, device, dtype, seq, "graphs_offload_inputs_only"
-    ),
+    "unsloth_lite_ckpt": functools.partial(load_unsloth_lite, checkpointing="ours"),
+    "unsloth_lite_offload": functools.partial(load_unsloth_lite, checkpointing="offload"),
+    "unsloth_lite_graphs": functools.partial(load_unsloth_lite, checkpointing="graphs"),
+    "unsloth_lite_inputs_only": functools.partial(load_unsloth_lite, checkpointing="graphs_offload_inputs_only"),
 }
 
 
@@ -354,7 +355,10 @@ def _sync(device):
 def load(args, device, dtype) -> tuple:
     """(model, optimizer, info) of the worker's variant."""
     start = time.perf_counter()
-    model, info = LOADERS[args.worker](args.checkpoint, device, dtype, args.seq)
+    options = {}
+    if getattr(args, "uncheckpointed_layers", 0) and args.worker.startswith("unsloth_lite"):
+        options["uncheckpointed_layers"] = args.uncheckpointed_layers
+    model, info = LOADERS[args.worker](args.checkpoint, device, dtype, args.seq, **options)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR)
@@ -578,6 +582,8 @@ def run_worker(args, checkpoint: Path, variant: str, batch_sizes: list[int], max
             cmd.append(flag)
     if args.memory_cap_gib:
         cmd += ["--memory-cap-gib", str(args.memory_cap_gib)]
+    if args.uncheckpointed_layers:
+        cmd += ["--uncheckpointed-layers", str(args.uncheckpointed_layers)]
     label = f"[{variant} {'max-seq' if max_seq else 'b' + ','.join(map(str, batch_sizes))} s{args.seq}]"
     print(f"{label} starting", flush=True)
     start = time.perf_counter()
@@ -661,6 +667,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-probes", type=int, default=8, help="--max-seq: probes per variant")
     parser.add_argument("--worker-timeout", type=float, default=1800, help="seconds before a worker is killed")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the workload's)")
+    parser.add_argument("--uncheckpointed-layers", type=int, default=0,
+                        help="unsloth-lite variants with our checkpointing: the last N decoder layers not checkpointed")
     parser.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke run)")
     parser.add_argument("--verbose", action="store_true", help="echo the workers' output")
     parser.add_argument("--out", default=None, help="write the results as JSON here")

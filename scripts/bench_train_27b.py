@@ -63,7 +63,16 @@ from bench_common import (
     worker_failure,
     write_json,
 )
-from bench_train import SEQ_MULTIPLE, _error, load_unsloth, measure, one_step_probe, search_max_seq, worker_env
+from bench_train import (
+    SEQ_MULTIPLE,
+    _checkpointed_layers,
+    _error,
+    load_unsloth,
+    measure,
+    one_step_probe,
+    search_max_seq,
+    worker_env,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_27B_RESULT "
@@ -133,7 +142,8 @@ def build_model(c: dict, device: torch.device, dtype: torch.dtype, quant_storage
 
 
 def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_linear: bool,
-         quant_storage: torch.dtype = torch.uint8, checkpoint: str | None = None, seq: int = 0):
+         quant_storage: torch.dtype = torch.uint8, checkpoint: str | None = None, seq: int = 0,
+         uncheckpointed_layers: int | None = None):
     if variant == "unsloth":
         return load_unsloth(checkpoint, device, dtype, seq, ATTENTION_MLP + DELTANET * all_linear)[0]
     if variant == "hf":
@@ -163,7 +173,8 @@ def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_li
         unsloth_lite.offload_embeddings_to_host(model)
     model = unsloth_lite.add_lora(unsloth_lite.patch_model(model), r=LORA_R, lora_alpha=LORA_ALPHA,
                                   target_modules=targets)
-    enable_gradient_checkpointing(model, offload_to_cpu=device.type == "cuda", cuda_graphs="graphs" in variant)
+    enable_gradient_checkpointing(model, offload_to_cpu=device.type == "cuda", cuda_graphs="graphs" in variant,
+                                  uncheckpointed_layers=uncheckpointed_layers or 0)
     return model
 
 
@@ -208,7 +219,7 @@ def in_precision(model, dtype: torch.dtype):
         model.disable_input_require_grads()
         for m in quantized:
             del m.forward
-        for t, original in zip(tensors, dtypes):
+        for t, original in zip(tensors, dtypes, strict=True):
             t.data = t.data.to(original)
 
 
@@ -287,11 +298,13 @@ def worker_main(args) -> int:
         return 0
     try:
         start = time.perf_counter()
-        model = load(args.worker, c, device, dtype, args.all_linear, checkpoint=args.checkpoint, seq=args.seq)
+        model = load(args.worker, c, device, dtype, args.all_linear, checkpoint=args.checkpoint, seq=args.seq,
+                     uncheckpointed_layers=args.uncheckpointed_layers)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=LR)
-        result.update(load_s=round(time.perf_counter() - start, 1), trainable_params=sum(p.numel() for p in params))
+        result.update(load_s=round(time.perf_counter() - start, 1), trainable_params=sum(p.numel() for p in params),
+                      checkpointed_layers=_checkpointed_layers(model))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             result["load_gib"] = torch.cuda.memory_allocated(device) / 2**30
@@ -350,6 +363,7 @@ def run_worker(args, variant: str, checkpoint: str | None = None) -> dict:
     if args.max_seq:
         cmd += ["--max-seq", "--memory-cap-gib", str(args.memory_cap_gib), "--max-probes", str(args.max_probes)]
     cmd += ["--layers", str(args.layers)] if args.layers else []
+    cmd += ["--uncheckpointed-layers", str(args.uncheckpointed_layers)] if args.uncheckpointed_layers else []
     cmd += ["--checkpoint", checkpoint] if checkpoint else []
     label = f"[{variant}]"
     print(f"{label} starting", flush=True)
@@ -391,6 +405,8 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny 32)")
     parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers (keeps the pattern)")
     parser.add_argument("--all-linear", action="store_true", help="LoRA on the DeltaNet projections too")
+    parser.add_argument("--uncheckpointed-layers", type=int, default=0,
+                        help="unsloth-lite variants: the last N decoder layers not checkpointed")
     parser.add_argument("--check-gradients", action="store_true",
                         help="instead of timing: first-step loss and LoRA gradients, patched vs Hugging Face's "
                              "PyTorch path, on one model")

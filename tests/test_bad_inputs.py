@@ -90,6 +90,14 @@ CASES = {
         lambda t: ["data.packing=true", "data.packing_tokens=64"],
         ["data.packing_tokens", "64", "model.max_seq_length 128", "data.packing=false"],
     ),
+    "uncheckpointed layers negative": (
+        lambda t: ["training.gradient_checkpointing=true", "checkpointing.uncheckpointed_layers=-1"],
+        ["checkpointing.uncheckpointed_layers", ">= 0", "-1"],
+    ),
+    "uncheckpointed layers beyond the model's": (
+        lambda t: ["training.gradient_checkpointing=true", "checkpointing.uncheckpointed_layers=99"],
+        ["checkpointing.uncheckpointed_layers", "99", "decoder layers", "at most"],
+    ),
     "lora r": (lambda t: ["lora.r=0"], ["lora.r", ">= 1"]),
     "lora alpha": (lambda t: ["lora.alpha=0"], ["lora.alpha"]),
     "lora dropout": (lambda t: ["lora.dropout=1.5"], ["lora.dropout", "[0, 1)"]),

@@ -101,11 +101,12 @@ def test_random_alpaca_records(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
 def test_bench_train_27b_tiny_mode_runs(tmp_path):
     """W2's script end to end on a tiny Qwen3.5 built in memory and quantised in place: both variants train and
-    start from the same loss."""
+    start from the same loss (ours with its last layer not checkpointed)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
     out = tmp_path / "out.json"
     result = subprocess.run(
-        [sys.executable, "scripts/bench_train_27b.py", "--tiny", "--warmup", "1", "--steps", "1", "--out", str(out)],
+        [sys.executable, "scripts/bench_train_27b.py", "--tiny", "--warmup", "1", "--steps", "1",
+         "--uncheckpointed-layers", "1", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -115,6 +116,7 @@ def test_bench_train_27b_tiny_mode_runs(tmp_path):
         assert "error" not in row, f"{variant}: {row['error']}\n{result.stdout}"
         assert row["tokens_per_s"] > 0
     assert abs(rows["hf"]["first_loss"] - rows["unsloth_lite"]["first_loss"]) < 1e-3 * rows["hf"]["first_loss"]
+    assert (rows["hf"]["checkpointed_layers"], rows["unsloth_lite"]["checkpointed_layers"]) == (2, 1)
 
 
 def test_bench_train_27b_records_a_worker_timeout(tmp_path):
@@ -258,13 +260,13 @@ def test_w4_records_and_token_counts():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
 def test_bench_packing_tiny_mode_runs(tmp_path):
     """W4's script end to end on the tiny model: every variant trains a whole epoch of the same records, and
-    counts the same real tokens and targets for them."""
+    counts the same real tokens and targets for them; ours with its last layer not checkpointed."""
     bp = bench_packing()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
     out = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "scripts/bench_packing.py", "--tiny", "--jobs", "4", "--workdir", str(tmp_path),
-         "--out", str(out)],
+         "--uncheckpointed-layers", "1", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -278,6 +280,8 @@ def test_bench_packing_tiny_mode_runs(tmp_path):
         assert rows[variant]["real_tokens"] == lengths.sum(), variant
         assert rows[variant]["target_tokens"] == (lengths - lengths // 3).sum(), variant
     assert rows["hf_padded"]["tokens"] > rows["hf_padded"]["real_tokens"]
+    layers = rows["hf_padded"]["checkpointed_layers"]  # Hugging Face checkpoints all; ours keeps the last one out
+    assert rows["unsloth_lite"]["checkpointed_layers"] == rows["unsloth_lite_w1"]["checkpointed_layers"] == layers - 1
     assert rows["hf_flatten"]["real_fraction"] == 1.0
     assert rows["unsloth_lite_w1"]["real_tokens"] == 2 * 16 * 2  # batch 2 x 16 tokens, two steps
     assert rows["unsloth_lite_w1"]["x_lite_w1"] == 1.0

@@ -39,13 +39,15 @@ def _assert_same_step(step, got, expected, tol, loss_tol=None):
         assert_close(grad, expected_grads[name], tol, f"step {step} {name}")
 
 
-def _compare(model, device, offload_to_cpu=False, cuda_graphs=False, tol=1e-5, steps=3, keep_residual=None):
+def _compare(model, device, offload_to_cpu=False, cuda_graphs=False, tol=1e-5, steps=3, keep_residual=None,
+             uncheckpointed_layers=0):
     reference = copy.deepcopy(model)
     hf_checkpointed = copy.deepcopy(model)
     hf_checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_checkpointed.enable_input_require_grads()
     enable_gradient_checkpointing(
-        model, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, keep_residual=keep_residual
+        model, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, keep_residual=keep_residual,
+        uncheckpointed_layers=uncheckpointed_layers,
     )
     # Several steps on fresh batches: state left by one (offloaded buffers, a graph's static inputs) must not
     # leak into the next; with cuda_graphs the first step runs eagerly, the second captures, the third replays.
@@ -280,6 +282,42 @@ def test_offloaded_groups_keep_order(cuda_graphs, device, monkeypatch):
     _compare(model, device, offload_to_cpu=True, cuda_graphs=cuda_graphs, tol=1e-4)
     layers = model.config.num_hidden_layers
     assert _HostGroup.fetches == ([False] + [True] * (layers - 1)) * 3  # 3 steps, the last layer's group first
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_uncheckpointed_layers(cuda_graphs, device, monkeypatch):
+    """The last layer kept out of checkpointing: the same losses and gradients; it keeps its activations (no
+    offloaded group, no kept residual, no recomputation) while the layer before is checkpointed as usual."""
+    import unsloth_lite.training.checkpointing as checkpointing
+
+    monkeypatch.setattr(checkpointing, "_OffloadedTensors", _HostGroup)
+    monkeypatch.setattr(checkpointing, "_offload_flags", lambda inputs, residual, offload: (
+        [offload and t.requires_grad for t in inputs] + [offload] * (residual is not None)))
+    runs = []
+    real_checkpoint_layer = checkpointing.checkpoint_layer
+    monkeypatch.setattr(checkpointing, "checkpoint_layer", lambda run, *args, **kwargs: (
+        runs.append(run), real_checkpoint_layer(run, *args, **kwargs))[1])
+    _HostGroup.fetches = []
+    model = _lora_model(device)
+    layers = model.config.num_hidden_layers
+    _compare(model, device, offload_to_cpu=True, cuda_graphs=cuda_graphs, tol=1e-4, uncheckpointed_layers=1)
+    decoder = model.get_base_model().model.layers
+    assert [layer.gradient_checkpointing for layer in decoder] == [True] * (layers - 1) + [False]
+    assert "_unsloth_lite_residual_hook" not in decoder[-1].__dict__
+    assert len(runs) == 3 * (layers - 1)  # 3 steps, the last layer never through checkpoint_layer
+    assert _HostGroup.fetches == ([False] + [True] * (layers - 2)) * 3
+
+
+@pytest.mark.gpu
+def test_uncheckpointed_layers_with_graphs_and_offload_on_gpu():
+    _compare(_lora_model("cuda"), "cuda", cuda_graphs=True, offload_to_cpu=True, tol=1e-4, steps=4,
+             uncheckpointed_layers=1)
+
+
+@pytest.mark.parametrize("count", [-1, 3, 1.0, True])
+def test_uncheckpointed_layers_out_of_range(count, device):
+    with pytest.raises(ValueError, match=r"uncheckpointed_layers: expected a whole number from 0 to the model's 2 "):
+        enable_gradient_checkpointing(tiny_model("qwen3", device), uncheckpointed_layers=count)
 
 
 def test_kept_residual_hooks_come_off(device):

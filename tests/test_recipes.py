@@ -153,8 +153,9 @@ def test_checkpointing_section(tmp_path):
     assert load_recipe(write(tmp_path, BASE)).checkpointing == CheckpointingSection()
     raw = {**BASE, "training": {**BASE["training"], "gradient_checkpointing": True},
            "checkpointing": {"offload_to_cpu": True}}
-    recipe = load_recipe(write(tmp_path, raw), ["checkpointing.cuda_graphs=true"])
-    assert recipe.checkpointing == CheckpointingSection(offload_to_cpu=True, cuda_graphs=True)
+    recipe = load_recipe(write(tmp_path, raw),
+                         ["checkpointing.cuda_graphs=true", "checkpointing.uncheckpointed_layers=4"])
+    assert recipe.checkpointing == CheckpointingSection(offload_to_cpu=True, cuda_graphs=True, uncheckpointed_layers=4)
 
 
 def test_resume_from_checkpoint_bool_or_path(tmp_path):

@@ -84,7 +84,9 @@ def test_trainer_evaluates_without_logits(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "checkpointing", [None, {"offload_to_cpu": True, "cuda_graphs": True}], ids=["default", "offload-graphs"]
+    "checkpointing",
+    [None, {"offload_to_cpu": True, "cuda_graphs": True}, {"offload_to_cpu": True, "uncheckpointed_layers": 1}],
+    ids=["default", "offload-graphs", "offload-last-layer-kept"],
 )
 def test_trainer_with_gradient_checkpointing_and_lora(checkpointing, tokenizer, tmp_path):
     """LoRA on a frozen base with gradient checkpointing: the layers go through unsloth-lite's checkpointing
@@ -108,9 +110,13 @@ def test_trainer_with_gradient_checkpointing_and_lora(checkpointing, tokenizer, 
     trainer = unsloth_lite.Trainer(model=model, args=training_args(tmp_path / "ul", **gc), train_dataset=train,
                                    data_collator=collator, checkpointing=checkpointing)
     trainer.train()
-    for layer in checkpointing_layers(model):
+    kept = (checkpointing or {}).get("uncheckpointed_layers", 0)
+    layers = checkpointing_layers(model)
+    assert [layer.gradient_checkpointing for layer in layers] == [True] * (len(layers) - kept) + [False] * kept
+    for layer in layers:
         assert layer._gradient_checkpointing_func.func is checkpoint_layer
-        assert layer._gradient_checkpointing_func.keywords["cuda_graphs"] == bool(checkpointing)
+        assert layer._gradient_checkpointing_func.keywords["cuda_graphs"] == bool((checkpointing or {}).get(
+            "cuda_graphs"))
     expected, got = step_losses(reference), step_losses(trainer)
     assert len(got) == len(expected) == 2
     assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), 1e-4, "losses")
@@ -148,6 +154,8 @@ def test_trainer_checkpointing_options_are_checked(tokenizer, tmp_path):
     gc = training_args(tmp_path, gradient_checkpointing=True)
     with pytest.raises(ValueError, match=r"unknown option\(s\) offload \(expected"):
         unsloth_lite.Trainer(model=model, args=gc, checkpointing={"offload": True})
+    with pytest.raises(ValueError, match=r"uncheckpointed_layers: expected a whole number from 0 to the model's 2"):
+        unsloth_lite.Trainer(model=model, args=gc, checkpointing={"uncheckpointed_layers": 3})
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1

@@ -155,6 +155,21 @@ def check_packing(data, model) -> None:
         )
 
 
+def check_checkpointing(checkpointing) -> None:
+    """checkpointing.uncheckpointed_layers against nothing but its sign (the model's layer count is checked with
+    its config)."""
+    if checkpointing.uncheckpointed_layers < 0:
+        value = checkpointing.uncheckpointed_layers
+        raise RecipeError(f"checkpointing.uncheckpointed_layers: must be >= 0, got {value}")
+
+
+def check_uncheckpointed_layers(value: int, layers: Any, source: str) -> None:
+    """checkpointing.uncheckpointed_layers against the model's decoder layers (`num_hidden_layers`)."""
+    if isinstance(layers, int) and value > layers:
+        raise RecipeError(f"checkpointing.uncheckpointed_layers: {value} is more than the {layers} decoder layers "
+                          f"of {source}; expected at most {layers}")
+
+
 def check_fsdp(training: dict, model, checkpointing) -> None:
     """training.fsdp (TrainingArguments' and accelerate's spelling): FSDP2 only (FSDP1 flattens the parameters
     into one buffer, where a 4-bit weight loses its quantisation state), and not with what it cannot shard:

@@ -43,6 +43,7 @@ from unsloth_lite.recipe_checks import (  # noqa: F401  (constants re-exported)
     DATA_FORMATS,
     DTYPES,
     SUPPORTED_MODEL_TYPES,
+    check_checkpointing,
     check_choice,
     check_data,
     check_fsdp,
@@ -101,10 +102,13 @@ class CheckpointingSection:
     """Options of `unsloth_lite.training.checkpointing` for the layers `training.gradient_checkpointing`
     checkpoints: the saved layer inputs in pinned CPU memory; each layer replayed as CUDA graphs (pays off
     where batch shapes repeat, as `data.pad_to_multiple_of` makes them; a new shape is captured on its second
-    use, up to `unsloth_lite.training.checkpointing.MAX_GRAPHED_SHAPES` shapes)."""
+    use, up to `unsloth_lite.training.checkpointing.MAX_GRAPHED_SHAPES` shapes); the last
+    `uncheckpointed_layers` decoder layers not checkpointed (their activations kept on the GPU, no
+    recomputation: faster, for their memory)."""
 
     offload_to_cpu: bool = False
     cuda_graphs: bool = False
+    uncheckpointed_layers: int = 0
 
 
 @dataclass
@@ -346,6 +350,7 @@ def _build_recipe(raw: Any, source: str) -> Recipe:
     training = _validate_training(raw["training"])
     check_training_values(training, data.eval_fraction)
     checkpointing = _build_section("checkpointing", raw.get("checkpointing"))
+    check_checkpointing(checkpointing)
     checkpointed = training.get("gradient_checkpointing") or training.get("activation_checkpointing")
     if dataclasses.asdict(checkpointing) != dataclasses.asdict(CheckpointingSection()) and not checkpointed:
         raise RecipeError("checkpointing: its options need training.gradient_checkpointing: true")

@@ -42,9 +42,11 @@ next forward (otherwise that call runs eagerly). Off CUDA the same code runs the
 
 Enabled with `enable_gradient_checkpointing(model, offload_to_cpu=..., cuda_graphs=...)`; every layer that
 Hugging Face's gradient checkpointing covers (`GradientCheckpointingLayer`) then goes through
-`checkpoint_layer`. The inputs that need gradients must be positional (as in Hugging Face's decoder loops)
-and at least one must require grad (the Trainer makes the embeddings' output require grad); otherwise the
-layer falls back to `torch.utils.checkpoint`'s non-reentrant form.
+`checkpoint_layer`, except the last `uncheckpointed_layers`, which keep their activations and skip the
+recomputation (memory traded for speed where a run has it to spare). The inputs that need gradients must be
+positional (as in Hugging Face's decoder loops) and at least one must require grad (the Trainer makes the
+embeddings' output require grad); otherwise the layer falls back to `torch.utils.checkpoint`'s non-reentrant
+form.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ import torch
 import torch.utils.checkpoint
 
 from unsloth_lite.models.layers import recomputation_for_backward
+
+# The keyword options of `enable_gradient_checkpointing` that a Trainer and a recipe pass on.
+CHECKPOINTING_OPTIONS = ("offload_to_cpu", "cuda_graphs", "uncheckpointed_layers")
 
 # Input shapes a layer keeps graphs for: each costs the static buffers of that shape (four `[batch, seq,
 # hidden]` tensors shared by the layers) and the layers' parameter gradients in the pool; other shapes run
@@ -518,12 +523,18 @@ def checkpointing_layers(model) -> list[torch.nn.Module]:
     return [m for m in _base_model(model).modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def check_checkpointing_options(model, cuda_graphs: bool = False) -> list[str]:
+def check_checkpointing_options(model, cuda_graphs: bool = False, uncheckpointed_layers: int = 0) -> list[str]:
     """Raises ValueError for options the model can't take (offloading suits every model; CUDA graphs don't
-    suit dropout); returns the names of its modules with dropout."""
+    suit dropout; no more uncheckpointed layers than it has); returns the names of its modules with dropout."""
     base = _base_model(model)
-    if not checkpointing_layers(model):
+    layers = checkpointing_layers(model)
+    if not layers:
         raise ValueError(f"{type(base).__name__} has no decoder layers that support gradient checkpointing")
+    if isinstance(uncheckpointed_layers, bool) or not isinstance(uncheckpointed_layers, int) or not (
+        0 <= uncheckpointed_layers <= len(layers)
+    ):
+        raise ValueError(f"uncheckpointed_layers: expected a whole number from 0 to the model's {len(layers)} "
+                         f"decoder layers, got {uncheckpointed_layers!r}")
     random = [name for name, m in base.named_modules() if _draws_random_numbers(m)]
     if cuda_graphs and random:
         raise ValueError(f"cuda_graphs=True needs layers without dropout; {random[0]} has p > 0")
@@ -531,29 +542,35 @@ def check_checkpointing_options(model, cuda_graphs: bool = False) -> list[str]:
 
 
 def enable_gradient_checkpointing(
-    model, offload_to_cpu: bool = False, cuda_graphs: bool = False, keep_residual: bool | None = None
+    model, offload_to_cpu: bool = False, cuda_graphs: bool = False, keep_residual: bool | None = None,
+    uncheckpointed_layers: int = 0,
 ):
-    """Turns on gradient checkpointing of every decoder layer of a Hugging Face model (PEFT-wrapped or not)
+    """Turns on gradient checkpointing of the decoder layers of a Hugging Face model (PEFT-wrapped or not)
     through `checkpoint_layer`; returns the model. Frozen embeddings get an output that requires grad, so
     that the first layer's input carries gradients into the checkpointed layers. `unsloth_lite.Trainer` does
     this itself when `TrainingArguments.gradient_checkpointing` is on (options: its `checkpointing=`).
     `keep_residual` (default: `offload_to_cpu`) keeps each layer's residual stream after attention with its
-    input (module docstring)."""
-    random = check_checkpointing_options(model, cuda_graphs=cuda_graphs)
+    input (module docstring). `uncheckpointed_layers`: the last that many layers are not checkpointed: they
+    keep their activations on the GPU and their backward runs without recomputing their forward (the products
+    of a recomputation are most of a third of a layer's training cost), for the memory of those activations;
+    where a run has memory to spare, it buys speed."""
+    random = check_checkpointing_options(model, cuda_graphs=cuda_graphs, uncheckpointed_layers=uncheckpointed_layers)
+    layers = checkpointing_layers(model)
     keep_residual = offload_to_cpu if keep_residual is None else keep_residual
     base = _base_model(model)
     function = functools.partial(
         checkpoint_layer, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, preserve_rng_state=bool(random),
         keep_residual=keep_residual,
     )
-    for layer in checkpointing_layers(model):
-        layer.gradient_checkpointing = True
+    for index, layer in enumerate(layers):
+        checkpointed = index < len(layers) - uncheckpointed_layers
+        layer.gradient_checkpointing = checkpointed
         layer._gradient_checkpointing_func = function
         handle = layer.__dict__.pop("_unsloth_lite_residual_hook", None)
         if handle is not None:
             handle.remove()
         norm = getattr(layer, "post_attention_layernorm", None)
-        if keep_residual and isinstance(norm, torch.nn.Module):
+        if checkpointed and keep_residual and isinstance(norm, torch.nn.Module):
             layer._unsloth_lite_residual_hook = norm.register_forward_pre_hook(_residual_hook)
     if not getattr(base, "_unsloth_lite_pass_hook", False):
         base.register_forward_pre_hook(lambda module, args: start_forward_pass())

@@ -10,8 +10,9 @@ unless metrics need them (`compute_metrics` or `preprocess_logits_for_metrics`).
 With `TrainingArguments.gradient_checkpointing`, the decoder layers Hugging Face checkpoints go through
 `unsloth_lite.training.checkpointing` instead (from the first training step on: the Trainer enables its own
 when training starts): the reentrant scheme, whose recomputation skips the MLP's down projection.
-`checkpointing={"offload_to_cpu": True, "cuda_graphs": True}` (a keyword of this Trainer only) passes its
-options; `gradient_checkpointing_kwargs` (arguments of `torch.utils.checkpoint`) no longer apply.
+`checkpointing={"offload_to_cpu": True, "cuda_graphs": True, "uncheckpointed_layers": 4}` (a keyword of this
+Trainer only) passes its options (`enable_gradient_checkpointing`'s); `gradient_checkpointing_kwargs`
+(arguments of `torch.utils.checkpoint`) no longer apply.
 
 Checkpoints are written into a staging directory and renamed into place once complete: a process killed
 during a save never leaves a `checkpoint-N` that looks complete but isn't, so resuming always finds a whole
@@ -38,6 +39,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from unsloth_lite.models import patch_model
 from unsloth_lite.training.checkpointing import (
+    CHECKPOINTING_OPTIONS,
     check_checkpointing_options,
     checkpointing_layers,
     enable_gradient_checkpointing,
@@ -59,17 +61,18 @@ class Trainer(transformers.Trainer):
         self._checkpointing = dict(checkpointing or {})
         self._checkpointing_routed = False
         if self._checkpointing:
-            unknown = sorted(set(self._checkpointing) - {"offload_to_cpu", "cuda_graphs"})
+            unknown = sorted(set(self._checkpointing) - set(CHECKPOINTING_OPTIONS))
             if unknown:
                 raise ValueError(f"checkpointing: unknown option(s) {', '.join(unknown)} "
-                                 "(expected offload_to_cpu, cuda_graphs)")
+                                 f"(expected {', '.join(CHECKPOINTING_OPTIONS)})")
             if not self.args.gradient_checkpointing:
                 raise ValueError("checkpointing options need TrainingArguments(gradient_checkpointing=True)")
             cuda_graphs = self._checkpointing.get("cuda_graphs", False)
             if cuda_graphs and self.is_fsdp_enabled:
                 raise ValueError("checkpointing: cuda_graphs cannot replay layers that FSDP shards (it frees and "
                                  "re-gathers their weights between steps); turn one of them off")
-            check_checkpointing_options(self.model, cuda_graphs=cuda_graphs)
+            check_checkpointing_options(self.model, cuda_graphs=cuda_graphs,
+                                        uncheckpointed_layers=self._checkpointing.get("uncheckpointed_layers", 0))
         if self.args.gradient_checkpointing and hasattr(self.model, "enable_input_require_grads"):
             # Frozen embeddings (LoRA) would hand the first checkpointed layer inputs without grad.
             self.model.enable_input_require_grads()
@@ -89,8 +92,8 @@ class Trainer(transformers.Trainer):
         if not checkpointed:
             return
         enable_gradient_checkpointing(self.model, **self._checkpointing)
-        for layer in checkpointing_layers(self.model):
-            layer.gradient_checkpointing = id(layer) in checkpointed  # every_n_layers kept
+        for layer in checkpointing_layers(self.model):  # every_n_layers kept, uncheckpointed_layers too
+            layer.gradient_checkpointing = layer.gradient_checkpointing and id(layer) in checkpointed
 
     def _run_epoch(self, *args, **kwargs):
         # Resumed from a checkpoint taken at max_steps (the last one of a run that finished, or was killed after
