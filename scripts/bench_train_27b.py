@@ -2,7 +2,8 @@
 Hugging Face + PEFT + bitsandbytes (with and without flash-linear-attention) and unsloth-lite, in one run.
 
     python scripts/bench_train_27b.py --out bench_train_w2.json                # on a GPU: W2
-    python scripts/bench_train_27b.py --check-gradients --out w2_gradients.json  # patched vs HF, one model
+    python scripts/bench_train_27b.py --check-gradients --out w2_gradients.json  # patched vs HF vs float32
+    python scripts/bench_train_27b.py --variants unsloth,unsloth_lite --profile  # + the heaviest kernels a step
     python scripts/bench_train_27b.py --max-seq --variants unsloth_lite_nf4_embeddings --out w2_max_seq.json
     TRITON_INTERPRET=1 python scripts/bench_train_27b.py --tiny                # CPU smoke run
 
@@ -313,7 +314,7 @@ def worker_main(args) -> int:
             print(RESULT_PREFIX + json.dumps(result), flush=True)
             return 0
         result.update(measure(args, model, optimizer, device, 1, args.seq, c["vocab_size"], args.warmup, args.steps,
-                              profile=False))
+                              profile=args.profile and device.type == "cuda"))
         if args.memory_report and device.type == "cuda":
             result["memory_report"] = memory_report(model, optimizer, device, args.seq, c["vocab_size"])
     except (Exception, SystemExit) as error:  # this variant's error, never a crash of the whole run
@@ -360,6 +361,7 @@ def run_worker(args, variant: str, checkpoint: str | None = None) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--seq", str(args.seq),
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--tiny"] * args.tiny + ["--all-linear"] * args.all_linear + ["--memory-report"] * args.memory_report
+    cmd += ["--profile"] * args.profile
     if args.max_seq:
         cmd += ["--max-seq", "--memory-cap-gib", str(args.memory_cap_gib), "--max-probes", str(args.max_probes)]
     cmd += ["--layers", str(args.layers)] if args.layers else []
@@ -412,6 +414,8 @@ def parse_args(argv=None):
                              "PyTorch path, on one model")
     parser.add_argument("--memory-report", action="store_true",
                         help="one more step with the allocator's history: live blocks at its peak, by site")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step under torch.profiler: the kernels with the most device time (GPU only)")
     parser.add_argument("--max-seq", action="store_true", help="longest batch-1 sequence within --memory-cap-gib")
     parser.add_argument("--memory-cap-gib", type=float, default=24.0, help="--max-seq: the GPU memory cap")
     parser.add_argument("--max-probes", type=int, default=8, help="--max-seq: probes per variant")

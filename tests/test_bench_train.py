@@ -106,7 +106,7 @@ def test_bench_train_27b_tiny_mode_runs(tmp_path):
     out = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "scripts/bench_train_27b.py", "--tiny", "--warmup", "1", "--steps", "1",
-         "--uncheckpointed-layers", "1", "--out", str(out)],
+         "--uncheckpointed-layers", "1", "--profile", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -266,7 +266,7 @@ def test_bench_packing_tiny_mode_runs(tmp_path):
     out = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "scripts/bench_packing.py", "--tiny", "--jobs", "4", "--workdir", str(tmp_path),
-         "--uncheckpointed-layers", "1", "--out", str(out)],
+         "--uncheckpointed-layers", "1", "--profile", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
