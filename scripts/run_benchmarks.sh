@@ -38,3 +38,21 @@ step generate_cli python scripts/generate.py --model "$checkpoint" --adapter /tm
     --prompt "t1 t2 t3 t4" --max-new-tokens 64
 step generate python scripts/bench_generate.py ${unsloth_site:+--unsloth-site "$unsloth_site"} --measure-bandwidth \
     --out "$out/bench_generate.json"
+# Qwen3.5-27B: the DeltaNet (K2), the training step (W2) against every peer, its gradients against Hugging Face
+# and float32, the longest sequence within 24 GiB, LoRA on every linear, and the recipe through the CLI on the
+# pre-quantised checkpoint that W2 writes for Unsloth.
+step k2 python scripts/bench_deltanet.py --profile --out "$out/bench_deltanet.json"
+step w2 python scripts/bench_train_27b.py ${unsloth_site:+--unsloth-site "$unsloth_site"} --profile \
+    --out "$out/bench_train_w2.json"
+step w2_gradients python scripts/bench_train_27b.py --check-gradients --out "$out/bench_train_w2_gradients.json"
+step w2_max_seq python scripts/bench_train_27b.py --max-seq --seq 32768 --variants unsloth_lite_nf4_embeddings \
+    --out "$out/bench_train_w2_maxseq.json"
+step w2_all_linear python scripts/bench_train_27b.py --variants unsloth_lite --all-linear \
+    --out "$out/bench_train_w2_lora_all.json"
+checkpoint_27b=$(python -c "import sys; sys.path.insert(0, 'scripts'); import torch, bench_train_27b as b; \
+print(b.unsloth_checkpoint(b.parse_args([]), torch.device('cuda')))" | tail -1)
+step data_27b python scripts/random_alpaca.py /tmp/alpaca_27b.jsonl --vocab 248320 --records 64 --words 2400
+step recipe_27b python -m unsloth_lite.cli --recipe qlora_qwen27b.yaml "model.name_or_path=$checkpoint_27b" \
+    data.path=/tmp/alpaca_27b.jsonl training.max_steps=10 training.logging_steps=1 training.save_strategy=no \
+    training.report_to=none training.output_dir=/tmp/qlora_qwen27b
+cp /tmp/qlora_qwen27b/train_summary.json "$out/train_summary_27b.json" 2>/dev/null
