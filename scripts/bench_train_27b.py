@@ -59,6 +59,7 @@ from bench_common import (
     drop_missing_unsloth,
     environment,
     markdown_table,
+    matmul_tflops,
     memory_peak_report,
     run_worker_process,
     worker_failure,
@@ -113,6 +114,43 @@ def model_config(tiny: bool, layers: int | None) -> dict:
     c["layer_types"] = ["full_attention" if (i + 1) % period == 0 else "linear_attention"
                         for i in range(c["num_hidden_layers"])]
     return c
+
+
+def linear_params(c: dict) -> dict[str, int]:
+    """Weights of the decoder's linears by projection name, summed over the layers (counted on a weightless
+    model of config `c`: a full-attention q_proj also produces the output gate)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**c))
+    counts: dict[str, int] = {}
+    for name, module in model.model.layers.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            kind = name.rsplit(".", 1)[-1]
+            counts[kind] = counts.get(kind, 0) + module.weight.numel()
+    return counts
+
+
+def recompute_skipped(variant: str, all_linear: bool, offload: bool) -> tuple[str, ...]:
+    """Projections whose product a variant's recomputation leaves out: ours always the MLP's down projection;
+    with the offload (which keeps the residual after attention) the output projections that go through the
+    fused LoRA path too (o_proj; out_proj only with an adapter)."""
+    if not variant.startswith("unsloth_lite"):
+        return ()
+    return ("down_proj",) + (("o_proj",) + ("out_proj",) * all_linear) * offload
+
+
+def flops_per_token(c: dict, seq: int, skipped: tuple[str, ...] = ()) -> dict:
+    """Executed FLOPs a token of one training step with gradient checkpointing and a frozen 4-bit base: the
+    decoder's products three times (forward, recomputation less `skipped`, input gradients), the lm_head's
+    twice (forward, input gradient), causal attention of the full-attention layers as `bench_train` counts it.
+    The DeltaNet's chunked recurrence is left out (under 1% of the total at W2's shape)."""
+    params = linear_params(c)
+    decoder = 6 * sum(params.values()) - 2 * sum(params.get(name, 0) for name in skipped)
+    lm_head = 4 * c["hidden_size"] * c["vocab_size"]
+    full_layers = sum(t == "full_attention" for t in c["layer_types"])
+    attention = 9 * seq * c["num_attention_heads"] * c["head_dim"] * full_layers
+    return dict(decoder=decoder, lm_head=lm_head, attention=attention, total=decoder + lm_head + attention)
 
 
 def with_special_tokens(c: dict) -> dict:
@@ -384,13 +422,20 @@ def run_worker(args, variant: str, checkpoint: str | None = None) -> dict:
     return result
 
 
-def summarise(rows: list[dict], seq: int) -> list[dict]:
-    """Copies of the rows with tokens/s, the speed ratios to hf_fla and to Unsloth, and rounded memory."""
+def summarise(rows: list[dict], seq: int, c: dict, all_linear: bool, offload: bool,
+              peak_tflops: float | None = None) -> list[dict]:
+    """Copies of the rows with tokens/s, the speed ratios to hf_fla and to Unsloth, the executed TFLOP/s (and
+    their fraction of the run's matmul rate, HFU), and rounded memory."""
     rows = [dict(r) for r in rows]
     step = {r["variant"]: r["step_s"] for r in rows if r.get("step_s")}
     for r in rows:
         if r.get("step_s"):
             r["tokens_per_s"] = round(seq / r["step_s"], 1)
+            flops = flops_per_token(c, seq, recompute_skipped(r["variant"], all_linear, offload))["total"]
+            r["flops_per_token"] = flops
+            r["executed_TFLOPs"] = round(flops * seq / r["step_s"] / 1e12, 1)
+            if peak_tflops:
+                r["HFU"] = round(r["executed_TFLOPs"] / peak_tflops, 3)
             for peer in ("hf_fla", "unsloth"):
                 if peer in step:
                     r[f"vs_{peer}"] = round(step[peer] / r["step_s"], 3)
@@ -455,16 +500,23 @@ def main(argv=None) -> int:
     checkpoint = unsloth_checkpoint(args, device) if "unsloth" in variants else None
     packages = ("torch", "triton", "transformers", "peft", "bitsandbytes", "fla-core")
     env = environment(device, packages)
+    c = model_config(args.tiny, args.layers)
+    peak_tflops = None if args.tiny or args.max_seq else matmul_tflops(device)
+    if peak_tflops:
+        print(f"bf16 matmul rate (8192^3, measured in this run): {peak_tflops:.1f} TFLOP/s", flush=True)
+
+    def summary():
+        return summarise(rows, args.seq, c, args.all_linear, device.type == "cuda", peak_tflops)
+
     rows = []
     for variant in variants:  # the file is rewritten after each worker: a later one's crash loses nothing
         rows.append(run_worker(args, variant, checkpoint if variant == "unsloth" else None))
-        write_json(args.out, dict(environment=env, config=model_config(args.tiny, args.layers),
-                                  rows=summarise(rows, args.seq)))
-    columns = ["variant", "seq", "layers", "tokens_per_s", "vs_hf_fla", "vs_unsloth", "peak_gib", "peak_reserved_gib",
-               "load_gib", "first_loss", "warmup_s", "error"]
+        write_json(args.out, dict(environment=env, config=c, matmul_TFLOPs=peak_tflops, rows=summary()))
+    columns = ["variant", "seq", "layers", "tokens_per_s", "vs_hf_fla", "vs_unsloth", "executed_TFLOPs", "HFU",
+               "peak_gib", "peak_reserved_gib", "load_gib", "first_loss", "warmup_s", "error"]
     if args.max_seq:
         columns = ["variant", "max_seq", "first_failure", "memory_cap_gib", "load_gib", "error"]
-    print(markdown_table(summarise(rows, args.seq), columns))
+    print(markdown_table(summary(), columns))
     return 0
 
 
