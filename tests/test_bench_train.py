@@ -295,7 +295,7 @@ def test_bench_packing_tiny_mode_runs(tmp_path):
     out = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "scripts/bench_packing.py", "--tiny", "--jobs", "4", "--workdir", str(tmp_path),
-         "--uncheckpointed-layers", "1", "--profile", "--out", str(out)],
+         "--uncheckpointed-layers", "1", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
