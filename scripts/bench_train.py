@@ -356,7 +356,7 @@ def load(args, device, dtype) -> tuple:
     """(model, optimizer, info) of the worker's variant."""
     start = time.perf_counter()
     options = {}
-    if getattr(args, "uncheckpointed_layers", 0) and args.worker.startswith("unsloth_lite"):
+    if args.uncheckpointed_layers and args.worker.startswith("unsloth_lite"):
         options["uncheckpointed_layers"] = args.uncheckpointed_layers
     model, info = LOADERS[args.worker](args.checkpoint, device, dtype, args.seq, **options)
     model.train()

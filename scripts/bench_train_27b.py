@@ -139,12 +139,13 @@ def recompute_skipped(variant: str, all_linear: bool, offload: bool) -> tuple[st
     return ("down_proj",) + (("o_proj",) + ("out_proj",) * all_linear) * offload
 
 
-def flops_per_token(c: dict, seq: int, skipped: tuple[str, ...] = ()) -> dict:
+def flops_per_token(c: dict, seq: int, skipped: tuple[str, ...] = (), params: dict[str, int] | None = None) -> dict:
     """Executed FLOPs a token of one training step with gradient checkpointing and a frozen 4-bit base: the
     decoder's products three times (forward, recomputation less `skipped`, input gradients), the lm_head's
     twice (forward, input gradient), causal attention of the full-attention layers as `bench_train` counts it.
-    The DeltaNet's chunked recurrence is left out (under 1% of the total at W2's shape)."""
-    params = linear_params(c)
+    The DeltaNet's chunked recurrence is left out (under 1% of the total at W2's shape). `params`:
+    `linear_params(c)`, where the caller has it already."""
+    params = params or linear_params(c)
     decoder = 6 * sum(params.values()) - 2 * sum(params.get(name, 0) for name in skipped)
     lm_head = 4 * c["hidden_size"] * c["vocab_size"]
     full_layers = sum(t == "full_attention" for t in c["layer_types"])
@@ -324,10 +325,12 @@ def summarise(rows: list[dict], seq: int, c: dict, all_linear: bool, offload: bo
     their fraction of the run's matmul rate, HFU), and rounded memory."""
     rows = [dict(r) for r in rows]
     step = {r["variant"]: r["step_s"] for r in rows if r.get("step_s")}
+    params = linear_params(c) if step else None  # a weightless model built once, not once a row
     for r in rows:
         if r.get("step_s"):
             r["tokens_per_s"] = round(seq / r["step_s"], 1)
-            flops = flops_per_token(c, seq, recompute_skipped(r["variant"], all_linear, offload))["total"]
+            skipped = recompute_skipped(r["variant"], all_linear, offload)
+            flops = flops_per_token(c, seq, skipped, params)["total"]
             r["flops_per_token"] = flops
             r["executed_TFLOPs"] = round(flops * seq / r["step_s"] / 1e12, 1)
             if peak_tflops:
