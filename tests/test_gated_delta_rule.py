@@ -135,6 +135,14 @@ def test_gated_delta_rule_value_blocks(dv, device):
     run_and_compare(inputs, torch.float32, device, l2=True)
 
 
+@pytest.mark.parametrize("dk", [64, 80], ids=["64", "80_masked"])
+def test_gated_delta_rule_key_dims_of_a_chunk_or_more(dk, device):
+    # From Dk = 64 on, the inverse's blocks pass through each chunk's W slot instead of a buffer of their own;
+    # the backward keeps T in one. 70 tokens: a whole chunk and a partial one; nonzero initial state.
+    inputs = make_inputs(1, 70, 1, 2, dk, 16, l2=True, n_states=1)
+    run_and_compare(inputs, torch.float32, device, l2=True)
+
+
 def test_gated_delta_rule_varlen(device):
     # Three documents of 65, 1 and 100 tokens packed in one row, each from its own initial state.
     cu = torch.tensor([0, 65, 66, 166], dtype=torch.int32)

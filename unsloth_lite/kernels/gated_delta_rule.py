@@ -9,7 +9,7 @@ Value head h reads key head h // G (G = Hv / Hk) in place: nothing is repeated o
 Chunked form (chunk C = 64 tokens; S0 the state at the chunk's start; within the chunk γ = cumsum(g), Γ = exp(γ),
 D_ij = exp(γ_i − γ_j), K̃ = K ⊙ exp(γ_C − γ), γ_C the last γ):
 
-    A   = strictly-lower(β_i (k_i·k_j) D_ij)          T = (I + A)⁻¹        (forward substitution, fp32)
+    A   = strictly-lower(β_i (k_i·k_j) D_ij)          T = (I + A)⁻¹        (by 16-row blocks, fp32)
     U   = T (β⊙V)      W = T (βΓ⊙K)                   V_new = U − W S0     (the δ_t = β_t(v_t − S̃ᵀk_t) of the chunk)
     M   = tril_incl(scale Q Kᵀ ⊙ D)
     O   = scale (Q⊙Γ) S0 + M V_new
@@ -46,7 +46,8 @@ over its G value heads inside one program.
 
 Kernels (`gated_delta_rule_kernels.py`):
 
-1. `_prepare_kernel`, chunk-parallel: T, W, U into fp32 scratch (and T itself for the backward).
+1. `_prepare_kernel`, chunk-parallel: T, W, U into fp32 scratch (and T itself for the backward); T's four
+   diagonal 16×16 blocks by forward substitution, the rest as products of blocks.
 2. `_forward_states_kernel`, sequential over the chunks of a sequence, one program per (Dv block, sequence, head):
    V_new and the state, storing the chunk-start states and V_new (the backward reruns it so); past WINDOW
    tokens the forward computes the output in it too, keeping no per-chunk states.
@@ -79,7 +80,6 @@ from unsloth_lite.kernels.gated_delta_rule_kernels import (
     _prepare_kernel,
 )
 from unsloth_lite.kernels.utils import (
-    INTERPRET,
     check_float,
     check_kernel_device,
     check_same_device,
@@ -94,6 +94,10 @@ WINDOW = 2048
 # program (Qwen3.5's heads are 128; 256 would need 320 KB).
 MAX_HEAD_DIM = 128
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Warps of each kernel's launch (and the input-gradient kernel's value block), chosen on an H200 at W2's shapes
+# (`scripts/bench_deltanet.py`); every combination shipped is the one the GPU tests run.
+LAUNCH = dict(prepare_warps=4, states_warps=4, output_warps=4, free_warps=4, reverse_warps=8, inputs_warps=8,
+              inputs_bv=32)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -152,14 +156,15 @@ def _prepare(q, k, v, g, beta, lay: _Layout, use_l2: bool, store_t: bool):
     dev = q.device
     w = empty((hv, lay.NCH, CHUNK, dk), torch.float32, dev)
     u = empty((hv, lay.NCH, CHUNK, dv), torch.float32, dev)
-    tm = empty((hv, lay.NCH, CHUNK, CHUNK), torch.float32, dev) if store_t else w
+    # T's own buffer where the backward keeps it or where a chunk's W slot is smaller than its [C, C] T
+    tm = empty((hv, lay.NCH, CHUNK, CHUNK), torch.float32, dev) if store_t or dk < CHUNK else None
+    scratch, scratch_row = (tm, CHUNK) if tm is not None else (w, dk)
     _prepare_kernel[(lay.NCH, hv)](
         k, *_strides(k), v, *_strides(v), g, *_strides(g), beta, *_strides(beta),
-        w, u, tm, lay.cu, lay.chunk_seq, lay.chunk_first,
+        w, u, scratch, scratch_row, lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, group, dk, dv,
         C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), DV=max(16, triton.next_power_of_2(dv)),
-        L2=use_l2, VARLEN=lay.varlen, STORE_T=store_t, PREC=_dot_precision(q.dtype),
-        TRIM_SUBSTITUTION=INTERPRET, num_warps=4,
+        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype), num_warps=LAUNCH["prepare_warps"],
     )
     return w, u, (tm if store_t else None)
 
@@ -184,7 +189,7 @@ def _forward_states(q, k, g, w, u, h0, lay, scale, use_l2, *, compute_o, store_f
         C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), BV=bv,
         L2=use_l2, VARLEN=lay.varlen, HAS_H0=h0 is not None, STORE_HT=store_final,
         COMPUTE_O=compute_o, STORE_STATES=store_states, PREC=_dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=LAUNCH["states_warps"], num_stages=2,
     )
     return (o if compute_o else None), (ht if store_final else None), (hs if store_states else None), (
         vn if store_states else None
@@ -200,7 +205,7 @@ def _output(q, k, g, hs, vn, lay, scale, use_l2, v_dtype, batch, dv):
         lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, hv, hv // k.shape[2], k.shape[3], dv, scale,
         C=CHUNK, DK=max(16, triton.next_power_of_2(k.shape[3])), BV=bv,
-        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype), num_warps=8, num_stages=1,
+        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype), num_warps=LAUNCH["output_warps"], num_stages=1,
     )
     return o
 
@@ -219,7 +224,7 @@ def _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, store_dh0):
         dhs, dvn, lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, hv, group, dk, dv, scale,
         C=CHUNK, DK=DK, BV=free_bv, L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype),
-        num_warps=8, num_stages=1,
+        num_warps=LAUNCH["free_warps"], num_stages=1,
     )
     bv = _value_block(dv)
     _backward_states_kernel[(triton.cdiv(dv, bv), lay.n_seq * hv)](
@@ -231,7 +236,7 @@ def _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, store_dh0):
         lay.T, lay.NC, lay.NCH, hv, group, dk, dv,
         C=CHUNK, DK=DK, BV=bv,
         L2=use_l2, VARLEN=lay.varlen, HAS_DHT=dht is not None, STORE_DH0=store_dh0,
-        PREC=_dot_precision(q.dtype), num_warps=8, num_stages=1,
+        PREC=_dot_precision(q.dtype), num_warps=LAUNCH["reverse_warps"], num_stages=1,
     )
     return dhs, dvn, (dh0 if store_dh0 else None)
 
@@ -252,8 +257,9 @@ def _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use
         dq, dkk, dvv, dg, dbeta,
         lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, hk, hv // hk, dk, dv, scale,
-        C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), BV=16,
-        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype), num_warps=8, num_stages=1,
+        C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), BV=LAUNCH["inputs_bv"],
+        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype), num_warps=LAUNCH["inputs_warps"],
+        num_stages=1,
     )
     return dq, dkk, dvv, dg, dbeta
 

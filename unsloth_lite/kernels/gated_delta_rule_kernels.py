@@ -92,21 +92,46 @@ def _load_vec(ptr, b, t, h, s_b, s_t, s_h, mask_t):
 
 
 @triton.jit
+def _invert_diagonal_blocks(block, s_row, B: tl.constexpr):
+    """(I + A_bb)^-1 of the four diagonal `[B, B]` blocks of the strictly lower A at `block` (row stride `s_row`),
+    by forward substitution in fp32: row i of an inverse is e_i − Σ_{j<i} A_ij (row j). Row i of A is loaded,
+    not extracted from a tile (one reduction a step, not two); the four blocks step together."""
+    r = tl.arange(0, B)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    t0, t1, t2, t3 = eye, eye, eye, eye
+    for i in tl.static_range(1, B):
+        row = block + i * s_row + r
+        here = r[:, None] == i
+        a0 = tl.load(row, cache_modifier=".cg")
+        a1 = tl.load(row + (s_row + 1) * B, cache_modifier=".cg")
+        a2 = tl.load(row + (s_row + 1) * 2 * B, cache_modifier=".cg")
+        a3 = tl.load(row + (s_row + 1) * 3 * B, cache_modifier=".cg")
+        t0 -= tl.where(here, tl.sum(a0[:, None] * t0, 0)[None, :], 0.0)
+        t1 -= tl.where(here, tl.sum(a1[:, None] * t1, 0)[None, :], 0.0)
+        t2 -= tl.where(here, tl.sum(a2[:, None] * t2, 0)[None, :], 0.0)
+        t3 -= tl.where(here, tl.sum(a3[:, None] * t3, 0)[None, :], 0.0)
+    return t0, t1, t2, t3
+
+
+@triton.jit
 def _prepare_kernel(
     k_ptr, s_kb, s_kt, s_kh, s_kd,
     v_ptr, s_vb, s_vt, s_vh, s_vd,
     g_ptr, s_gb, s_gt, s_gh,
     beta_ptr, s_bb, s_bt, s_bh,
-    w_ptr, u_ptr, tm_ptr,
+    w_ptr, u_ptr, scratch_ptr, s_row,
     cu_ptr, chunk_seq_ptr, chunk_first_ptr,
     T, NC, NCH, G, Dk, Dv,
     C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    L2: tl.constexpr, VARLEN: tl.constexpr, STORE_T: tl.constexpr, PREC: tl.constexpr,
-    TRIM_SUBSTITUTION: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Per chunk and value head: T = (I + A)^-1 by forward substitution, W = T(βΓ⊙K), U = T(β⊙V).
-    TRIM_SUBSTITUTION (the interpreter, whose cost is per step) stops the substitution at the chunk's last
-    token: the rows of A past it are zero (β is), so the steps after it change nothing."""
+    """Per chunk and value head: T = (I + A)^-1, W = T(βΓ⊙K), U = T(β⊙V).
+
+    T by blocks of B = C/4 rows: the four diagonal blocks by forward substitution (B steps on B×B tiles, not
+    C steps on the whole C×C tile), the others from T_ij = −T_ii Σ_{j<=l<i} A_il T_lj as fp32 products. The
+    blocks of A and T pass through the chunk's `[C, C]` of `scratch_ptr` (row stride `s_row`: T's own buffer
+    when the backward keeps it, else W's slot, written over by W at the end), between barriers."""
+    B: tl.constexpr = C // 4
     pid_c = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     hk = h // G
@@ -117,31 +142,70 @@ def _prepare_kernel(
     beta = _load_vec(beta_ptr, b, t, h, s_bb, s_bt, s_bh, mask_t)
     gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
 
-    # At[r, c] = A[c, r] = β_c (k_c·k_r) exp(γ_c - γ_r) for c > r: column i of At is row i of A.
-    kk = tl.dot(k, kT, input_precision=PREC)
-    upper = rows[None, :] > rows[:, None]
-    At = tl.where(upper, beta[None, :] * kk * tl.exp(tl.where(upper, gam[None, :] - gam[:, None], 0.0)), 0.0)
-    eye = rows[:, None] == rows[None, :]
-    Tm = tl.where(eye, 1.0, 0.0)
-    steps = tl.sum(mask_t.to(tl.int32), 0) if TRIM_SUBSTITUTION else C
-    for i in range(1, steps):
-        a_i = tl.sum(tl.where(rows[None, :] == i, At, 0.0), 1)  # A[i, :] along the rows of Tm
-        Tm -= tl.where(rows[:, None] == i, tl.sum(a_i[:, None] * Tm, 0)[None, :], 0.0)
-
+    # A[i, j] = β_i (k_i·k_j) exp(γ_i − γ_j) for i > j
+    lower = rows[None, :] < rows[:, None]
+    a = tl.where(lower, beta[:, None] * tl.dot(k, kT, input_precision=PREC)
+                 * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
     base = h * NCH + pid_c
+    scratch = scratch_ptr + base * C * s_row
+    tl.store(scratch + rows[:, None] * s_row + rows[None, :], a)
+    tl.debug_barrier()  # A visible to every thread of the program
+
+    r = tl.arange(0, B)
+    block = scratch + r[:, None] * s_row + r[None, :]  # block (0, 0); block (i, j) at + (i * s_row + j) * B
+    t0, t1, t2, t3 = _invert_diagonal_blocks(scratch, s_row, B)
+    a10 = tl.load(block + s_row * B, cache_modifier=".cg")
+    a20 = tl.load(block + s_row * 2 * B, cache_modifier=".cg")
+    a21 = tl.load(block + (s_row * 2 + 1) * B, cache_modifier=".cg")
+    a30 = tl.load(block + s_row * 3 * B, cache_modifier=".cg")
+    a31 = tl.load(block + (s_row * 3 + 1) * B, cache_modifier=".cg")
+    a32 = tl.load(block + (s_row * 3 + 2) * B, cache_modifier=".cg")
+    t10 = -tl.dot(t1, tl.dot(a10, t0, input_precision="ieee"), input_precision="ieee")
+    t21 = -tl.dot(t2, tl.dot(a21, t1, input_precision="ieee"), input_precision="ieee")
+    t20 = -tl.dot(t2, tl.dot(a20, t0, input_precision="ieee") + tl.dot(a21, t10, input_precision="ieee"),
+                  input_precision="ieee")
+    t32 = -tl.dot(t3, tl.dot(a32, t2, input_precision="ieee"), input_precision="ieee")
+    t31 = -tl.dot(t3, tl.dot(a31, t1, input_precision="ieee") + tl.dot(a32, t21, input_precision="ieee"),
+                  input_precision="ieee")
+    t30 = -tl.dot(
+        t3,
+        tl.dot(a30, t0, input_precision="ieee") + tl.dot(a31, t10, input_precision="ieee")
+        + tl.dot(a32, t20, input_precision="ieee"),
+        input_precision="ieee",
+    )
+    tl.debug_barrier()  # every thread has read A before T overwrites it
+    zero = tl.zeros([B, B], dtype=tl.float32)
+    tl.store(block, t0)
+    tl.store(block + B, zero)
+    tl.store(block + 2 * B, zero)
+    tl.store(block + 3 * B, zero)
+    tl.store(block + s_row * B, t10)
+    tl.store(block + (s_row + 1) * B, t1)
+    tl.store(block + (s_row + 2) * B, zero)
+    tl.store(block + (s_row + 3) * B, zero)
+    tl.store(block + s_row * 2 * B, t20)
+    tl.store(block + (s_row * 2 + 1) * B, t21)
+    tl.store(block + (s_row * 2 + 2) * B, t2)
+    tl.store(block + (s_row * 2 + 3) * B, zero)
+    tl.store(block + s_row * 3 * B, t30)
+    tl.store(block + (s_row * 3 + 1) * B, t31)
+    tl.store(block + (s_row * 3 + 2) * B, t32)
+    tl.store(block + (s_row * 3 + 3) * B, t3)
+    tl.debug_barrier()
+    tm = tl.load(scratch + rows[:, None] * s_row + rows[None, :], cache_modifier=".cg")
+
     d = tl.arange(0, DK)
-    w = tl.dot(Tm, k * (beta * tl.exp(gam))[:, None], input_precision=PREC)
-    tl.store(w_ptr + (base * C + rows[:, None]) * Dk + d[None, :], w, mask=d[None, :] < Dk)
+    w = tl.dot(tm, k * (beta * tl.exp(gam))[:, None], input_precision=PREC)
     e = tl.arange(0, DV)
     mask_e = e < Dv
     v = tl.load(
         v_ptr + b * s_vb + t[:, None] * s_vt + h * s_vh + e[None, :] * s_vd,
         mask=mask_t[:, None] & mask_e[None, :], other=0.0,
     ).to(tl.float32)
-    u = tl.dot(Tm, v * beta[:, None], input_precision=PREC)
+    u = tl.dot(tm, v * beta[:, None], input_precision=PREC)
+    tl.debug_barrier()  # every thread has read T before W (where W's slot is the scratch) overwrites it
+    tl.store(w_ptr + (base * C + rows[:, None]) * Dk + d[None, :], w, mask=d[None, :] < Dk)
     tl.store(u_ptr + (base * C + rows[:, None]) * Dv + e[None, :], u, mask=mask_e[None, :])
-    if STORE_T:
-        tl.store(tm_ptr + (base * C + rows[:, None]) * C + rows[None, :], Tm)
 
 
 @triton.jit
