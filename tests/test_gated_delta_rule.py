@@ -182,6 +182,38 @@ def test_gated_delta_rule_backward_by_windows(state, device, monkeypatch):
     assert calls
 
 
+def _count_prepares(monkeypatch):
+    """The `store_t` flag of every `_prepare` launch from here on."""
+    calls = []
+    prepare = gated_delta_rule._prepare
+    monkeypatch.setattr(
+        gated_delta_rule, "_prepare", lambda *a, store_t: calls.append(store_t) or prepare(*a, store_t=store_t)
+    )
+    return calls
+
+
+def test_gated_delta_rule_backward_reads_the_forwards_scratch(device, monkeypatch):
+    # Up to WINDOW tokens, a forward under autograd keeps T, W and the states for the backward (one
+    # preparation in all, T stored); under no_grad it keeps nothing (T not even stored).
+    calls = _count_prepares(monkeypatch)
+    inputs = make_inputs(1, 70, 1, 2, 16, 16, l2=True, n_states=1)
+    xs = run_and_compare(inputs, torch.float32, device, l2=True)
+    assert calls == [True]
+    with torch.no_grad():
+        chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], use_qk_l2norm_in_kernel=True)
+    assert calls == [True, False]
+
+
+def test_gated_delta_rule_varlen_longer_than_window(device, monkeypatch):
+    # Documents packed past WINDOW tokens (here 128): the forward keeps nothing, the backward recomputes.
+    monkeypatch.setattr(gated_delta_rule, "WINDOW", 128)
+    calls = _count_prepares(monkeypatch)
+    cu = torch.tensor([0, 100, 250, 300], dtype=torch.int32)
+    inputs = make_inputs(1, 300, 1, 2, 16, 16, l2=True, n_states=3)
+    run_and_compare(inputs, torch.float32, device, l2=True, cu_seqlens=cu)
+    assert calls == [False, True]
+
+
 def test_gated_delta_rule_some_grads_only(device):
     # No final state, explicit scale, g and beta frozen, an initial state without a gradient.
     inputs = make_inputs(1, 70, 1, 2, 16, 16, l2=True, n_states=1, grads=["q", "k", "v"])

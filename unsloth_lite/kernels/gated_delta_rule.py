@@ -49,7 +49,7 @@ Kernels (`gated_delta_rule_kernels.py`):
 1. `_prepare_kernel`, chunk-parallel: T, W, U into fp32 scratch (and T itself for the backward); T's four
    diagonal 16×16 blocks by forward substitution, the rest as products of blocks.
 2. `_forward_states_kernel`, sequential over the chunks of a sequence, one program per (Dv block, sequence, head):
-   V_new and the state, storing the chunk-start states and V_new (the backward reruns it so); past WINDOW
+   V_new and the state, storing the chunk-start states and V_new (which the backward reads); past WINDOW
    tokens the forward computes the output in it too, keeping no per-chunk states.
 2b. `_output_kernel`, chunk-parallel: the output from the stored chunk-start states and V_new (up to WINDOW
    tokens: the sequential pass then carries no q or Q Kᵀ on its path).
@@ -58,7 +58,10 @@ Kernels (`gated_delta_rule_kernels.py`):
    the reverse sequential pass: dS_C of every chunk, dV_new, d(initial state), two products a chunk.
 4. `_backward_inputs_kernel`, chunk-parallel, one program per (chunk, key head): dq, dk, dv, dg, dβ.
 
-Saved for the backward: the inputs only; the backward recomputes T/W/U and the states (scratch freed on return).
+Saved for the backward: the inputs, and up to WINDOW tokens the forward's W, T, chunk-start states and V_new
+when autograd will want them (fp32, ~9 times the bytes of a bf16 v; a layer checkpointed by
+`unsloth_lite.training` runs its first forward under no_grad and keeps nothing); longer sequences' backward
+recomputes them (scratch freed on return).
 The sequential passes split the state's Dv columns over programs, 64 a program (`_value_block`: finer splits
 were slower on an H200). Varlen (`cu_seqlens`): the chunk → document table is built on the device
 (searchsorted over the documents' first chunks), with the grid sized by the bound cdiv(T, C) + N chunks; no host
@@ -266,28 +269,32 @@ def _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, use_l2, cu_seqlens, keep):
         lay = _Layout(q, cu_seqlens)
-        w, u, _ = _prepare(q, k, v, g, beta, lay, use_l2, store_t=False)
+        kept = (None,) * 4
         if q.shape[1] <= WINDOW:  # the sequential pass updates the states only; the output is chunk-parallel
+            w, u, tm = _prepare(q, k, v, g, beta, lay, use_l2, store_t=keep)
             _, ht, hs, vn = _forward_states(
                 q, k, g, w, u, initial_state, lay, scale, use_l2,
                 compute_o=False, store_final=output_final_state, store_states=True, v_dtype=v.dtype,
             )
-            del w, u
+            del u
             o = _output(q, k, g, hs, vn, lay, scale, use_l2, v.dtype, q.shape[0], v.shape[3])
+            if keep:
+                kept = (w, tm, hs, vn)
         else:  # longer: no per-chunk states kept, the output computed in the sequential pass
+            w, u, _ = _prepare(q, k, v, g, beta, lay, use_l2, store_t=False)
             o, ht, _, _ = _forward_states(
                 q, k, g, w, u, initial_state, lay, scale, use_l2,
                 compute_o=True, store_final=output_final_state, store_states=False, v_dtype=v.dtype,
             )
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *kept)
         ctx.scale, ctx.use_l2 = scale, use_l2
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta, initial_state, cu_seqlens, *kept = ctx.saved_tensors
         scale, use_l2 = ctx.scale, ctx.use_l2
         if do is None:
             do = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
@@ -295,23 +302,30 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         if cu_seqlens is None and q.shape[1] > WINDOW:
             grads, dh0 = _backward_by_windows(q, k, v, g, beta, do, initial_state, dht, scale, use_l2, want_dh0)
         else:
-            *grads, dh0 = _backward(q, k, v, g, beta, do, initial_state, dht, cu_seqlens, scale, use_l2, want_dh0)
+            *grads, dh0 = _backward(
+                q, k, v, g, beta, do, initial_state, dht, cu_seqlens, scale, use_l2, want_dh0,
+                kept=kept if kept[0] is not None else None,
+            )
         if dh0 is not None:
             dh0 = dh0.to(initial_state.dtype)
         need = ctx.needs_input_grad
         return (*(grad if wanted else None for grad, wanted in zip(grads, need[:5], strict=True)),
-                None, dh0, None, None, None)
+                None, dh0, None, None, None, None)
 
 
-def _backward(q, k, v, g, beta, do, h0, dht, cu_seqlens, scale, use_l2, want_dh0):
-    """(dq, dk, dv, dg, dβ, d initial state or None) of one pass over the whole sequence."""
+def _backward(q, k, v, g, beta, do, h0, dht, cu_seqlens, scale, use_l2, want_dh0, kept=None):
+    """(dq, dk, dv, dg, dβ, d initial state or None) of one pass over the whole sequence; `kept`, the forward's
+    (W, T, chunk-start states, V_new) where it kept them, else recomputed here."""
     lay = _Layout(q, cu_seqlens)
-    w, u, tm = _prepare(q, k, v, g, beta, lay, use_l2, store_t=True)
-    _, _, hs, vn = _forward_states(
-        q, k, g, w, u, h0, lay, scale, use_l2,
-        compute_o=False, store_final=False, store_states=True, v_dtype=v.dtype,
-    )
-    del u
+    if kept is None:
+        w, u, tm = _prepare(q, k, v, g, beta, lay, use_l2, store_t=True)
+        _, _, hs, vn = _forward_states(
+            q, k, g, w, u, h0, lay, scale, use_l2,
+            compute_o=False, store_final=False, store_states=True, v_dtype=v.dtype,
+        )
+        del u
+    else:
+        w, tm, hs, vn = kept
     dhs, dvn, dh0 = _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, want_dh0)
     del w
     return (*_backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use_l2), dh0)
@@ -418,6 +432,9 @@ def chunk_gated_delta_rule(
     """
     _check_args(q, k, v, g, beta, initial_state, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    inputs = (q, k, v, g, beta, initial_state)
+    keep = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
     return ChunkGatedDeltaRuleFunction.apply(
-        q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(use_qk_l2norm_in_kernel), cu_seqlens
+        q, k, v, g, beta, scale, initial_state, bool(output_final_state), bool(use_qk_l2norm_in_kernel), cu_seqlens,
+        keep,
     )
