@@ -225,20 +225,20 @@ def test_kept_residual(cuda_graphs, device, torch_delta_rule):
 
 def test_kept_residual_is_what_the_recomputation_reads(device, monkeypatch):
     """Each layer's recomputation substitutes the kept residual (a changed one changes the gradients)."""
-    import unsloth_lite.training.checkpointing as checkpointing
+    import unsloth_lite.training.layer_context as layer_context
 
     model = _lora_model(device)
     enable_gradient_checkpointing(model, keep_residual=True)
     input_ids, labels = batch(device)
     _, expected = _loss_and_grads(model, _language_model_loss(input_ids, labels))
-    substituted = checkpointing._Substituted.apply
+    substituted = layer_context._Substituted.apply
     calls = []
 
     def doubled(computed, saved):
         calls.append(saved.shape)
         return substituted(computed, 2 * saved)
 
-    monkeypatch.setattr(checkpointing._Substituted, "apply", doubled)
+    monkeypatch.setattr(layer_context._Substituted, "apply", doubled)
     _, grads = _loss_and_grads(model, _language_model_loss(input_ids, labels))
     assert len(calls) == model.config.num_hidden_layers
     changed = [name for name, grad in grads.items() if not torch.allclose(grad, expected[name])]
@@ -336,9 +336,9 @@ def test_cuda_graphs_with_offloaded_inputs_on_gpu():
 def test_graphed_shapes_are_capped(device, monkeypatch):
     """Graphs are kept for the first MAX_GRAPHED_SHAPES shapes seen twice; other shapes run eagerly, with the
     same results."""
-    import unsloth_lite.training.checkpointing as checkpointing
+    import unsloth_lite.training.layer_graphs as layer_graphs
 
-    monkeypatch.setattr(checkpointing, "MAX_GRAPHED_SHAPES", 2)
+    monkeypatch.setattr(layer_graphs, "MAX_GRAPHED_SHAPES", 2)
     model = tiny_model("qwen3", device)
     reference = copy.deepcopy(model)
     enable_gradient_checkpointing(model, cuda_graphs=True)

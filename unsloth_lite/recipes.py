@@ -102,7 +102,7 @@ class CheckpointingSection:
     """Options of `unsloth_lite.training.checkpointing` for the layers `training.gradient_checkpointing`
     checkpoints: the saved layer inputs in pinned CPU memory; each layer replayed as CUDA graphs (pays off
     where batch shapes repeat, as `data.pad_to_multiple_of` makes them; a new shape is captured on its second
-    use, up to `unsloth_lite.training.checkpointing.MAX_GRAPHED_SHAPES` shapes); the last
+    use, up to `unsloth_lite.training.layer_graphs.MAX_GRAPHED_SHAPES` shapes); the last
     `uncheckpointed_layers` decoder layers not checkpointed (their activations kept on the GPU, no
     recomputation: faster, for their memory)."""
 

@@ -44,7 +44,7 @@ sums each kind of term over the tokens it reaches instead (no cancellation of la
 and through the L2 norm x̂ = x r, r = (Σx² + 1e-6)^-½:  dx = r (dx̂ − x̂ (x̂·dx̂)). dq and dk of a key head are summed
 over its G value heads inside one program.
 
-Kernels (`gated_delta_rule_kernels.py`):
+Kernels (`gated_delta_rule_kernels.py`, the backward's in `gated_delta_rule_backward_kernels.py`):
 
 1. `_prepare_kernel`, chunk-parallel: T, W, U into fp32 scratch (and T itself for the backward); T's four
    diagonal 16×16 blocks by forward substitution, the rest as products of blocks.
@@ -74,14 +74,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from unsloth_lite.kernels.gated_delta_rule_kernels import (
+from unsloth_lite.kernels.gated_delta_rule_backward_kernels import (
     _backward_inputs_kernel,
     _backward_state_free_kernel,
     _backward_states_kernel,
-    _forward_states_kernel,
-    _output_kernel,
-    _prepare_kernel,
 )
+from unsloth_lite.kernels.gated_delta_rule_kernels import _forward_states_kernel, _output_kernel, _prepare_kernel
 from unsloth_lite.kernels.utils import (
     check_float,
     check_kernel_device,

@@ -1,0 +1,253 @@
+"""The backward's Triton kernels of the chunked Gated DeltaNet (layout conventions in `gated_delta_rule_kernels.py`,
+the math in `gated_delta_rule.py`): the reverse pass's state-free terms, the reverse sequential pass, and the
+chunk-parallel input gradients."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from unsloth_lite.kernels.gated_delta_rule_kernels import (
+    _chunk_of_program,
+    _load_cols,
+    _load_rows,
+    _load_vec,
+    _sequence_of_program,
+)
+
+
+@triton.jit
+def _backward_state_free_kernel(
+    q_ptr, s_qb, s_qt, s_qh, s_qd,
+    k_ptr, s_kb, s_kt, s_kh, s_kd,
+    g_ptr, s_gb, s_gt, s_gh,
+    do_ptr, s_ob, s_ot, s_oh, s_oe,
+    dhs_ptr, dvn_ptr,
+    cu_ptr, chunk_seq_ptr, chunk_first_ptr,
+    T, NC, NCH, Hv, G, Dk, Dv, scale,
+    C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Chunk-parallel, the reverse pass's terms that do not depend on the state, for the Dv columns
+    [pid_v*BV, +BV) of one chunk of one value head: Mᵀ dO into dV_new's slot and scale (Q⊙Γ)ᵀ dO into
+    dS_C's slot (the reverse pass reads each before it writes its own value there)."""
+    pid_c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    pid_v = tl.program_id(2)
+    hk = h // G
+    b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    rows = tl.arange(0, C)
+    d = tl.arange(0, DK)
+    e = pid_v * BV + tl.arange(0, BV)
+    mask_e = e < Dv
+    gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
+    k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    qT = _load_cols(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2) * scale
+    # mT[j, i] = M[i, j] = scale (q_i·k_j) exp(γ_i - γ_j) for i >= j.
+    upper_incl = rows[None, :] >= rows[:, None]
+    mT = tl.dot(k, qT, input_precision=PREC)
+    mT = tl.where(upper_incl, mT * tl.exp(tl.where(upper_incl, gam[None, :] - gam[:, None], 0.0)), 0.0)
+    do = tl.load(
+        do_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + e[None, :] * s_oe,
+        mask=mask_t[:, None] & mask_e[None, :], other=0.0,
+    ).to(tl.float32)
+    base = h * NCH + pid_c
+    tl.store(dvn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], tl.dot(mT, do, input_precision=PREC),
+             mask=mask_e[None, :])
+    tl.store(dhs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :],
+             tl.dot(qT * tl.exp(gam)[None, :], do, input_precision=PREC),
+             mask=(d[:, None] < Dk) & mask_e[None, :])
+
+
+@triton.jit
+def _backward_states_kernel(
+    k_ptr, s_kb, s_kt, s_kh, s_kd,
+    g_ptr, s_gb, s_gt, s_gh,
+    w_ptr,
+    dht_ptr, s_dtn, s_dth, s_dtd, s_dte,
+    dhs_ptr, dvn_ptr, dh0_ptr,
+    cu_ptr, chunk_first_ptr,
+    T, NC, NCH, Hv, G, Dk, Dv,
+    C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The reverse sequential pass: for each chunk from the last, store dS_C (the gradient of its end state),
+    dV_new = Mᵀ dO + K̃ dS_C, and dS <- exp(γ_C) dS_C + scale (Q⊙Γ)ᵀ dO - Wᵀ dV_new, the state-free terms
+    Mᵀ dO and scale (Q⊙Γ)ᵀ dO read from the slots `_backward_state_free_kernel` wrote them to."""
+    pid_v = tl.program_id(0)
+    pid_nh = tl.program_id(1).to(tl.int64)
+    n = pid_nh // Hv
+    h = pid_nh % Hv
+    hk = h // G
+    b, bos, eos, first, count = _sequence_of_program(n, cu_ptr, chunk_first_ptr, T, NC, VARLEN)
+    rows = tl.arange(0, C)
+    d = tl.arange(0, DK)
+    mask_d = d < Dk
+    e = pid_v * BV + tl.arange(0, BV)
+    mask_e = e < Dv
+    mask_de = mask_d[:, None] & mask_e[None, :]
+    if HAS_DHT:
+        dS = tl.load(
+            dht_ptr + n * s_dtn + h * s_dth + d[:, None] * s_dtd + e[None, :] * s_dte, mask=mask_de, other=0.0
+        ).to(tl.float32)
+    else:
+        dS = tl.zeros([DK, BV], dtype=tl.float32)
+    for j in range(0, count):
+        i = count - 1 - j
+        c = first + i
+        t = bos + i * C + rows
+        mask_t = t < eos
+        base = h * NCH + c
+        state_slot = dhs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :]
+        value_slot = dvn_ptr + (base * C + rows[:, None]) * Dv + e[None, :]
+        q_do = tl.load(state_slot, mask=mask_de, other=0.0)
+        m_do = tl.load(value_slot, mask=mask_e[None, :], other=0.0)
+        tl.debug_barrier()  # every thread has read its slots before any overwrites them
+        tl.store(state_slot, dS, mask=mask_de)
+        gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
+        gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
+        k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+        k = k * tl.exp(gam_last - gam)[:, None]
+        dvn = m_do + tl.dot(k, dS, input_precision=PREC)
+        tl.store(value_slot, dvn, mask=mask_e[None, :])
+        wT = tl.load(w_ptr + (base * C + rows[None, :]) * Dk + d[:, None], mask=mask_d[:, None], other=0.0)
+        dS = dS * tl.exp(gam_last) + q_do - tl.dot(wT, dvn, input_precision=PREC)
+    if STORE_DH0:
+        tl.store(dh0_ptr + ((n * Hv + h) * Dk + d[:, None]) * Dv + e[None, :], dS, mask=mask_de)
+
+
+@triton.jit
+def _backward_inputs_kernel(
+    q_ptr, s_qb, s_qt, s_qh, s_qd,
+    k_ptr, s_kb, s_kt, s_kh, s_kd,
+    v_ptr, s_vb, s_vt, s_vh, s_vd,
+    g_ptr, s_gb, s_gt, s_gh,
+    beta_ptr, s_bb, s_bt, s_bh,
+    do_ptr, s_ob, s_ot, s_oh, s_oe,
+    tm_ptr, hs_ptr, dhs_ptr, vn_ptr, dvn_ptr, flip_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
+    cu_ptr, chunk_seq_ptr, chunk_first_ptr,
+    T, NC, NCH, Hk, G, Dk, Dv, scale,
+    C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Chunk-parallel: dq, dk of one key head (summed over its G value heads), and dv, dg, dβ of each of them.
+    The transposes of dM and of dA's term G are read back from the program's own `[2, C, C]` of `flip_ptr`
+    after a barrier, not accumulated as second products."""
+    pid_c = tl.program_id(0).to(tl.int64)
+    hk = tl.program_id(1).to(tl.int64)
+    Hv = Hk * G
+    b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    rows = tl.arange(0, C)
+    d = tl.arange(0, DK)
+    mask_d = d < Dk
+    q, r_q = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+    k, r_k = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    q = q * scale
+    lower = rows[None, :] < rows[:, None]
+    lower_incl = rows[None, :] <= rows[:, None]
+    dq = tl.zeros([C, DK], dtype=tl.float32)  # gradient of scale·q̂
+    dk = tl.zeros([C, DK], dtype=tl.float32)  # gradient of k̂
+    flip = flip_ptr + (pid_c * Hk + hk) * 2 * C * C
+    square = rows[:, None] * C + rows[None, :]
+    square_T = rows[None, :] * C + rows[:, None]
+    for j in range(0, G):
+        h = hk * G + j
+        base = h * NCH + pid_c
+        beta = _load_vec(beta_ptr, b, t, h, s_bb, s_bt, s_bh, mask_t)
+        gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
+        gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
+        decay_q = tl.exp(gam)
+        decay_k = tl.exp(gam_last - gam)
+        tm_T = tl.load(tm_ptr + (base * C + rows[None, :]) * C + rows[:, None])  # Tᵀ
+        dA = tl.zeros([C, C], dtype=tl.float32)
+        dM = tl.zeros([C, C], dtype=tl.float32)
+        dbeta = tl.zeros([C], dtype=tl.float32)
+        dgam = tl.zeros([C], dtype=tl.float32)  # terms of exp(γ_i) alone: they reach g_t for t <= i
+        dgam_after = tl.zeros([C], dtype=tl.float32)  # terms of exp(γ_C - γ_i): they reach g_t for t > i
+        dgam_last = tl.sum(tl.zeros([C], dtype=tl.float32), 0)  # terms of exp(γ_C) alone: every g_t
+        for v0 in range(0, Dv, BV):
+            e = v0 + tl.arange(0, BV)
+            mask_e = e < Dv
+            mask_te = mask_t[:, None] & mask_e[None, :]
+            rows_ce = (base * C + rows[:, None]) * Dv + e[None, :]
+            cols_ce = (base * C + rows[None, :]) * Dv + e[:, None]
+            vn = tl.load(vn_ptr + rows_ce, mask=mask_e[None, :], other=0.0)
+            vn_T = tl.load(vn_ptr + cols_ce, mask=mask_e[:, None], other=0.0)
+            dvn = tl.load(dvn_ptr + rows_ce, mask=mask_e[None, :], other=0.0)
+            do = tl.load(
+                do_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + e[None, :] * s_oe, mask=mask_te, other=0.0
+            ).to(tl.float32)
+            state = base * Dk * Dv + d[None, :] * Dv + e[:, None]
+            mask_ed = mask_e[:, None] & mask_d[None, :]
+            s0_T = tl.load(hs_ptr + state, mask=mask_ed, other=0.0)  # S0ᵀ [BV, DK]
+            dsc_T = tl.load(dhs_ptr + state, mask=mask_ed, other=0.0)  # dS_Cᵀ
+            v = tl.load(
+                v_ptr + b * s_vb + t[:, None] * s_vt + h * s_vh + e[None, :] * s_vd, mask=mask_te, other=0.0
+            ).to(tl.float32)
+
+            du = tl.dot(tm_T, dvn, input_precision=PREC)  # Tᵀ dV_new
+            tl.store(
+                dv_ptr + ((b * T + t[:, None]) * Hv + h) * Dv + e[None, :],
+                (du * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mask_te,
+            )
+            dbeta += tl.sum(v * du, 1)
+            dA -= tl.dot(du, vn_T, input_precision=PREC)
+            dM += tl.dot(do, vn_T, input_precision=PREC)
+            # inter-chunk read of the state: O += scale (Q⊙Γ) S0
+            x = tl.dot(do, s0_T, input_precision=PREC)
+            dq += x * decay_q[:, None]
+            dgam += decay_q * tl.sum(q * x, 1)
+            # state update: S_C += K̃ᵀ V_new
+            x = tl.dot(vn, dsc_T, input_precision=PREC)
+            dk += x * decay_k[:, None]
+            dgam_after += tl.sum(k * x, 1) * decay_k
+            dgam_last += tl.exp(gam_last) * tl.sum(tl.sum(s0_T * dsc_T, 1), 0)
+            # W = T(βΓ⊙K): dW̃ = Tᵀ dW = -Tᵀ dV_new S0ᵀ
+            x = -tl.dot(du, s0_T, input_precision=PREC)
+            dk += x * (beta * decay_q)[:, None]
+            x = tl.sum(k * x, 1) * decay_q
+            dbeta += x
+            dgam += beta * x
+
+        # intra-chunk attention M = tril(scale Q Kᵀ ⊙ D)
+        decay = tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0))
+        dM = tl.where(lower_incl, dM * decay, 0.0)
+        tl.debug_barrier()  # the previous value head's transposes are read: the flip buffer is free
+        tl.store(flip + square, dM)
+        dq += tl.dot(dM, k, input_precision=PREC)
+        kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+        pairs = dM * tl.dot(q, kT, input_precision=PREC)  # dM ⊙ M: terms of D_ij = exp(γ_i - γ_j)
+        # A = strictly-lower(β_i (k_i·k_j) D_ij)
+        p = tl.where(lower, tl.dot(k, kT, input_precision=PREC) * decay, 0.0)
+        dA = tl.where(lower, dA, 0.0)
+        x = dA * p
+        dbeta += tl.sum(x, 1)
+        pairs += x * beta[:, None]
+        dA = dA * decay * beta[:, None]  # G
+        tl.store(flip + C * C + square, dA)
+        tl.debug_barrier()  # every thread's stores visible to every thread of the program
+        dM_T = tl.load(flip + square_T, cache_modifier=".cg")
+        dA_T = tl.load(flip + C * C + square_T, cache_modifier=".cg")
+        dk += tl.dot(dM_T, q, input_precision=PREC)
+        dk += tl.dot(dA + dA_T, k, input_precision=PREC)  # (G + Gᵀ) K
+        # dg_t = Σ_{s>=t} dγ_s + dγ_C, summed by what each term depends on (module docstring): a D_ij term
+        # reaches g_t for j < t <= i only, so the pairs are summed over that range directly rather than as
+        # row and column sums that cancel in the reverse cumulative sum.
+        after = tl.cumsum(pairs, 0, reverse=True)  # [t, j]: Σ_{i>=t} pairs_ij
+        dg = tl.sum(tl.where(lower, after, 0.0), 1)
+        dg += tl.cumsum(dgam, 0, reverse=True)
+        dg += tl.sum(tl.where(lower, dgam_after[None, :], 0.0), 1) + dgam_last
+        tl.store(dg_ptr + (b * T + t) * Hv + h, dg.to(dg_ptr.dtype.element_ty), mask=mask_t)
+        tl.store(dbeta_ptr + (b * T + t) * Hv + h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mask_t)
+
+    dq = dq * scale
+    if L2:
+        q_hat = q / scale
+        dq = r_q[:, None] * (dq - q_hat * tl.sum(q_hat * dq, 1)[:, None])
+        dk = r_k[:, None] * (dk - k * tl.sum(k * dk, 1)[:, None])
+    out = ((b * T + t[:, None]) * Hk + hk) * Dk + d[None, :]
+    mask_td = mask_t[:, None] & mask_d[None, :]
+    tl.store(dq_ptr + out, dq.to(dq_ptr.dtype.element_ty), mask=mask_td)
+    tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=mask_td)

@@ -1,0 +1,236 @@
+"""CUDA-graph replay of checkpointed decoder layers (`checkpointing.py`).
+
+`cuda_graphs=True` removes the host's launch cost, which bounds small batches: each layer's forward and its
+recompute-and-backward are captured once per input shape and autocast setting as two CUDA graphs (both in the
+forward of the second call with that shape; the first runs eagerly and compiles every kernel), then replayed. The graphs
+read and write static buffers that all layers share: the input (copied in before each replay, from the
+forward's argument or from the checkpoint, which is kept as without graphs, offloaded or not), the kept
+residual (copied out after the forward's replay, back in before the backward's), the output and the
+gradients (copied out right after). Tensors among the layer's keyword arguments (cos/sin, position
+ids) are copied into the layer's static buffers before each forward replay. Graphs of all layers share one
+memory pool: each graph's temporaries are dead once it has run, and what a graph returns is copied out
+before the next replay, so any order of replays is safe. It needs layers without dropout (a replayed
+recomputation could not repeat the forward's masks), shapes that repeat (a pair of graphs per shape is
+kept, for the first MAX_GRAPHED_SHAPES shapes seen twice), and each forward's backward before the layer's
+next forward (otherwise that call runs eagerly). Off CUDA the same code runs the functions eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from unsloth_lite.models.layers import recomputation_for_backward
+from unsloth_lite.training.layer_context import (
+    _autocast,
+    _autocast_states,
+    _recording_residual,
+    _side_stream,
+    _substituting_residual,
+)
+
+# Input shapes a layer keeps graphs for: each costs the static buffers of that shape (four `[batch, seq,
+# hidden]` tensors shared by the layers) and the layers' parameter gradients in the pool; other shapes run
+# eagerly.
+MAX_GRAPHED_SHAPES = 4
+
+
+@functools.cache
+def _graph_pool(device_index: int):
+    """The memory pool every layer graph on a device is captured into."""
+    with torch.cuda.device(device_index):
+        return torch.cuda.graph_pool_handle()
+
+
+_SIMPLE = (type(None), bool, int, float, str)
+
+
+def _layer_of(run):
+    module = run.args[0] if run.args else getattr(run.func, "__self__", None)
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+class _Replayable:
+    """A function of static buffers, captured as a CUDA graph (into `pool`) or, off CUDA, run as it is."""
+
+    def __init__(self, function, device: torch.device, pool, stream):
+        self.graph = None
+        if device.type != "cuda":
+            self.function = function
+            return
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            function()  # warm-up on the capture stream: per-stream library state is set up outside the capture
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads (a data loader pinning memory) may keep calling CUDA during the capture
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            self.outputs = function()
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    def __call__(self):
+        if self.graph is None:
+            return self.function()
+        self.graph.replay()
+        return self.outputs
+
+
+class _LayerGraphs:
+    """One layer's two graphs for one call signature, with their static buffers (module docstring)."""
+
+    # Buffers that every layer's graphs of one shape share: the input they read (the forward's, then the
+    # recomputation's), the output and the input gradient they write (copied out right after each replay)
+    # and the output gradient they read (copied in right before): one of each instead of one a layer.
+    _SHARED: dict = {}
+
+    @classmethod
+    def for_call(cls, run, args, keep_residual: bool) -> _LayerGraphs | None:
+        """The graphs of this call's layer and signature; None where the call must run eagerly (the first
+        call of a signature, an unsupported argument, or a backward still pending)."""
+        layer = _layer_of(run)
+        if layer is None or len(args) != 1 or not torch.is_tensor(args[0]):
+            return None
+        kwargs = run.keywords
+        for value in kwargs.values():
+            tensors = value if _is_tensor_pair(value) else (value,) if torch.is_tensor(value) else ()
+            if any(t.requires_grad for t in tensors) or not (tensors or isinstance(value, _SIMPLE)):
+                return None
+        signature = (
+            _describe(args[0]), tuple(sorted((k, _describe(v)) for k, v in kwargs.items())), keep_residual,
+            tuple(_autocast_states()),
+        )
+        store = layer.__dict__.setdefault("_unsloth_lite_graphs", {})
+        graphs = store.get(signature)
+        if graphs is None:
+            store[signature] = "seen"  # the first call runs eagerly: kernels compile, workspaces get allocated
+            return None
+        if graphs == "seen":
+            if sum(isinstance(g, _LayerGraphs) for g in store.values()) >= MAX_GRAPHED_SHAPES:
+                return None
+            graphs = store[signature] = cls(layer, run, args[0], keep_residual)
+        return None if graphs.pending_backward else graphs
+
+    def __init__(self, layer, run, hidden, keep_residual: bool):
+        self.device = hidden.device
+        self.keep_residual = keep_residual
+        self.autocast = _autocast_states()  # the forward's, part of the signature: both graphs run under it
+        self.has_residual = False  # whether the layer's forward recorded the residual (known at capture)
+        # (module, name) of each trainable parameter, in `layer.parameters()` order
+        self.owners = [
+            (module, name) for module in layer.modules() for name, p in module._parameters.items()
+            if p is not None and p.requires_grad
+        ]
+        self.params = [module._parameters[name] for module, name in self.owners]
+        self.static_kwargs = {k: _static_copy(v) for k, v in run.keywords.items()}
+        self.function = functools.partial(run.func, *run.args, **self.static_kwargs)
+        shared_key = (tuple(hidden.shape), hidden.dtype, hidden.device)
+        if shared_key not in self._SHARED:
+            self._SHARED[shared_key] = tuple(torch.empty_like(hidden) for _ in range(5))
+        self.hidden, self.output, self.grad_hidden, self.grad_output, self.residual = self._SHARED[shared_key]
+        self.forward_graph = self.backward_graph = None
+        self.pending_backward = False
+        self.pool = self.stream = None
+        if self.device.type == "cuda":
+            self.pool, self.stream = _graph_pool(self.device.index or 0), _side_stream(self.device.index or 0)
+
+    def forward(self, run, hidden) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, the residual the layer's post-attention norm received or None)."""
+        self.hidden.copy_(hidden)
+        for name, value in run.keywords.items():
+            _copy_static(self.static_kwargs[name], value)
+        if self.forward_graph is None:
+            self._capture()
+        self.forward_graph()
+        self.pending_backward = True
+        return self.output.clone(), self.residual.clone() if self.has_residual else None
+
+    def backward(self, hidden, residual, grad_output):
+        self.hidden.copy_(hidden)
+        if residual is not None:
+            self.residual.copy_(residual)
+        self.grad_output.copy_(grad_output)
+        grad_params = self.backward_graph()
+        self.pending_backward = False
+        return [self.grad_hidden.clone()] + [None if g is None else g.clone() for g in grad_params]
+
+    def _capture(self) -> None:
+        """Captures both graphs here, in the forward: a capture of the autograd engine's work from inside a
+        backward would make the caller's (legacy default) stream wait on the capturing one, which CUDA forbids."""
+        # Both functions run under the forward's autocast settings, without its cast cache: a graph must not
+        # read a cast that the cache made before the capture and frees when the autocast region ends.
+        def layer_forward():
+            with (
+                torch.no_grad(),
+                _autocast(self.autocast, cache_enabled=False),
+                _recording_residual(self.keep_residual) as residuals,
+            ):
+                self.output.copy_(self.function(self.hidden))
+                self.has_residual = len(residuals) == 1
+                if self.has_residual:
+                    self.residual.copy_(residuals[0])
+
+        def recompute_and_backward():
+            # The recomputation differentiates with respect to fresh leaves that alias the parameters: the
+            # parameters' own gradient accumulators exist already (this forward's autograd node holds them),
+            # bound to the stream they were created on, and gradients flowing into them from the capturing
+            # stream would make that stream wait on the capture.
+            aliases = [p.detach().requires_grad_() for p in self.params]
+            residual = self.residual if self.has_residual else None
+            with (
+                _swapped_parameters(self.owners, aliases),
+                recomputation_for_backward(attention_output_unused=self.has_residual),
+                _substituting_residual(residual),
+                torch.enable_grad(),
+                _autocast(self.autocast, cache_enabled=False),
+            ):
+                hidden = self.hidden.detach().requires_grad_()
+                output = self.function(hidden)
+                grads = torch.autograd.grad(output, [hidden, *aliases], self.grad_output, allow_unused=True)
+            self.grad_hidden.copy_(grads[0])
+            return grads[1:]  # the parameters' gradients: small, kept in the pool
+
+        self.forward_graph = _Replayable(layer_forward, self.device, self.pool, self.stream)
+        self.grad_output.zero_()  # what the capture's warm-up back-propagates; its results are discarded
+        self.backward_graph = _Replayable(recompute_and_backward, self.device, self.pool, self.stream)
+
+
+@contextlib.contextmanager
+def _swapped_parameters(owners, replacements):
+    """Modules' parameters `(module, name)` temporarily replaced by other tensors."""
+    originals = [module._parameters[name] for module, name in owners]
+    for (module, name), tensor in zip(owners, replacements, strict=True):
+        module._parameters[name] = tensor
+    try:
+        yield
+    finally:
+        for (module, name), tensor in zip(owners, originals, strict=True):
+            module._parameters[name] = tensor
+
+
+def _is_tensor_pair(value) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and all(torch.is_tensor(t) for t in value)
+
+
+def _describe(value):
+    if torch.is_tensor(value):
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype, value.device)
+    if _is_tensor_pair(value):
+        return tuple(_describe(t) for t in value)
+    return (type(value).__name__, value)
+
+
+def _static_copy(value):
+    if torch.is_tensor(value):
+        return value.detach().clone()
+    if _is_tensor_pair(value):
+        return tuple(t.detach().clone() for t in value)
+    return value
+
+
+def _copy_static(static, value) -> None:
+    if torch.is_tensor(static):
+        static.copy_(value)
+    elif _is_tensor_pair(static):
+        for buffer, new in zip(static, value, strict=True):
+            buffer.copy_(new)
