@@ -50,6 +50,24 @@ def test_bench_deltanet_tiny_mode_runs():
     assert len(errors) == 6 and all(0 <= e < 1e-2 for e in errors), row  # bf16 against float64
 
 
+def test_deltanet_precision_tiny_mode_runs():
+    """The emulation: fp32 products everywhere reach fp32 accuracy; truncated tf32 operands cost more than
+    rounded ones; keeping one launcher's products in fp32 removes most of the error of what it computes."""
+    out = run_tiny("deltanet_precision.py")
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 7 and cells[0] not in ("variant", "---"):
+            rows[cells[0]] = [float(c) for c in cells[1:]]
+    exact = next(errors for name, errors in rows.items() if "_backward_inputs" in name and "_prepare" in name)
+    assert all(e < 1e-5 for e in exact), rows
+    truncated, rounded = rows["tf32 truncate"], rows["tf32 round"]
+    assert all(1e-4 < e < 1e-2 for e in truncated), rows
+    assert sum(rounded) < 0.6 * sum(truncated), rows
+    assert rows["tf32 truncate, fp32 in _output"][0] < 0.5 * truncated[0], rows  # o is the output kernel's
+    assert all(1e-3 < e < 3e-3 for e in rows["bf16 floor"]), rows
+
+
 def test_bench_nf4_matvec_tiny_mode_runs():
     out = run_tiny("bench_nf4_matvec.py", "--sweep", "--shapes", "qwen3_8b")
     assert "| unsloth_lite |" in out and "| dequantize_matmul |" in out
