@@ -63,7 +63,7 @@ class Emulation:
         for name in LAUNCHERS:
             setattr(gated_delta_rule, name, self._tracked(name, getattr(gated_delta_rule, name)))
         # fp32 inputs (the bf16 values upcast) with the 16-bit inputs' product precision
-        gated_delta_rule._dot_precision = lambda dtype: "tf32"
+        gated_delta_rule._dot_precision = lambda dtype: gated_delta_rule.LAUNCH["precision"]
 
     def _tracked(self, name, launcher):
         def run(*args, **kwargs):
@@ -101,10 +101,13 @@ def main(argv=None) -> int:
         NAMES, refs, strict=True)})]
     wide = [x.float() for x in inputs]
     cases = [("truncate", ()), *(("truncate", (name,)) for name in LAUNCHERS), ("round", ()), ("truncate", LAUNCHERS)]
-    for mode, exact in cases:
+    cases.append(("truncate", (), "tf32_rounded"))  # the kernels' own rounding: as `round` above if it is right
+    for mode, exact, *precision in cases:
         emulation.mode, emulation.exact = mode, set(exact)
+        gated_delta_rule.LAUNCH["precision"] = precision[0] if precision else "tf32"
         out, grads = forward_backward(ours, wide, grad_out.float())
         label = f"tf32 {mode}" + (f", fp32 in {', '.join(exact)}" if exact else "")
+        label = f"kernels' {precision[0]}, {label}" if precision else label
         rows.append(dict(variant=label, **{f"err_{n}": f"{relative(x, r):.2e}" for n, x, r in zip(
             NAMES, (out, *grads), refs, strict=True)}))
     print(markdown_table(rows, ["variant"] + [f"err_{n}" for n in NAMES]))

@@ -119,6 +119,14 @@ def test_gated_delta_rule_16bit(dtype, device):
     run_and_compare(inputs, dtype, device, l2=True)
 
 
+@pytest.mark.parametrize("precision", ["tf32_rounded", "tf32x3"])
+def test_gated_delta_rule_16bit_product_precisions(precision, device, monkeypatch):
+    # The other precisions of 16-bit inputs' products (the interpreter takes the rounded operands as they are).
+    monkeypatch.setitem(gated_delta_rule.LAUNCH, "precision", precision)
+    inputs = make_inputs(1, 70, 1, 3, 16, 16, l2=True, n_states=1)
+    run_and_compare(inputs, torch.bfloat16, device, l2=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_gated_delta_rule_non_contiguous_views(dtype, device):
     inputs = make_inputs(1, 70, 1, 2, 16, 16, l2=True, n_states=1, layout="conv")

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from unsloth_lite.kernels.gated_delta_rule_kernels import (
     _chunk_of_program,
+    _dot,
     _load_cols,
     _load_rows,
     _load_vec,
@@ -45,17 +46,17 @@ def _backward_state_free_kernel(
     qT = _load_cols(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2) * scale
     # mT[j, i] = M[i, j] = scale (q_i·k_j) exp(γ_i - γ_j) for i >= j.
     upper_incl = rows[None, :] >= rows[:, None]
-    mT = tl.dot(k, qT, input_precision=PREC)
+    mT = _dot(k, qT, PREC)
     mT = tl.where(upper_incl, mT * tl.exp(tl.where(upper_incl, gam[None, :] - gam[:, None], 0.0)), 0.0)
     do = tl.load(
         do_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + e[None, :] * s_oe,
         mask=mask_t[:, None] & mask_e[None, :], other=0.0,
     ).to(tl.float32)
     base = h * NCH + pid_c
-    tl.store(dvn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], tl.dot(mT, do, input_precision=PREC),
+    tl.store(dvn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], _dot(mT, do, PREC),
              mask=mask_e[None, :])
     tl.store(dhs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :],
-             tl.dot(qT * tl.exp(gam)[None, :], do, input_precision=PREC),
+             _dot(qT * tl.exp(gam)[None, :], do, PREC),
              mask=(d[:, None] < Dk) & mask_e[None, :])
 
 
@@ -109,10 +110,10 @@ def _backward_states_kernel(
         gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
         k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
         k = k * tl.exp(gam_last - gam)[:, None]
-        dvn = m_do + tl.dot(k, dS, input_precision=PREC)
+        dvn = m_do + _dot(k, dS, PREC)
         tl.store(value_slot, dvn, mask=mask_e[None, :])
         wT = tl.load(w_ptr + (base * C + rows[None, :]) * Dk + d[:, None], mask=mask_d[:, None], other=0.0)
-        dS = dS * tl.exp(gam_last) + q_do - tl.dot(wT, dvn, input_precision=PREC)
+        dS = dS * tl.exp(gam_last) + q_do - _dot(wT, dvn, PREC)
     if STORE_DH0:
         tl.store(dh0_ptr + ((n * Hv + h) * Dk + d[:, None]) * Dv + e[None, :], dS, mask=mask_de)
 
@@ -187,25 +188,25 @@ def _backward_inputs_kernel(
                 v_ptr + b * s_vb + t[:, None] * s_vt + h * s_vh + e[None, :] * s_vd, mask=mask_te, other=0.0
             ).to(tl.float32)
 
-            du = tl.dot(tm_T, dvn, input_precision=PREC)  # Tᵀ dV_new
+            du = _dot(tm_T, dvn, PREC)  # Tᵀ dV_new
             tl.store(
                 dv_ptr + ((b * T + t[:, None]) * Hv + h) * Dv + e[None, :],
                 (du * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mask_te,
             )
             dbeta += tl.sum(v * du, 1)
-            dA -= tl.dot(du, vn_T, input_precision=PREC)
-            dM += tl.dot(do, vn_T, input_precision=PREC)
+            dA -= _dot(du, vn_T, PREC)
+            dM += _dot(do, vn_T, PREC)
             # inter-chunk read of the state: O += scale (Q⊙Γ) S0
-            x = tl.dot(do, s0_T, input_precision=PREC)
+            x = _dot(do, s0_T, PREC)
             dq += x * decay_q[:, None]
             dgam += decay_q * tl.sum(q * x, 1)
             # state update: S_C += K̃ᵀ V_new
-            x = tl.dot(vn, dsc_T, input_precision=PREC)
+            x = _dot(vn, dsc_T, PREC)
             dk += x * decay_k[:, None]
             dgam_after += tl.sum(k * x, 1) * decay_k
             dgam_last += tl.exp(gam_last) * tl.sum(tl.sum(s0_T * dsc_T, 1), 0)
             # W = T(βΓ⊙K): dW̃ = Tᵀ dW = -Tᵀ dV_new S0ᵀ
-            x = -tl.dot(du, s0_T, input_precision=PREC)
+            x = -_dot(du, s0_T, PREC)
             dk += x * (beta * decay_q)[:, None]
             x = tl.sum(k * x, 1) * decay_q
             dbeta += x
@@ -216,11 +217,11 @@ def _backward_inputs_kernel(
         dM = tl.where(lower_incl, dM * decay, 0.0)
         tl.debug_barrier()  # the previous value head's transposes are read: the flip buffer is free
         tl.store(flip + square, dM)
-        dq += tl.dot(dM, k, input_precision=PREC)
+        dq += _dot(dM, k, PREC)
         kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
-        pairs = dM * tl.dot(q, kT, input_precision=PREC)  # dM ⊙ M: terms of D_ij = exp(γ_i - γ_j)
+        pairs = dM * _dot(q, kT, PREC)  # dM ⊙ M: terms of D_ij = exp(γ_i - γ_j)
         # A = strictly-lower(β_i (k_i·k_j) D_ij)
-        p = tl.where(lower, tl.dot(k, kT, input_precision=PREC) * decay, 0.0)
+        p = tl.where(lower, _dot(k, kT, PREC) * decay, 0.0)
         dA = tl.where(lower, dA, 0.0)
         x = dA * p
         dbeta += tl.sum(x, 1)
@@ -230,8 +231,8 @@ def _backward_inputs_kernel(
         tl.debug_barrier()  # every thread's stores visible to every thread of the program
         dM_T = tl.load(flip + square_T, cache_modifier=".cg")
         dA_T = tl.load(flip + C * C + square_T, cache_modifier=".cg")
-        dk += tl.dot(dM_T, q, input_precision=PREC)
-        dk += tl.dot(dA + dA_T, k, input_precision=PREC)  # (G + Gᵀ) K
+        dk += _dot(dM_T, q, PREC)
+        dk += _dot(dA + dA_T, k, PREC)  # (G + Gᵀ) K
         # dg_t = Σ_{s>=t} dγ_s + dγ_C, summed by what each term depends on (module docstring): a D_ij term
         # reaches g_t for j < t <= i only, so the pairs are summed over that range directly rather than as
         # row and column sums that cancel in the reverse cumulative sum.

@@ -10,8 +10,9 @@ Layout conventions shared by every kernel:
   globally: n * NC + i for fixed length, `chunk_first[n] + i` for varlen (`chunk_seq[c]` = its document).
 * Scratch buffers are chunk-major per value head, fp32, rows of a whole chunk (padding rows hold zeros):
   W `[Hv, NCH, C, Dk]`, U / V_new / dV_new `[Hv, NCH, C, Dv]`, T `[Hv, NCH, C, C]`, states `[Hv, NCH, Dk, Dv]`.
-* Math is fp32. Every `tl.dot` takes fp32 operands (the interpreter mishandles 16-bit ones) with an explicit
-  `input_precision` (PREC: "ieee" for fp32 inputs, "tf32" for 16-bit ones).
+* Math is fp32. Every product takes fp32 operands (the interpreter mishandles 16-bit ones) at an explicit
+  precision, PREC of `_dot`: "ieee" for fp32 inputs; for 16-bit ones "tf32", "tf32_rounded" or "tf32x3"
+  (`LAUNCH["precision"]` of `gated_delta_rule.py`).
 * No `tl.trans` anywhere: a transposed operand is loaded transposed through pointer arithmetic, so the only
   `tl.dot` forms are loaded x loaded, computed x loaded and loaded x computed (Triton on Hopper miscompiles a
   transposed dot result fed to another dot).
@@ -21,6 +22,24 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _round_to_tf32(x):
+    """fp32 values rounded to nearest (ties away from zero) at tf32's 10 mantissa bits."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x1000) & -8192).to(tl.float32, bitcast=True)  # -8192: 0xFFFFE000, sign/exponent/10 bits
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """`tl.dot(a, b)` at PREC. "tf32_rounded": tf32 products of operands rounded to nearest first (Hopper's
+    tensor cores read a tf32 operand by dropping the fp32 register's low 13 bits, which about doubles a bf16
+    run's error over bf16's own rounding: `scripts/deltanet_precision.py`)."""
+    if PREC == "tf32_rounded":
+        return tl.dot(_round_to_tf32(a), _round_to_tf32(b), input_precision="tf32")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -145,7 +164,7 @@ def _prepare_kernel(
 
     # A[i, j] = β_i (k_i·k_j) exp(γ_i − γ_j) for i > j
     lower = rows[None, :] < rows[:, None]
-    a = tl.where(lower, beta[:, None] * tl.dot(k, kT, input_precision=PREC)
+    a = tl.where(lower, beta[:, None] * _dot(k, kT, PREC)
                  * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
     base = h * NCH + pid_c
     scratch = scratch_ptr + base * C * s_row
@@ -196,14 +215,14 @@ def _prepare_kernel(
     tm = tl.load(scratch + rows[:, None] * s_row + rows[None, :], cache_modifier=".cg")
 
     d = tl.arange(0, DK)
-    w = tl.dot(tm, k * (beta * tl.exp(gam))[:, None], input_precision=PREC)
+    w = _dot(tm, k * (beta * tl.exp(gam))[:, None], PREC)
     e = tl.arange(0, DV)
     mask_e = e < Dv
     v = tl.load(
         v_ptr + b * s_vb + t[:, None] * s_vt + h * s_vh + e[None, :] * s_vd,
         mask=mask_t[:, None] & mask_e[None, :], other=0.0,
     ).to(tl.float32)
-    u = tl.dot(tm, v * beta[:, None], input_precision=PREC)
+    u = _dot(tm, v * beta[:, None], PREC)
     tl.debug_barrier()  # every thread has read T before W (where W's slot is the scratch) overwrites it
     tl.store(w_ptr + (base * C + rows[:, None]) * Dk + d[None, :], w, mask=d[None, :] < Dk)
     tl.store(u_ptr + (base * C + rows[:, None]) * Dv + e[None, :], u, mask=mask_e[None, :])
@@ -253,7 +272,7 @@ def _forward_states_kernel(
         base = h * NCH + c
         w = tl.load(w_ptr + (base * C + rows[:, None]) * Dk + d[None, :], mask=mask_d[None, :], other=0.0)
         u = tl.load(u_ptr + (base * C + rows[:, None]) * Dv + e[None, :], mask=mask_e[None, :], other=0.0)
-        vn = u - tl.dot(w, S, input_precision=PREC)
+        vn = u - _dot(w, S, PREC)
         if STORE_STATES:
             tl.store(hs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :], S, mask=mask_de)
             tl.store(vn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], vn, mask=mask_e[None, :])
@@ -261,15 +280,15 @@ def _forward_states_kernel(
         if COMPUTE_O:
             q, _ = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
             q = q * scale
-            qk = tl.dot(q, kT, input_precision=PREC)
+            qk = _dot(q, kT, PREC)
             m = tl.where(lower_incl, qk * tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-            o = tl.dot(q * tl.exp(gam)[:, None], S, input_precision=PREC) + tl.dot(m, vn, input_precision=PREC)
+            o = _dot(q * tl.exp(gam)[:, None], S, PREC) + _dot(m, vn, PREC)
             tl.store(
                 o_ptr + ((b * T + t[:, None]) * Hv + h) * Dv + e[None, :],
                 o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :],
             )
         kT = kT * tl.exp(gam_last - gam)[None, :]
-        S = S * tl.exp(gam_last) + tl.dot(kT, vn, input_precision=PREC)
+        S = S * tl.exp(gam_last) + _dot(kT, vn, PREC)
     if STORE_HT:
         tl.store(ht_ptr + ((n * Hv + h) * Dk + d[:, None]) * Dv + e[None, :], S, mask=mask_de)
 
@@ -301,13 +320,13 @@ def _output_kernel(
     kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
     gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
     lower_incl = rows[None, :] <= rows[:, None]
-    m = tl.dot(q, kT, input_precision=PREC)
+    m = _dot(q, kT, PREC)
     m = tl.where(lower_incl, m * tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
     base = h * NCH + pid_c
     s0 = tl.load(hs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :], mask=(d[:, None] < Dk) & mask_e[None, :],
                  other=0.0)
     vn = tl.load(vn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], mask=mask_e[None, :], other=0.0)
-    o = tl.dot(q * tl.exp(gam)[:, None], s0, input_precision=PREC) + tl.dot(m, vn, input_precision=PREC)
+    o = _dot(q * tl.exp(gam)[:, None], s0, PREC) + _dot(m, vn, PREC)
     tl.store(
         o_ptr + ((b * T + t[:, None]) * Hv + h) * Dv + e[None, :],
         o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :],
