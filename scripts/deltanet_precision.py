@@ -3,8 +3,8 @@
     TRITON_INTERPRET=1 python scripts/deltanet_precision.py                # T = 2048, 1 key / 3 value heads of 128
     TRITON_INTERPRET=1 python scripts/deltanet_precision.py --tiny         # seconds: the test's run
 
-On a GPU the kernels take 16-bit inputs' products in tf32 (`input_precision="tf32"`), and Hopper's tensor cores
-read fp32 registers as tf32 by dropping their 13 low mantissa bits (truncation, not rounding). Triton's
+On a GPU the kernels take 16-bit inputs' products in tf32 (`input_precision="tf32"`); the H200's errors are
+those of fp32 operands cut to tf32 by dropping their 13 low mantissa bits (truncation, not rounding). Triton's
 interpreter multiplies in fp32; this script runs the kernels there with the operands of every tf32 product
 first truncated (`truncate`) or rounded to nearest (`round`) to tf32, optionally keeping the products of some
 launchers in fp32, on the bf16 inputs' values upcast to fp32 so that the outputs are not rounded to bf16.

@@ -13,9 +13,9 @@ Layout conventions shared by every kernel:
 * Math is fp32. Every product takes fp32 operands (the interpreter mishandles 16-bit ones) at an explicit
   precision, PREC of `_dot`: "ieee" for fp32 inputs; for 16-bit ones "tf32", "tf32_rounded" or "tf32x3"
   (`LAUNCH["precision"]` of `gated_delta_rule.py`).
-* No `tl.trans` anywhere: a transposed operand is loaded transposed through pointer arithmetic, so the only
-  `tl.dot` forms are loaded x loaded, computed x loaded and loaded x computed (Triton on Hopper miscompiles a
-  transposed dot result fed to another dot).
+* No `tl.trans` anywhere: a transposed operand is loaded transposed through pointer arithmetic (Triton on Hopper
+  miscompiles a transposed dot result fed to another dot); computed tiles, dot results included, enter
+  products untransposed.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def _round_to_tf32(x):
 
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
-    """`tl.dot(a, b)` at PREC. "tf32_rounded": tf32 products of operands rounded to nearest first (Hopper's
-    tensor cores read a tf32 operand by dropping the fp32 register's low 13 bits, which about doubles a bf16
-    run's error over bf16's own rounding: `scripts/deltanet_precision.py`)."""
+    """`tl.dot(a, b)` at PREC. "tf32_rounded": tf32 products of operands rounded to nearest first (the H200's
+    errors are those of operands truncated to tf32, which about doubles a bf16 run's error over bf16's own
+    rounding: `scripts/deltanet_precision.py`)."""
     if PREC == "tf32_rounded":
         return tl.dot(_round_to_tf32(a), _round_to_tf32(b), input_precision="tf32")
     else:
