@@ -168,14 +168,20 @@ def projection_params(c: dict, name: str) -> int:
     return c["num_attention_heads"] * c["head_dim"] * c["hidden_size"]
 
 
-def flops_per_token(c: dict, seq: int, skipped: tuple[str, ...] = ()) -> dict:
-    """Executed FLOPs per token of one training step with gradient checkpointing and a frozen base (docstring),
-    less the recomputation's `skipped` projections."""
-    skipped_params = sum(projection_params(c, name) for name in skipped) * c["num_hidden_layers"]
-    decoder = 6 * decoder_linear_params(c) - 2 * skipped_params
+def step_flops(c: dict, seq: int, decoder_params: int, skipped_params: int, attention_layers: int) -> dict:
+    """Executed FLOPs per token of one training step with gradient checkpointing and a frozen base (docstring):
+    the decoder's products three times less the recomputation's skipped ones, the lm_head's twice, and causal
+    attention in `attention_layers` layers."""
+    decoder = 6 * decoder_params - 2 * skipped_params
     lm_head = 4 * c["hidden_size"] * c["vocab_size"]
-    attention = 9 * seq * c["num_attention_heads"] * c["head_dim"] * c["num_hidden_layers"]
+    attention = 9 * seq * c["num_attention_heads"] * c["head_dim"] * attention_layers
     return dict(decoder=decoder, lm_head=lm_head, attention=attention, total=decoder + lm_head + attention)
+
+
+def flops_per_token(c: dict, seq: int, skipped: tuple[str, ...] = ()) -> dict:
+    """`step_flops` of a Qwen2/Qwen3 config, less the recomputation's `skipped` projections."""
+    skipped_params = sum(projection_params(c, name) for name in skipped) * c["num_hidden_layers"]
+    return step_flops(c, seq, decoder_linear_params(c), skipped_params, c["num_hidden_layers"])
 
 
 # ----------------------------------------------------------------------------------------------------------

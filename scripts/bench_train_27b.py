@@ -72,6 +72,7 @@ from bench_train import (
     measure,
     one_step_probe,
     search_max_seq,
+    step_flops,
     worker_env,
 )
 
@@ -140,17 +141,13 @@ def recompute_skipped(variant: str, all_linear: bool, offload: bool) -> tuple[st
 
 
 def flops_per_token(c: dict, seq: int, skipped: tuple[str, ...] = (), params: dict[str, int] | None = None) -> dict:
-    """Executed FLOPs a token of one training step with gradient checkpointing and a frozen 4-bit base: the
-    decoder's products three times (forward, recomputation less `skipped`, input gradients), the lm_head's
-    twice (forward, input gradient), causal attention of the full-attention layers as `bench_train` counts it.
-    The DeltaNet's chunked recurrence is left out (under 1% of the total at W2's shape). `params`:
-    `linear_params(c)`, where the caller has it already."""
+    """`bench_train.step_flops` of the 27B: every decoder linear, less the recomputation's `skipped`
+    projections, and attention in the full-attention layers only. The DeltaNet's chunked recurrence is left out
+    (under 1% of the total at W2's shape). `params`: `linear_params(c)`, where the caller has it already."""
     params = params or linear_params(c)
-    decoder = 6 * sum(params.values()) - 2 * sum(params.get(name, 0) for name in skipped)
-    lm_head = 4 * c["hidden_size"] * c["vocab_size"]
+    skipped_params = sum(params.get(name, 0) for name in skipped)
     full_layers = sum(t == "full_attention" for t in c["layer_types"])
-    attention = 9 * seq * c["num_attention_heads"] * c["head_dim"] * full_layers
-    return dict(decoder=decoder, lm_head=lm_head, attention=attention, total=decoder + lm_head + attention)
+    return step_flops(c, seq, sum(params.values()), skipped_params, full_layers)
 
 
 def with_special_tokens(c: dict) -> dict:
