@@ -63,7 +63,8 @@ class Emulation:
         for name in LAUNCHERS:
             setattr(gated_delta_rule, name, self._tracked(name, getattr(gated_delta_rule, name)))
         # fp32 inputs (the bf16 values upcast) with the 16-bit inputs' product precision
-        gated_delta_rule._dot_precision = lambda dtype: gated_delta_rule.LAUNCH["precision"]
+        precision_of = gated_delta_rule._dot_precision
+        gated_delta_rule._dot_precision = lambda dtype, kernel: precision_of(torch.bfloat16, kernel)
 
     def _tracked(self, name, launcher):
         def run(*args, **kwargs):

@@ -151,6 +151,13 @@ def test_gated_delta_rule_key_dims_of_a_chunk_or_more(dk, device):
     run_and_compare(inputs, torch.float32, device, l2=True)
 
 
+def test_gated_delta_rule_value_dims_of_two_chunks_or_more(device):
+    # From Dv = 128 on, the value-gradient kernel's flip and dq/dk shares pass through each program's own dV_new
+    # and dS_C slots instead of buffers of their own; two key heads of two value heads each sum their shares.
+    inputs = make_inputs(1, 70, 2, 2, 16, 128, l2=True, n_states=1)
+    run_and_compare(inputs, torch.float32, device, l2=True)
+
+
 def test_gated_delta_rule_varlen(device):
     # Three documents of 65, 1 and 100 tokens packed in one row, each from its own initial state.
     cu = torch.tensor([0, 65, 66, 166], dtype=torch.int32)

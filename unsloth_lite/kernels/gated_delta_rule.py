@@ -56,7 +56,9 @@ Kernels (`gated_delta_rule_kernels.py`, the backward's in `gated_delta_rule_back
 3. `_backward_state_free_kernel`, chunk-parallel: the reverse pass's terms that do not depend on the state,
    Mᵀ dO and scale (Q⊙Γ)ᵀ dO, written where that pass stores dV_new and dS_C; then `_backward_states_kernel`,
    the reverse sequential pass: dS_C of every chunk, dV_new, d(initial state), two products a chunk.
-4. `_backward_inputs_kernel`, chunk-parallel, one program per (chunk, key head): dq, dk, dv, dg, dβ.
+4. `_backward_values_kernel`, chunk-parallel, one program per (chunk, value head): dv, dg, dβ and the value
+   head's share of dq, dk (fp32); then `_backward_keys_kernel`, one program per (chunk, key head): the sum of
+   its G value heads' shares, in order (deterministic), through the L2 norm.
 
 Saved for the backward: the inputs, and up to WINDOW tokens the forward's W, T, chunk-start states and V_new
 when autograd will want them (fp32, ~9 times the bytes of a bf16 v; a layer checkpointed by
@@ -75,9 +77,10 @@ import torch.nn.functional as F
 import triton
 
 from unsloth_lite.kernels.gated_delta_rule_backward_kernels import (
-    _backward_inputs_kernel,
+    _backward_keys_kernel,
     _backward_state_free_kernel,
     _backward_states_kernel,
+    _backward_values_kernel,
 )
 from unsloth_lite.kernels.gated_delta_rule_kernels import _forward_states_kernel, _output_kernel, _prepare_kernel
 from unsloth_lite.kernels.utils import (
@@ -91,17 +94,17 @@ CHUNK = 64
 # Tokens per window of a long fixed-length batch's backward (`_backward_by_windows`), a multiple of CHUNK:
 # Qwen3.5-27B's W2 length takes the single pass.
 WINDOW = 2048
-# The input-gradient kernel's shared memory bounds the head dims: at 128 it takes 174 KB of Hopper's 227 KB a
-# program (Qwen3.5's heads are 128; 256 would need 320 KB).
+# The value-gradient kernel's registers and shared memory bound the head dims (Qwen3.5's heads are 128).
 MAX_HEAD_DIM = 128
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Warps of each kernel's launch (and the input-gradient kernel's value block), chosen on an H200 at W2's shapes
+# Warps of each kernel's launch (and the value-gradient kernel's value block), chosen on an H200 at W2's shapes
 # (`scripts/bench_deltanet.py`); every combination shipped is the one the GPU tests run.
-LAUNCH = dict(prepare_warps=4, states_warps=4, output_warps=4, free_warps=4, reverse_warps=8, inputs_warps=8,
-              inputs_bv=32, precision="tf32")
-# `precision`, the products' for 16-bit inputs: "tf32" (the H200's errors are those of truncated operands),
-# "tf32_rounded" (operands rounded to nearest first: the kernels' own error a quarter of truncation's, by
-# emulation) or "tf32x3" (Triton's three-product split, about fp32's).
+LAUNCH = dict(prepare_warps=4, states_warps=4, output_warps=4, free_warps=4, reverse_warps=8, values_warps=8,
+              values_bv=32, keys_warps=4, precision="tf32")
+# `precision`, the products' for 16-bit inputs, one for every kernel or a dict by kernel (prepare, states,
+# output, free, reverse, values): "tf32" (the H200's errors are those of truncated operands), "tf32_rounded"
+# (operands rounded to nearest first: the kernels' own error a quarter of truncation's, by emulation) or
+# "tf32x3" (Triton's three-product split, about fp32's).
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -118,10 +121,13 @@ def _value_block(dv: int) -> int:
     return min(64, max(16, triton.next_power_of_2(dv)))
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def _dot_precision(dtype: torch.dtype, kernel: str) -> str:
     # fp32 inputs: exact fp32 products (tf32 would cost ~1e-3 over a long recurrence). 16-bit inputs: the
-    # precision of `LAUNCH` (`_dot` in gated_delta_rule_kernels.py).
-    return "ieee" if dtype == torch.float32 else LAUNCH["precision"]
+    # kernel's precision in `LAUNCH` (`_dot` in gated_delta_rule_kernels.py).
+    if dtype == torch.float32:
+        return "ieee"
+    precision = LAUNCH["precision"]
+    return precision if isinstance(precision, str) else precision[kernel]
 
 
 class _Layout:
@@ -168,7 +174,8 @@ def _prepare(q, k, v, g, beta, lay: _Layout, use_l2: bool, store_t: bool):
         w, u, scratch, scratch_row, lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, group, dk, dv,
         C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), DV=max(16, triton.next_power_of_2(dv)),
-        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype), num_warps=LAUNCH["prepare_warps"],
+        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype, "prepare"),
+        num_warps=LAUNCH["prepare_warps"],
     )
     return w, u, (tm if store_t else None)
 
@@ -192,7 +199,7 @@ def _forward_states(q, k, g, w, u, h0, lay, scale, use_l2, *, compute_o, store_f
         lay.T, lay.NC, lay.NCH, hv, group, dk, dv, scale,
         C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), BV=bv,
         L2=use_l2, VARLEN=lay.varlen, HAS_H0=h0 is not None, STORE_HT=store_final,
-        COMPUTE_O=compute_o, STORE_STATES=store_states, PREC=_dot_precision(q.dtype),
+        COMPUTE_O=compute_o, STORE_STATES=store_states, PREC=_dot_precision(q.dtype, "states"),
         num_warps=LAUNCH["states_warps"], num_stages=2,
     )
     return (o if compute_o else None), (ht if store_final else None), (hs if store_states else None), (
@@ -209,7 +216,8 @@ def _output(q, k, g, hs, vn, lay, scale, use_l2, v_dtype, batch, dv):
         lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, hv, hv // k.shape[2], k.shape[3], dv, scale,
         C=CHUNK, DK=max(16, triton.next_power_of_2(k.shape[3])), BV=bv,
-        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype), num_warps=LAUNCH["output_warps"], num_stages=1,
+        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype, "output"),
+        num_warps=LAUNCH["output_warps"], num_stages=1,
     )
     return o
 
@@ -227,7 +235,7 @@ def _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, store_dh0):
         q, *_strides(q), k, *_strides(k), g, *_strides(g), do, *_strides(do),
         dhs, dvn, lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, hv, group, dk, dv, scale,
-        C=CHUNK, DK=DK, BV=free_bv, L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype),
+        C=CHUNK, DK=DK, BV=free_bv, L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype, "free"),
         num_warps=LAUNCH["free_warps"], num_stages=1,
     )
     bv = _value_block(dv)
@@ -240,7 +248,7 @@ def _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, store_dh0):
         lay.T, lay.NC, lay.NCH, hv, group, dk, dv,
         C=CHUNK, DK=DK, BV=bv,
         L2=use_l2, VARLEN=lay.varlen, HAS_DHT=dht is not None, STORE_DH0=store_dh0,
-        PREC=_dot_precision(q.dtype), num_warps=LAUNCH["reverse_warps"], num_stages=1,
+        PREC=_dot_precision(q.dtype, "reverse"), num_warps=LAUNCH["reverse_warps"], num_stages=1,
     )
     return dhs, dvn, (dh0 if store_dh0 else None)
 
@@ -253,17 +261,31 @@ def _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use
     dvv = empty(v.shape, v.dtype, dev)
     dg = empty(g.shape, g.dtype, dev)
     dbeta = empty(beta.shape, beta.dtype, dev)
-    flip = empty((lay.NCH * hk * 2 * CHUNK * CHUNK,), torch.float32, dev)
-    _backward_inputs_kernel[(lay.NCH, hk)](
+    DK = max(16, triton.next_power_of_2(dk))
+    # A program's [2, C, C] flip and [2, C, Dk] share of dq, dk fit in its own dV_new [C, Dv] and dS_C [Dk, Dv]
+    # slots once Dv >= 2C (Qwen3.5's 128): no scratch beyond the reverse pass's then.
+    if dv >= 2 * CHUNK:
+        flip, flip_slot, share, share_slot = dvn, CHUNK * dv, dhs, dk * dv
+    else:
+        flip = empty((hv * lay.NCH * 2 * CHUNK * CHUNK,), torch.float32, dev)
+        share = empty((hv * lay.NCH * 2 * CHUNK * dk,), torch.float32, dev)
+        flip_slot, share_slot = 2 * CHUNK * CHUNK, 2 * CHUNK * dk
+    _backward_values_kernel[(lay.NCH, hv)](
         q, *_strides(q), k, *_strides(k), v, *_strides(v), g, *_strides(g), beta, *_strides(beta),
         do, *_strides(do),
-        tm, hs, dhs, vn, dvn, flip,
-        dq, dkk, dvv, dg, dbeta,
+        tm, hs, dhs, vn, dvn, flip, flip_slot, share, share_slot,
+        dvv, dg, dbeta,
         lay.cu, lay.chunk_seq, lay.chunk_first,
-        lay.T, lay.NC, lay.NCH, hk, hv // hk, dk, dv, scale,
-        C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), BV=LAUNCH["inputs_bv"],
-        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype), num_warps=LAUNCH["inputs_warps"],
-        num_stages=1,
+        lay.T, lay.NC, lay.NCH, hv, hv // hk, dk, dv, scale,
+        C=CHUNK, DK=DK, BV=LAUNCH["values_bv"],
+        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype, "values"),
+        num_warps=LAUNCH["values_warps"], num_stages=1,
+    )
+    _backward_keys_kernel[(lay.NCH, hk)](
+        q, *_strides(q), k, *_strides(k), share, share_slot, dq, dkk,
+        lay.cu, lay.chunk_seq, lay.chunk_first,
+        lay.T, lay.NC, lay.NCH, hk, hv // hk, dk, scale,
+        C=CHUNK, DK=DK, L2=use_l2, VARLEN=lay.varlen, num_warps=LAUNCH["keys_warps"],
     )
     return dq, dkk, dvv, dg, dbeta
 

@@ -119,134 +119,165 @@ def _backward_states_kernel(
 
 
 @triton.jit
-def _backward_inputs_kernel(
+def _backward_values_kernel(
     q_ptr, s_qb, s_qt, s_qh, s_qd,
     k_ptr, s_kb, s_kt, s_kh, s_kd,
     v_ptr, s_vb, s_vt, s_vh, s_vd,
     g_ptr, s_gb, s_gt, s_gh,
     beta_ptr, s_bb, s_bt, s_bh,
     do_ptr, s_ob, s_ot, s_oh, s_oe,
-    tm_ptr, hs_ptr, dhs_ptr, vn_ptr, dvn_ptr, flip_ptr,
-    dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
+    tm_ptr, hs_ptr, dhs_ptr, vn_ptr, dvn_ptr,
+    flip_ptr, flip_slot, part_ptr, part_slot,
+    dv_ptr, dg_ptr, dbeta_ptr,
     cu_ptr, chunk_seq_ptr, chunk_first_ptr,
-    T, NC, NCH, Hk, G, Dk, Dv, scale,
+    T, NC, NCH, Hv, G, Dk, Dv, scale,
     C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Chunk-parallel: dq, dk of one key head (summed over its G value heads), and dv, dg, dβ of each of them.
-    The transposes of dM and of dA's term G are read back from the program's own `[2, C, C]` of `flip_ptr`
-    after a barrier, not accumulated as second products."""
+    """Chunk-parallel, one program per (chunk, value head): dv, dg, dβ, and this value head's share of the
+    gradients of scale·q̂ and k̂ (fp32, `[2, C, Dk]` at `part_ptr + program * part_slot`; `_backward_keys_kernel`
+    sums a key head's G shares). The transposes of dM and of dA's term G are read back from the program's own
+    `[2, C, C]` at `flip_ptr + program * flip_slot` after a barrier, not accumulated as second products. Both
+    slots may lie in the program's own dS_C and dV_new slots (the launcher's choice): each is written only after
+    the barrier that follows the program's last read of those."""
     pid_c = tl.program_id(0).to(tl.int64)
-    hk = tl.program_id(1).to(tl.int64)
-    Hv = Hk * G
+    h = tl.program_id(1).to(tl.int64)
+    hk = h // G
+    base = h * NCH + pid_c
     b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
     rows = tl.arange(0, C)
     d = tl.arange(0, DK)
     mask_d = d < Dk
-    q, r_q = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
-    k, r_k = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    q, _ = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+    k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
     q = q * scale
     lower = rows[None, :] < rows[:, None]
     lower_incl = rows[None, :] <= rows[:, None]
+    beta = _load_vec(beta_ptr, b, t, h, s_bb, s_bt, s_bh, mask_t)
+    gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
+    gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
+    decay_q = tl.exp(gam)
+    decay_k = tl.exp(gam_last - gam)
+    tm_T = tl.load(tm_ptr + (base * C + rows[None, :]) * C + rows[:, None])  # Tᵀ
     dq = tl.zeros([C, DK], dtype=tl.float32)  # gradient of scale·q̂
     dk = tl.zeros([C, DK], dtype=tl.float32)  # gradient of k̂
-    flip = flip_ptr + (pid_c * Hk + hk) * 2 * C * C
+    dA = tl.zeros([C, C], dtype=tl.float32)
+    dM = tl.zeros([C, C], dtype=tl.float32)
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    dgam = tl.zeros([C], dtype=tl.float32)  # terms of exp(γ_i) alone: they reach g_t for t <= i
+    dgam_after = tl.zeros([C], dtype=tl.float32)  # terms of exp(γ_C - γ_i): they reach g_t for t > i
+    dgam_last = tl.sum(tl.zeros([C], dtype=tl.float32), 0)  # terms of exp(γ_C) alone: every g_t
+    for v0 in range(0, Dv, BV):
+        e = v0 + tl.arange(0, BV)
+        mask_e = e < Dv
+        mask_te = mask_t[:, None] & mask_e[None, :]
+        rows_ce = (base * C + rows[:, None]) * Dv + e[None, :]
+        cols_ce = (base * C + rows[None, :]) * Dv + e[:, None]
+        vn = tl.load(vn_ptr + rows_ce, mask=mask_e[None, :], other=0.0)
+        vn_T = tl.load(vn_ptr + cols_ce, mask=mask_e[:, None], other=0.0)
+        dvn = tl.load(dvn_ptr + rows_ce, mask=mask_e[None, :], other=0.0)
+        do = tl.load(
+            do_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + e[None, :] * s_oe, mask=mask_te, other=0.0
+        ).to(tl.float32)
+        state = base * Dk * Dv + d[None, :] * Dv + e[:, None]
+        mask_ed = mask_e[:, None] & mask_d[None, :]
+        s0_T = tl.load(hs_ptr + state, mask=mask_ed, other=0.0)  # S0ᵀ [BV, DK]
+        dsc_T = tl.load(dhs_ptr + state, mask=mask_ed, other=0.0)  # dS_Cᵀ
+        v = tl.load(
+            v_ptr + b * s_vb + t[:, None] * s_vt + h * s_vh + e[None, :] * s_vd, mask=mask_te, other=0.0
+        ).to(tl.float32)
+
+        du = _dot(tm_T, dvn, PREC)  # Tᵀ dV_new
+        tl.store(
+            dv_ptr + ((b * T + t[:, None]) * Hv + h) * Dv + e[None, :],
+            (du * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mask_te,
+        )
+        dbeta += tl.sum(v * du, 1)
+        dA -= _dot(du, vn_T, PREC)
+        dM += _dot(do, vn_T, PREC)
+        # inter-chunk read of the state: O += scale (Q⊙Γ) S0
+        x = _dot(do, s0_T, PREC)
+        dq += x * decay_q[:, None]
+        dgam += decay_q * tl.sum(q * x, 1)
+        # state update: S_C += K̃ᵀ V_new
+        x = _dot(vn, dsc_T, PREC)
+        dk += x * decay_k[:, None]
+        dgam_after += tl.sum(k * x, 1) * decay_k
+        dgam_last += tl.exp(gam_last) * tl.sum(tl.sum(s0_T * dsc_T, 1), 0)
+        # W = T(βΓ⊙K): dW̃ = Tᵀ dW = -Tᵀ dV_new S0ᵀ
+        x = -_dot(du, s0_T, PREC)
+        dk += x * (beta * decay_q)[:, None]
+        x = tl.sum(k * x, 1) * decay_q
+        dbeta += x
+        dgam += beta * x
+
+    # intra-chunk attention M = tril(scale Q Kᵀ ⊙ D)
+    decay = tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0))
+    dM = tl.where(lower_incl, dM * decay, 0.0)
+    dq += _dot(dM, k, PREC)
+    kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    pairs = dM * _dot(q, kT, PREC)  # dM ⊙ M: terms of D_ij = exp(γ_i - γ_j)
+    # A = strictly-lower(β_i (k_i·k_j) D_ij)
+    p = tl.where(lower, _dot(k, kT, PREC) * decay, 0.0)
+    dA = tl.where(lower, dA, 0.0)
+    x = dA * p
+    dbeta += tl.sum(x, 1)
+    pairs += x * beta[:, None]
+    dA = dA * decay * beta[:, None]  # G
     square = rows[:, None] * C + rows[None, :]
     square_T = rows[None, :] * C + rows[:, None]
+    flip = flip_ptr + base * flip_slot
+    tl.debug_barrier()  # every thread has read its dS_C and dV_new: the flip and share slots may overwrite them
+    tl.store(flip + square, dM)
+    tl.store(flip + C * C + square, dA)
+    tl.debug_barrier()  # every thread's stores visible to every thread of the program
+    dM_T = tl.load(flip + square_T, cache_modifier=".cg")
+    dA_T = tl.load(flip + C * C + square_T, cache_modifier=".cg")
+    dk += _dot(dM_T, q, PREC)
+    dk += _dot(dA + dA_T, k, PREC)  # (G + Gᵀ) K
+    # dg_t = Σ_{s>=t} dγ_s + dγ_C, summed by what each term depends on (module docstring): a D_ij term reaches
+    # g_t for j < t <= i only, so the pairs are summed over that range directly rather than as row and column
+    # sums that cancel in the reverse cumulative sum.
+    after = tl.cumsum(pairs, 0, reverse=True)  # [t, j]: Σ_{i>=t} pairs_ij
+    dg = tl.sum(tl.where(lower, after, 0.0), 1)
+    dg += tl.cumsum(dgam, 0, reverse=True)
+    dg += tl.sum(tl.where(lower, dgam_after[None, :], 0.0), 1) + dgam_last
+    tl.store(dg_ptr + (b * T + t) * Hv + h, dg.to(dg_ptr.dtype.element_ty), mask=mask_t)
+    tl.store(dbeta_ptr + (b * T + t) * Hv + h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mask_t)
+    share = part_ptr + base * part_slot + rows[:, None] * Dk + d[None, :]
+    tl.store(share, dq, mask=mask_d[None, :])
+    tl.store(share + C * Dk, dk, mask=mask_d[None, :])
+
+
+@triton.jit
+def _backward_keys_kernel(
+    q_ptr, s_qb, s_qt, s_qh, s_qd,
+    k_ptr, s_kb, s_kt, s_kh, s_kd,
+    part_ptr, part_slot, dq_ptr, dk_ptr,
+    cu_ptr, chunk_seq_ptr, chunk_first_ptr,
+    T, NC, NCH, Hk, G, Dk, scale,
+    C: tl.constexpr, DK: tl.constexpr, L2: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Chunk-parallel, one program per (chunk, key head): dq, dk as the sum of the G value heads' shares (in
+    order: the same bits every run), through the scale and the L2 norm."""
+    pid_c = tl.program_id(0).to(tl.int64)
+    hk = tl.program_id(1).to(tl.int64)
+    b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    rows = tl.arange(0, C)
+    d = tl.arange(0, DK)
+    mask_d = d < Dk
+    at = rows[:, None] * Dk + d[None, :]
+    dq = tl.zeros([C, DK], dtype=tl.float32)
+    dk = tl.zeros([C, DK], dtype=tl.float32)
     for j in range(0, G):
-        h = hk * G + j
-        base = h * NCH + pid_c
-        beta = _load_vec(beta_ptr, b, t, h, s_bb, s_bt, s_bh, mask_t)
-        gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
-        gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
-        decay_q = tl.exp(gam)
-        decay_k = tl.exp(gam_last - gam)
-        tm_T = tl.load(tm_ptr + (base * C + rows[None, :]) * C + rows[:, None])  # Tᵀ
-        dA = tl.zeros([C, C], dtype=tl.float32)
-        dM = tl.zeros([C, C], dtype=tl.float32)
-        dbeta = tl.zeros([C], dtype=tl.float32)
-        dgam = tl.zeros([C], dtype=tl.float32)  # terms of exp(γ_i) alone: they reach g_t for t <= i
-        dgam_after = tl.zeros([C], dtype=tl.float32)  # terms of exp(γ_C - γ_i): they reach g_t for t > i
-        dgam_last = tl.sum(tl.zeros([C], dtype=tl.float32), 0)  # terms of exp(γ_C) alone: every g_t
-        for v0 in range(0, Dv, BV):
-            e = v0 + tl.arange(0, BV)
-            mask_e = e < Dv
-            mask_te = mask_t[:, None] & mask_e[None, :]
-            rows_ce = (base * C + rows[:, None]) * Dv + e[None, :]
-            cols_ce = (base * C + rows[None, :]) * Dv + e[:, None]
-            vn = tl.load(vn_ptr + rows_ce, mask=mask_e[None, :], other=0.0)
-            vn_T = tl.load(vn_ptr + cols_ce, mask=mask_e[:, None], other=0.0)
-            dvn = tl.load(dvn_ptr + rows_ce, mask=mask_e[None, :], other=0.0)
-            do = tl.load(
-                do_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + e[None, :] * s_oe, mask=mask_te, other=0.0
-            ).to(tl.float32)
-            state = base * Dk * Dv + d[None, :] * Dv + e[:, None]
-            mask_ed = mask_e[:, None] & mask_d[None, :]
-            s0_T = tl.load(hs_ptr + state, mask=mask_ed, other=0.0)  # S0ᵀ [BV, DK]
-            dsc_T = tl.load(dhs_ptr + state, mask=mask_ed, other=0.0)  # dS_Cᵀ
-            v = tl.load(
-                v_ptr + b * s_vb + t[:, None] * s_vt + h * s_vh + e[None, :] * s_vd, mask=mask_te, other=0.0
-            ).to(tl.float32)
-
-            du = _dot(tm_T, dvn, PREC)  # Tᵀ dV_new
-            tl.store(
-                dv_ptr + ((b * T + t[:, None]) * Hv + h) * Dv + e[None, :],
-                (du * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mask_te,
-            )
-            dbeta += tl.sum(v * du, 1)
-            dA -= _dot(du, vn_T, PREC)
-            dM += _dot(do, vn_T, PREC)
-            # inter-chunk read of the state: O += scale (Q⊙Γ) S0
-            x = _dot(do, s0_T, PREC)
-            dq += x * decay_q[:, None]
-            dgam += decay_q * tl.sum(q * x, 1)
-            # state update: S_C += K̃ᵀ V_new
-            x = _dot(vn, dsc_T, PREC)
-            dk += x * decay_k[:, None]
-            dgam_after += tl.sum(k * x, 1) * decay_k
-            dgam_last += tl.exp(gam_last) * tl.sum(tl.sum(s0_T * dsc_T, 1), 0)
-            # W = T(βΓ⊙K): dW̃ = Tᵀ dW = -Tᵀ dV_new S0ᵀ
-            x = -_dot(du, s0_T, PREC)
-            dk += x * (beta * decay_q)[:, None]
-            x = tl.sum(k * x, 1) * decay_q
-            dbeta += x
-            dgam += beta * x
-
-        # intra-chunk attention M = tril(scale Q Kᵀ ⊙ D)
-        decay = tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0))
-        dM = tl.where(lower_incl, dM * decay, 0.0)
-        tl.debug_barrier()  # the previous value head's transposes are read: the flip buffer is free
-        tl.store(flip + square, dM)
-        dq += _dot(dM, k, PREC)
-        kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
-        pairs = dM * _dot(q, kT, PREC)  # dM ⊙ M: terms of D_ij = exp(γ_i - γ_j)
-        # A = strictly-lower(β_i (k_i·k_j) D_ij)
-        p = tl.where(lower, _dot(k, kT, PREC) * decay, 0.0)
-        dA = tl.where(lower, dA, 0.0)
-        x = dA * p
-        dbeta += tl.sum(x, 1)
-        pairs += x * beta[:, None]
-        dA = dA * decay * beta[:, None]  # G
-        tl.store(flip + C * C + square, dA)
-        tl.debug_barrier()  # every thread's stores visible to every thread of the program
-        dM_T = tl.load(flip + square_T, cache_modifier=".cg")
-        dA_T = tl.load(flip + C * C + square_T, cache_modifier=".cg")
-        dk += _dot(dM_T, q, PREC)
-        dk += _dot(dA + dA_T, k, PREC)  # (G + Gᵀ) K
-        # dg_t = Σ_{s>=t} dγ_s + dγ_C, summed by what each term depends on (module docstring): a D_ij term
-        # reaches g_t for j < t <= i only, so the pairs are summed over that range directly rather than as
-        # row and column sums that cancel in the reverse cumulative sum.
-        after = tl.cumsum(pairs, 0, reverse=True)  # [t, j]: Σ_{i>=t} pairs_ij
-        dg = tl.sum(tl.where(lower, after, 0.0), 1)
-        dg += tl.cumsum(dgam, 0, reverse=True)
-        dg += tl.sum(tl.where(lower, dgam_after[None, :], 0.0), 1) + dgam_last
-        tl.store(dg_ptr + (b * T + t) * Hv + h, dg.to(dg_ptr.dtype.element_ty), mask=mask_t)
-        tl.store(dbeta_ptr + (b * T + t) * Hv + h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mask_t)
-
+        share = part_ptr + ((hk * G + j) * NCH + pid_c) * part_slot
+        dq += tl.load(share + at, mask=mask_d[None, :], other=0.0)
+        dk += tl.load(share + C * Dk + at, mask=mask_d[None, :], other=0.0)
     dq = dq * scale
     if L2:
-        q_hat = q / scale
-        dq = r_q[:, None] * (dq - q_hat * tl.sum(q_hat * dq, 1)[:, None])
+        q, r_q = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+        k, r_k = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+        dq = r_q[:, None] * (dq - q * tl.sum(q * dq, 1)[:, None])
         dk = r_k[:, None] * (dk - k * tl.sum(k * dk, 1)[:, None])
     out = ((b * T + t[:, None]) * Hk + hk) * Dk + d[None, :]
     mask_td = mask_t[:, None] & mask_d[None, :]
