@@ -119,9 +119,12 @@ def test_gated_delta_rule_16bit(dtype, device):
     run_and_compare(inputs, dtype, device, l2=True)
 
 
-@pytest.mark.parametrize("precision", ["tf32_rounded", "tf32x3"])
+BY_KERNEL = dict(prepare="tf32", states="tf32x3", output="tf32", free="tf32x3", reverse="tf32", values="tf32x3")
+
+
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3", BY_KERNEL], ids=["tf32", "tf32x3", "by_kernel"])
 def test_gated_delta_rule_16bit_product_precisions(precision, device, monkeypatch):
-    # The other precisions of 16-bit inputs' products (the interpreter takes the rounded operands as they are).
+    # The other precisions of 16-bit inputs' products, for every kernel or by kernel.
     monkeypatch.setitem(gated_delta_rule.LAUNCH, "precision", precision)
     inputs = make_inputs(1, 70, 1, 3, 16, 16, l2=True, n_states=1)
     run_and_compare(inputs, torch.bfloat16, device, l2=True)

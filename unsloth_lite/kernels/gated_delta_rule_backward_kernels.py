@@ -10,9 +10,11 @@ import triton.language as tl
 from unsloth_lite.kernels.gated_delta_rule_kernels import (
     _chunk_of_program,
     _dot,
+    _dot_operands,
     _load_cols,
     _load_rows,
     _load_vec,
+    _operand,
     _sequence_of_program,
 )
 
@@ -158,7 +160,8 @@ def _backward_values_kernel(
     gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
     decay_q = tl.exp(gam)
     decay_k = tl.exp(gam_last - gam)
-    tm_T = tl.load(tm_ptr + (base * C + rows[None, :]) * C + rows[:, None])  # Tᵀ
+    # Tiles that enter products are made operands once as loaded (dO, a 16-bit input, is exact in tf32).
+    tm_T = _operand(tl.load(tm_ptr + (base * C + rows[None, :]) * C + rows[:, None]), PREC)  # Tᵀ
     dq = tl.zeros([C, DK], dtype=tl.float32)  # gradient of scale·q̂
     dk = tl.zeros([C, DK], dtype=tl.float32)  # gradient of k̂
     dA = tl.zeros([C, C], dtype=tl.float32)
@@ -173,9 +176,9 @@ def _backward_values_kernel(
         mask_te = mask_t[:, None] & mask_e[None, :]
         rows_ce = (base * C + rows[:, None]) * Dv + e[None, :]
         cols_ce = (base * C + rows[None, :]) * Dv + e[:, None]
-        vn = tl.load(vn_ptr + rows_ce, mask=mask_e[None, :], other=0.0)
-        vn_T = tl.load(vn_ptr + cols_ce, mask=mask_e[:, None], other=0.0)
-        dvn = tl.load(dvn_ptr + rows_ce, mask=mask_e[None, :], other=0.0)
+        vn = _operand(tl.load(vn_ptr + rows_ce, mask=mask_e[None, :], other=0.0), PREC)
+        vn_T = _operand(tl.load(vn_ptr + cols_ce, mask=mask_e[:, None], other=0.0), PREC)
+        dvn = _operand(tl.load(dvn_ptr + rows_ce, mask=mask_e[None, :], other=0.0), PREC)
         do = tl.load(
             do_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + e[None, :] * s_oe, mask=mask_te, other=0.0
         ).to(tl.float32)
@@ -183,29 +186,33 @@ def _backward_values_kernel(
         mask_ed = mask_e[:, None] & mask_d[None, :]
         s0_T = tl.load(hs_ptr + state, mask=mask_ed, other=0.0)  # S0ᵀ [BV, DK]
         dsc_T = tl.load(dhs_ptr + state, mask=mask_ed, other=0.0)  # dS_Cᵀ
+        # state update: S_C = exp(γ_C) S0 + ...
+        dgam_last += tl.exp(gam_last) * tl.sum(tl.sum(s0_T * dsc_T, 1), 0)
+        s0_T = _operand(s0_T, PREC)
+        dsc_T = _operand(dsc_T, PREC)
         v = tl.load(
             v_ptr + b * s_vb + t[:, None] * s_vt + h * s_vh + e[None, :] * s_vd, mask=mask_te, other=0.0
         ).to(tl.float32)
 
-        du = _dot(tm_T, dvn, PREC)  # Tᵀ dV_new
+        du = _dot_operands(tm_T, dvn, PREC)  # Tᵀ dV_new
         tl.store(
             dv_ptr + ((b * T + t[:, None]) * Hv + h) * Dv + e[None, :],
             (du * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mask_te,
         )
         dbeta += tl.sum(v * du, 1)
-        dA -= _dot(du, vn_T, PREC)
-        dM += _dot(do, vn_T, PREC)
+        du_operand = _operand(du, PREC)
+        dA -= _dot_operands(du_operand, vn_T, PREC)
+        dM += _dot_operands(do, vn_T, PREC)
         # inter-chunk read of the state: O += scale (Q⊙Γ) S0
-        x = _dot(do, s0_T, PREC)
+        x = _dot_operands(do, s0_T, PREC)
         dq += x * decay_q[:, None]
         dgam += decay_q * tl.sum(q * x, 1)
         # state update: S_C += K̃ᵀ V_new
-        x = _dot(vn, dsc_T, PREC)
+        x = _dot_operands(vn, dsc_T, PREC)
         dk += x * decay_k[:, None]
         dgam_after += tl.sum(k * x, 1) * decay_k
-        dgam_last += tl.exp(gam_last) * tl.sum(tl.sum(s0_T * dsc_T, 1), 0)
         # W = T(βΓ⊙K): dW̃ = Tᵀ dW = -Tᵀ dV_new S0ᵀ
-        x = -_dot(du, s0_T, PREC)
+        x = -_dot_operands(du_operand, s0_T, PREC)
         dk += x * (beta * decay_q)[:, None]
         x = tl.sum(k * x, 1) * decay_q
         dbeta += x

@@ -43,6 +43,25 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _operand(x, PREC: tl.constexpr):
+    """x made a product operand once, for `_dot_operands`: rounded to tf32 under "tf32_rounded" (a tile that
+    enters several products is rounded once, not at each), else as it is."""
+    if PREC == "tf32_rounded":
+        return _round_to_tf32(x)
+    else:
+        return x
+
+
+@triton.jit
+def _dot_operands(a, b, PREC: tl.constexpr):
+    """`_dot` of operands `_operand` made (16-bit inputs' values, exact in tf32, need no making)."""
+    if PREC == "tf32_rounded":
+        return tl.dot(a, b, input_precision="tf32")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
 def _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C: tl.constexpr, VARLEN: tl.constexpr):
     """(batch row, the chunk's C token indices, which of them lie in its sequence) of global chunk `pid_c`."""
     if VARLEN:
