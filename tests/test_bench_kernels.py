@@ -1,5 +1,6 @@
 """The kernel benchmarks' tiny CPU modes run end to end, so the scripts cannot rot."""
 
+import json
 import os
 import subprocess
 import sys
@@ -75,3 +76,31 @@ def test_bench_nf4_matvec_tiny_mode_runs():
     assert "| unsloth_lite |" in out and "| dequantize_matmul |" in out
     assert "| qwen3_8b | unsloth_lite |" in out
     assert "| out | in | chosen | 4x1024/4w |" in out and "| 64x256/4w |" in out
+
+
+def run_compiled(*options: str) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "scripts"), str(ROOT)])
+    return subprocess.run([sys.executable, "scripts/kernel_resources.py", *options], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_kernel_resources_compiles_every_deltanet_kernel_for_hopper(tmp_path):
+    """Every kernel of a DeltaNet forward and backward compiled for sm_90 with no GPU; a LAUNCH override reaches
+    the launch it names and no other."""
+    out = tmp_path / "resources.json"
+    result = run_compiled("--tiny", "--launch", '{"values_warps": 4}', "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = {row["kernel"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"_prepare_kernel", "_forward_states_kernel", "_output_kernel", "_backward_state_free_kernel",
+                         "_backward_states_kernel", "_backward_values_kernel", "_backward_keys_kernel"}
+    assert all(0 < row["registers"] <= 255 and row["stack_bytes"] >= 0 for row in rows.values()), rows
+    assert rows["_prepare_kernel"]["shared_bytes"] > 0  # its products stage operands in shared memory
+    assert rows["_backward_values_kernel"]["warps"] == 4
+    assert rows["_backward_states_kernel"]["warps"] == 8  # as shipped
+
+
+def test_kernel_resources_refuses_unknown_launch_settings():
+    result = run_compiled("--tiny", "--launch", '{"value_warps": 4}')
+    assert result.returncode == 2
+    assert "unknown settings ['value_warps']" in result.stderr and "Traceback" not in result.stderr
