@@ -120,11 +120,19 @@ def source_revision() -> str:
         return "unknown"
 
 
+def machine_id(device: torch.device) -> str:
+    """The GPU's UUID (the card itself, not its model), or the host's name for a CPU run."""
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_properties(device).uuid)
+    return platform.node()
+
+
 def environment(device: torch.device, packages=("torch", "triton", "transformers", "liger-kernel")) -> dict:
     env = {
         "date": datetime.date.today().isoformat(),
         "revision": source_revision(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "machine": machine_id(device),
         "python": platform.python_version(),
     }
     if device.type == "cuda":

@@ -5,6 +5,7 @@ Hugging Face + PEFT + bitsandbytes (with and without flash-linear-attention) and
     python scripts/bench_train_27b.py --check-gradients --out w2_gradients.json  # patched vs HF vs float32
     python scripts/bench_train_27b.py --variants unsloth,unsloth_lite --profile  # + the heaviest kernels a step
     python scripts/bench_train_27b.py --max-seq --variants unsloth_lite_nf4_embeddings --out w2_max_seq.json
+    python scripts/bench_train_27b.py --variants hf --resume --out bench_train_w2.json  # the run, continued
     TRITON_INTERPRET=1 python scripts/bench_train_27b.py --tiny                # CPU smoke run
 
 Model: `qwen3_5_text` as published for Qwen3.5-27B (hidden 5120, 64 layers as 16 x [3 Gated DeltaNet + 1 gated
@@ -35,6 +36,10 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
   present), its decoder linears pre-quantised in the same NF4 format (`bench_generate.write_checkpoint_in_shards`:
   16 GB instead of 54). Its weights differ from the built ones, so its first loss is not compared.
 Hugging Face's variants use its non-reentrant checkpointing with `enable_input_require_grads`.
+
+`--resume` continues the run in `--out` where one command's time limit stopped it: on the same GPU (its UUID),
+code, versions, model and settings (refused with one line otherwise), it keeps the rows and the measured matmul
+rate, runs only the variants without a row, and computes the ratios over all of them.
 
 `--max-seq`: per variant, the longest batch-1 sequence (a multiple of 256) that trains one step within
 `--memory-cap-gib` (24): after loading, the allocator's cache is emptied and
@@ -341,6 +346,32 @@ def summarise(rows: list[dict], seq: int, c: dict, all_linear: bool, offload: bo
     return rows
 
 
+def resumed_run(args, env: dict, c: dict) -> tuple[list[dict], float | None]:
+    """(rows without an error, matmul rate) of the run in `args.out`, if it was measured on this GPU from the same
+    code and versions, model and settings (ValueError naming what differs otherwise)."""
+    if not args.out:
+        raise ValueError("needs --out (the run to continue)")
+    try:
+        with open(args.out) as f:
+            run = json.load(f)
+    except FileNotFoundError:
+        return [], None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{args.out} is not JSON ({exc})") from None
+    before = run.get("environment", {})
+    for key in sorted(set(env) - {"date"}):
+        if before.get(key) != env[key]:
+            raise ValueError(f"{args.out} was measured with {key} {before.get(key)!r}, this run has {env[key]!r}")
+    if run.get("config") != c:
+        raise ValueError(f"{args.out} was measured on another model config")
+    rows = [r for r in run.get("rows", []) if "error" not in r]
+    for r in rows:
+        for key, value in (("seq", args.seq), ("all_linear", args.all_linear)):
+            if r.get(key) != value:
+                raise ValueError(f"{args.out}: its {r['variant']} row has {key} {r.get(key)!r}, this run {value!r}")
+    return rows, run.get("matmul_TFLOPs")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run (2-layer tiny model, interpreter)")
@@ -365,6 +396,9 @@ def parse_args(argv=None):
     parser.add_argument("--worker-timeout", type=float, default=900)
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out on the same GPU and code: keep its rows and matmul rate, run "
+                             "only the variants it lacks (a run longer than one command's time limit)")
     parser.add_argument("--workdir", default="/tmp/unsloth_lite_w1", help="where Unsloth's checkpoint is written")
     parser.add_argument("--unsloth-site", default=None, help="directory holding unsloth (put first on PYTHONPATH)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -393,18 +427,28 @@ def main(argv=None) -> int:
         return 0 if "error" not in row else 1
     variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
     variants = drop_missing_unsloth(variants, bool(args.variants), args.unsloth_site)
-    checkpoint = unsloth_checkpoint(args, device) if "unsloth" in variants else None
     packages = ("torch", "triton", "transformers", "peft", "bitsandbytes", "fla-core")
     env = environment(device, packages)
     c = model_config(args.tiny, args.layers)
-    peak_tflops = None if args.tiny or args.max_seq else matmul_tflops(device)
+    rows, peak_tflops = [], None
+    if args.resume:
+        try:
+            rows, peak_tflops = resumed_run(args, env, c)
+        except ValueError as exc:
+            print(f"bench_train_27b.py: --resume: {exc}", file=sys.stderr)
+            return 2
+        done = {r["variant"] for r in rows}
+        variants = [v for v in variants if v not in done]
+        print(f"resuming {args.out}: {len(done)} variants kept, running {','.join(variants) or 'none'}", flush=True)
+    checkpoint = unsloth_checkpoint(args, device) if "unsloth" in variants else None
+    if peak_tflops is None and not (args.tiny or args.max_seq):
+        peak_tflops = matmul_tflops(device)
     if peak_tflops:
         print(f"bf16 matmul rate (8192^3, measured in this run): {peak_tflops:.1f} TFLOP/s", flush=True)
 
     def summary():
         return summarise(rows, args.seq, c, args.all_linear, device.type == "cuda", peak_tflops)
 
-    rows = []
     for variant in variants:  # the file is rewritten after each worker: a later one's crash loses nothing
         rows.append(run_worker(args, variant, checkpoint if variant == "unsloth" else None))
         write_json(args.out, dict(environment=env, config=c, matmul_TFLOPs=peak_tflops, rows=summary()))

@@ -164,6 +164,38 @@ def test_bench_train_27b_records_a_worker_timeout(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
+def test_bench_train_27b_resumes_a_run_on_the_same_machine_only(tmp_path):
+    """--resume keeps the rows of the run in --out and runs only the variants it lacks; a run measured on another
+    machine is refused with one line."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
+    out = tmp_path / "out.json"
+
+    def run(*options):
+        return subprocess.run(
+            [sys.executable, "scripts/bench_train_27b.py", "--tiny", "--warmup", "1", "--steps", "1", "--out",
+             str(out), *options], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        )
+
+    first = run("--variants", "unsloth_lite")
+    assert first.returncode == 0, first.stdout + first.stderr
+    kept = json.loads(out.read_text())["rows"][0]
+    second = run("--variants", "hf,unsloth_lite", "--resume")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "1 variants kept, running hf" in second.stdout and "[unsloth_lite] starting" not in second.stdout
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"hf", "unsloth_lite"} and rows["unsloth_lite"]["step_s"] == kept["step_s"]
+    assert "error" not in rows["hf"]
+
+    run_file = json.loads(out.read_text())
+    run_file["environment"]["machine"] = "another"
+    out.write_text(json.dumps(run_file))
+    refused = run("--variants", "hf", "--resume")
+    assert refused.returncode == 2
+    assert "--resume:" in refused.stderr and "machine 'another'" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
 def test_bench_train_27b_checks_gradients(tmp_path):
     """--check-gradients on the tiny Qwen3.5: the patched model's first-step loss and LoRA gradients equal
     Hugging Face's on the same 4-bit weights (fp32, every linear's rows whole quantisation blocks), and both equal
