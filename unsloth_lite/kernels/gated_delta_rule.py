@@ -100,7 +100,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Warps of each kernel's launch (and the value-gradient kernel's value block), chosen on an H200 at W2's shapes
 # (`scripts/bench_deltanet.py`); every combination shipped is the one the GPU tests run.
 LAUNCH = dict(prepare_warps=4, states_warps=4, output_warps=4, free_warps=4, reverse_warps=8, values_warps=8,
-              values_bv=32, keys_warps=4, precision="tf32_rounded")
+              values_bv=32, keys_warps=8, precision="tf32_rounded")
 # `precision`, the products' for 16-bit inputs, one for every kernel or a dict by kernel (prepare, states,
 # output, free, reverse, values): "tf32_rounded" (operands rounded to nearest, then tf32 products: every error
 # within 4% of bf16's own rounding on an H200 at W2's shape), "tf32" (the operands truncated as Hopper's tensor

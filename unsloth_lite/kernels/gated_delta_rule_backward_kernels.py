@@ -150,9 +150,6 @@ def _backward_values_kernel(
     rows = tl.arange(0, C)
     d = tl.arange(0, DK)
     mask_d = d < Dk
-    q, _ = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
-    k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
-    q = q * scale
     lower = rows[None, :] < rows[:, None]
     lower_incl = rows[None, :] <= rows[:, None]
     beta = _load_vec(beta_ptr, b, t, h, s_bb, s_bt, s_bh, mask_t)
@@ -162,8 +159,11 @@ def _backward_values_kernel(
     decay_k = tl.exp(gam_last - gam)
     # Tiles that enter products are made operands once as loaded (dO, a 16-bit input, is exact in tf32).
     tm_T = _operand(tl.load(tm_ptr + (base * C + rows[None, :]) * C + rows[:, None]), PREC)  # Tᵀ
-    dq = tl.zeros([C, DK], dtype=tl.float32)  # gradient of scale·q̂
-    dk = tl.zeros([C, DK], dtype=tl.float32)  # gradient of k̂
+    # The three products over Dv, summed whole before their row sums with q and k (which are loaded after the
+    # loop: fewer tiles live through it)
+    do_s0 = tl.zeros([C, DK], dtype=tl.float32)  # dO S0ᵀ
+    vn_dsc = tl.zeros([C, DK], dtype=tl.float32)  # V_new dS_Cᵀ
+    du_s0 = tl.zeros([C, DK], dtype=tl.float32)  # Tᵀ dV_new S0ᵀ
     dA = tl.zeros([C, C], dtype=tl.float32)
     dM = tl.zeros([C, C], dtype=tl.float32)
     dbeta = tl.zeros([C], dtype=tl.float32)
@@ -203,20 +203,24 @@ def _backward_values_kernel(
         du_operand = _operand(du, PREC)
         dA -= _dot_operands(du_operand, vn_T, PREC)
         dM += _dot_operands(do, vn_T, PREC)
-        # inter-chunk read of the state: O += scale (Q⊙Γ) S0
-        x = _dot_operands(do, s0_T, PREC)
-        dq += x * decay_q[:, None]
-        dgam += decay_q * tl.sum(q * x, 1)
-        # state update: S_C += K̃ᵀ V_new
-        x = _dot_operands(vn, dsc_T, PREC)
-        dk += x * decay_k[:, None]
-        dgam_after += tl.sum(k * x, 1) * decay_k
-        # W = T(βΓ⊙K): dW̃ = Tᵀ dW = -Tᵀ dV_new S0ᵀ
-        x = -_dot_operands(du_operand, s0_T, PREC)
-        dk += x * (beta * decay_q)[:, None]
-        x = tl.sum(k * x, 1) * decay_q
-        dbeta += x
-        dgam += beta * x
+        do_s0 += _dot_operands(do, s0_T, PREC)
+        vn_dsc += _dot_operands(vn, dsc_T, PREC)
+        du_s0 += _dot_operands(du_operand, s0_T, PREC)
+
+    q, _ = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+    k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    q = q * scale
+    # inter-chunk read of the state: O += scale (Q⊙Γ) S0
+    dq = do_s0 * decay_q[:, None]  # gradient of scale·q̂
+    dgam += decay_q * tl.sum(q * do_s0, 1)
+    # state update: S_C += K̃ᵀ V_new
+    dk = vn_dsc * decay_k[:, None]  # gradient of k̂
+    dgam_after += tl.sum(k * vn_dsc, 1) * decay_k
+    # W = T(βΓ⊙K): dW̃ = Tᵀ dW = -Tᵀ dV_new S0ᵀ
+    dk -= du_s0 * (beta * decay_q)[:, None]
+    x = -tl.sum(k * du_s0, 1) * decay_q
+    dbeta += x
+    dgam += beta * x
 
     # intra-chunk attention M = tril(scale Q Kᵀ ⊙ D)
     decay = tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0))
