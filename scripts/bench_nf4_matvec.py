@@ -12,8 +12,9 @@ compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), 
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
 `--sweep` also times the unsloth-lite kernel at each tile of `SWEEP_TILES` (features x weights along K / warps
-of a program, `nf4_matvec.blocked_tile`'s choice) per shape, to choose that table from one run, and at the chosen
-tile with the code book read from memory (`nf4_matvec.PTX_LOOKUP` off: the interpreter's decoding).
+of a program, `nf4_matvec.blocked_tile`'s choice) per shape, each loaded when used and a step ahead
+(`nf4_matvec.PREFETCH`), to choose that table from one run, and at the chosen tile with the code book read from
+memory (`nf4_matvec.PTX_LOOKUP` off: the interpreter's decoding).
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, 8-bit absmax, second-level absmax, x) and write (y) once;
@@ -45,6 +46,7 @@ VARIANTS = ("unsloth_lite", "bitsandbytes", "dequantize_matmul")
 SWEEP_TILES = [(4, 1024, 4), (8, 512, 4), (16, 1024, 4), (32, 512, 4), (8, 512, 8), (16, 1024, 8), (32, 512, 8),
                (64, 256, 8)]
 TINY_VARIANTS = ("unsloth_lite", "dequantize_matmul")
+PREFETCHED = "+prefetch"  # the sweep's column suffix of a tile loaded a step ahead
 
 
 def projection_shapes(shape: str, tiny: bool) -> collections.Counter:
@@ -105,12 +107,13 @@ def tile_name(tile: tuple[int, int, int]) -> str:
 
 
 def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
-    """Device time of the blocked kernel at every tile of SWEEP_TILES, per projection shape, one row of x; and
-    at the chosen tile with the code book read from memory instead of looked up in registers (`PTX_LOOKUP`)."""
+    """Device time of the blocked kernel at every tile of SWEEP_TILES, per projection shape, one row of x, with
+    each tile loaded when it is used and a step ahead (`PREFETCH`, columns "+prefetch"); and at the chosen tile
+    with the code book read from memory instead of looked up in registers (`PTX_LOOKUP`)."""
     from unsloth_lite.kernels import nf4_matvec as matvec
 
     dtype = torch.float32 if tiny else torch.bfloat16
-    chosen, ptx_lookup, rows = matvec.blocked_tile, matvec.PTX_LOOKUP, []
+    chosen, ptx_lookup, prefetch, rows = matvec.blocked_tile, matvec.PTX_LOOKUP, matvec.PREFETCH, []
     keys = sorted({key for s in shapes for key in projection_shapes(s, tiny)})
 
     def time_us(x, weight):
@@ -124,15 +127,17 @@ def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
             weight = nf4_weight(n_out, n_in, device, dtype)
             x = torch.randn(1, n_in, device=device, dtype=dtype)
             row = dict(out=n_out, **{"in": n_in}, chosen=tile_name(chosen(n_out)))
-            for tile in SWEEP_TILES:
-                matvec.blocked_tile = lambda _n, tile=tile: tile
-                row[tile_name(tile)] = time_us(x, weight)
-            matvec.blocked_tile, matvec.PTX_LOOKUP = chosen, False
+            for ahead, suffix in ((False, ""), (True, PREFETCHED)):
+                matvec.PREFETCH = ahead
+                for tile in SWEEP_TILES:
+                    matvec.blocked_tile = lambda _n, tile=tile: tile
+                    row[tile_name(tile) + suffix] = time_us(x, weight)
+            matvec.blocked_tile, matvec.PTX_LOOKUP, matvec.PREFETCH = chosen, False, prefetch
             row["chosen, table"] = time_us(x, weight)
             matvec.PTX_LOOKUP = ptx_lookup
             rows.append(row)
     finally:
-        matvec.blocked_tile, matvec.PTX_LOOKUP = chosen, ptx_lookup
+        matvec.blocked_tile, matvec.PTX_LOOKUP, matvec.PREFETCH = chosen, ptx_lookup, prefetch
     return rows
 
 
@@ -172,7 +177,8 @@ def main(argv=None) -> int:
     print(markdown_table(totals, ["model", "variant", "ms_per_token"]))
     sweep = sweep_tiles(shapes, device, args.tiny) if args.sweep else []
     if sweep:
-        print(markdown_table(sweep, ["out", "in", "chosen", *map(tile_name, SWEEP_TILES), "chosen, table"]))
+        tiles = [*map(tile_name, SWEEP_TILES)]
+        print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *(t + PREFETCHED for t in tiles), "chosen, table"]))
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
                               copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, sweep=sweep))
     return 0

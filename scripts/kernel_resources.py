@@ -37,7 +37,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from unsloth_lite.kernels import gated_delta_rule  # noqa: E402
 
 ARGUMENT_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-                  torch.int32: "i32"}
+                  torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8", torch.float64: "fp64"}
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 

@@ -76,6 +76,7 @@ def test_bench_nf4_matvec_tiny_mode_runs():
     assert "| unsloth_lite |" in out and "| dequantize_matmul |" in out
     assert "| qwen3_8b | unsloth_lite |" in out
     assert "| out | in | chosen | 4x1024/4w |" in out and "| 64x256/4w |" in out
+    assert "| 4x1024/4w+prefetch |" in out
 
 
 def run_compiled(*options: str) -> subprocess.CompletedProcess:

@@ -6,6 +6,7 @@ import torch
 from helpers import TOLERANCE, assert_close, dtype_id
 from test_dequantize_nf4 import quantize
 
+from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.nf4_matvec import lora_down_rows, nf4_matvec, nf4_matvec_reference
 
@@ -56,6 +57,14 @@ def test_nf4_matvec_wider_tiles(device):
     """N >= 2048: compiled, the blocked kernel's programs take 8 features (`blocked_tile`); 2050 part-fills the
     last program."""
     check((2050, 128), 2, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_nf4_matvec_prefetched_tiles(rows, device, monkeypatch):
+    """The blocked kernel loading each tile a step ahead (`PREFETCH`): 37 quantisation blocks a row make several
+    tiles along K, compiled or interpreted, the last part-filled (its prefetch past the row loads nothing)."""
+    monkeypatch.setattr(nf4_matvec_module, "PREFETCH", True)
+    check((40, 64 * 37), rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])

@@ -52,6 +52,8 @@ BLOCK_N = 16
 BLOCK_K = 256 if INTERPRET else 128  # the interpreter's cost is per operation: fewer, wider tiles
 # The blocked kernel decodes nibbles with `prmt` (no memory access) when compiled; the interpreter runs no PTX.
 PTX_LOOKUP = not INTERPRET
+# The blocked kernel loads each tile one step ahead (`_nf4_matvec_blocked_kernel`); off until measured on a GPU.
+PREFETCH = False
 
 
 def blocked_tile(n_out: int) -> tuple[int, int, int]:
@@ -222,6 +224,31 @@ def _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP: tl.constexpr):
 
 
 @triton.jit
+def _blocked_tile_loads(
+    b0, x_ptr, x_col_stride, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+    nested_blocksize: tl.constexpr, features, mask_features, blocks_per_row,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
+):
+    """The loads of the tile of quantisation blocks [b0, b0 + BLOCKS_PER_TILE): each block's absmax `[N, B, 1]`
+    and packed bytes `[N, B, HALF]` (past the row: 0), and the pointers and mask of x's element pairs."""
+    HALF: tl.constexpr = BLOCKSIZE // 2  # bytes of one quantisation block
+    blocks = b0 + tl.arange(0, BLOCKS_PER_TILE)
+    mask_blocks = blocks < blocks_per_row
+    mask_nb = mask_features[:, None] & mask_blocks[None, :]
+    absmax = _block_absmax(
+        absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+        features[:, None].to(tl.int64) * blocks_per_row + blocks[None, :], mask_nb, NESTED,
+    )[:, :, None]
+    byte_in_row = blocks[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [BLOCKS_PER_TILE, HALF]
+    row_bytes = features.to(tl.int64) * (blocks_per_row * HALF)
+    packed = tl.load(packed_ptr + row_bytes[:, None, None] + byte_in_row[None, :, :], mask=mask_nb[:, :, None],
+                     other=0)
+    # x's even and odd elements from one contiguous load, split in registers
+    x_pairs_ptr = x_ptr + (2 * byte_in_row[:, :, None] + tl.arange(0, 2)[None, None, :]) * x_col_stride
+    return absmax, packed, x_pairs_ptr, mask_blocks[:, None, None]
+
+
+@triton.jit
 def _nf4_matvec_blocked_kernel(
     x_ptr, x_row_stride, x_col_stride,
     packed_ptr, absmax_ptr, code_pairs_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
@@ -232,38 +259,50 @@ def _nf4_matvec_blocked_kernel(
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
-    PTX_LOOKUP: tl.constexpr,
+    PTX_LOOKUP: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    HALF: tl.constexpr = BLOCKSIZE // 2  # bytes of one quantisation block
+    """PREFETCH: the next tile's absmax and packed bytes (and x, for one row) are loaded before the current
+    tile is decoded, so that their memory latency overlaps that work instead of stalling the program at each
+    tile (the nested absmax alone is two dependent loads)."""
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     mask_features = features < n_out
     blocks_per_row = n_in // BLOCKSIZE
-    row_bytes = features.to(tl.int64) * (n_in // 2)
-    pair = tl.arange(0, HALF)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, HALF], dtype=tl.float32)  # one row: reduced at the end
-    for b0 in range(0, blocks_per_row, BLOCKS_PER_TILE):
-        blocks = b0 + tl.arange(0, BLOCKS_PER_TILE)
-        mask_blocks = blocks < blocks_per_row
-        mask_nb = mask_features[:, None] & mask_blocks[None, :]
-        absmax = _block_absmax(
-            absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
-            features[:, None].to(tl.int64) * blocks_per_row + blocks[None, :], mask_nb, NESTED,
-        )[:, :, None]
-        byte_in_row = blocks[:, None] * HALF + pair[None, :]  # [BLOCKS_PER_TILE, HALF]
-        packed = tl.load(packed_ptr + row_bytes[:, None, None] + byte_in_row[None, :, :], mask=mask_nb[:, :, None],
-                         other=0)
-        code_even, code_odd = _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP)  # masked bytes: finite, x is 0
-        # x's even and odd elements from one contiguous load, split in registers
-        x_pairs_ptr = x_ptr + (2 * byte_in_row[:, :, None] + tl.arange(0, 2)[None, None, :]) * x_col_stride
-        mask_x = mask_blocks[:, None, None]
+    partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, BLOCKSIZE // 2], dtype=tl.float32)  # one row: reduced at the end
+    if PREFETCH:
+        next_absmax, next_packed, next_x_ptr, next_mask_x = _blocked_tile_loads(
+            0, x_ptr, x_col_stride, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+            nested_blocksize, features, mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE,
+        )
         if BLOCK_M == 1:
-            x_even, x_odd = tl.split(tl.load(x_pairs_ptr, mask=mask_x, other=0.0).to(tl.float32))
+            next_x = tl.load(next_x_ptr, mask=next_mask_x, other=0.0)
+    for b0 in range(0, blocks_per_row, BLOCKS_PER_TILE):
+        if PREFETCH:
+            absmax, packed, x_pairs_ptr, mask_x = next_absmax, next_packed, next_x_ptr, next_mask_x
+            if BLOCK_M == 1:
+                x = next_x
+            next_absmax, next_packed, next_x_ptr, next_mask_x = _blocked_tile_loads(
+                b0 + BLOCKS_PER_TILE, x_ptr, x_col_stride, packed_ptr, absmax_ptr, nested_code_ptr,
+                nested_absmax_ptr, offset_ptr, nested_blocksize, features, mask_features, blocks_per_row,
+                BLOCKSIZE, NESTED, BLOCKS_PER_TILE,
+            )
+            if BLOCK_M == 1:
+                next_x = tl.load(next_x_ptr, mask=next_mask_x, other=0.0)
+        else:
+            absmax, packed, x_pairs_ptr, mask_x = _blocked_tile_loads(
+                b0, x_ptr, x_col_stride, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+                nested_blocksize, features, mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE,
+            )
+            if BLOCK_M == 1:
+                x = tl.load(x_pairs_ptr, mask=mask_x, other=0.0)
+        code_even, code_odd = _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP)  # masked bytes: finite, x is 0
+        if BLOCK_M == 1:
+            x_even, x_odd = tl.split(x.to(tl.float32))
             partial += (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
         else:
             for m in tl.static_range(BLOCK_M):
-                mask_row = mask_x & ((blocks * 0 + m) < n_rows)[:, None, None]
+                mask_row = mask_x & ((tl.arange(0, BLOCKS_PER_TILE) * 0 + m) < n_rows)[:, None, None]
                 x_even, x_odd = tl.split(
                     tl.load(x_pairs_ptr + m * x_row_stride, mask=mask_row, other=0.0).to(tl.float32))
                 products = (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
@@ -406,7 +445,7 @@ def nf4_matvec(
     if blocked:
         _nf4_matvec_blocked_kernel[(triton.cdiv(n_out, block_n),)](
             *args, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
-            PTX_LOOKUP=PTX_LOOKUP, num_warps=warps, **meta,
+            PTX_LOOKUP=PTX_LOOKUP, PREFETCH=PREFETCH, num_warps=warps, **meta,
         )
     else:
         _nf4_matvec_kernel[(triton.cdiv(n_out, BLOCK_N),)](
