@@ -56,9 +56,10 @@ Kernels (`gated_delta_rule_kernels.py`, the backward's in `gated_delta_rule_back
 3. `_backward_state_free_kernel`, chunk-parallel: the reverse pass's terms that do not depend on the state,
    Mᵀ dO and scale (Q⊙Γ)ᵀ dO, written where that pass stores dV_new and dS_C; then `_backward_states_kernel`,
    the reverse sequential pass: dS_C of every chunk, dV_new, d(initial state), two products a chunk.
-4. `_backward_values_kernel`, chunk-parallel, one program per (chunk, value head): dv, dg, dβ and the value
-   head's share of dq, dk (fp32); then `_backward_keys_kernel`, one program per (chunk, key head): the sum of
-   its G value heads' shares, in order (deterministic), through the L2 norm.
+4. `_backward_key_products_kernel`, one program per (chunk, key head): scale·Q Kᵀ and K Kᵀ, which all G value
+   heads read; `_backward_values_kernel`, chunk-parallel, one program per (chunk, value head): dv, dg, dβ and
+   the value head's share of dq, dk (fp32); then `_backward_keys_kernel`, one program per (chunk, key head):
+   the sum of its G value heads' shares, in order (deterministic), through the L2 norm.
 
 Saved for the backward: the inputs, and up to WINDOW tokens the forward's W, T, chunk-start states and V_new
 when autograd will want them (fp32, ~9 times the bytes of a bf16 v; a layer checkpointed by
@@ -77,6 +78,7 @@ import torch.nn.functional as F
 import triton
 
 from unsloth_lite.kernels.gated_delta_rule_backward_kernels import (
+    _backward_key_products_kernel,
     _backward_keys_kernel,
     _backward_state_free_kernel,
     _backward_states_kernel,
@@ -271,10 +273,16 @@ def _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use
         flip = empty((hv * lay.NCH * 2 * CHUNK * CHUNK,), torch.float32, dev)
         share = empty((hv * lay.NCH * 2 * CHUNK * dk,), torch.float32, dev)
         flip_slot, share_slot = 2 * CHUNK * CHUNK, 2 * CHUNK * dk
+    key_products = empty((hk * lay.NCH * 2 * CHUNK * CHUNK,), torch.float32, dev)
+    _backward_key_products_kernel[(lay.NCH, hk)](
+        q, *_strides(q), k, *_strides(k), key_products, lay.cu, lay.chunk_seq, lay.chunk_first,
+        lay.T, lay.NC, lay.NCH, dk, scale,
+        C=CHUNK, DK=DK, L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype, "values"), num_warps=4,
+    )
     _backward_values_kernel[(lay.NCH, hv)](
         q, *_strides(q), k, *_strides(k), v, *_strides(v), g, *_strides(g), beta, *_strides(beta),
         do, *_strides(do),
-        tm, hs, dhs, vn, dvn, flip, flip_slot, share, share_slot,
+        tm, hs, dhs, vn, dvn, key_products, flip, flip_slot, share, share_slot,
         dvv, dg, dbeta,
         lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, hv, hv // hk, dk, dv, scale,

@@ -121,6 +121,30 @@ def _backward_states_kernel(
 
 
 @triton.jit
+def _backward_key_products_kernel(
+    q_ptr, s_qb, s_qt, s_qh, s_qd,
+    k_ptr, s_kb, s_kt, s_kh, s_kd,
+    out_ptr,
+    cu_ptr, chunk_seq_ptr, chunk_first_ptr,
+    T, NC, NCH, Dk, scale,
+    C: tl.constexpr, DK: tl.constexpr, L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Chunk-parallel, one program per (chunk, key head): scale·Q Kᵀ and K Kᵀ of the chunk (`[2, C, C]`, fp32),
+    which every value head of the key head reads in `_backward_values_kernel` (its products over Dk cost that
+    kernel most of its shared memory)."""
+    pid_c = tl.program_id(0).to(tl.int64)
+    hk = tl.program_id(1).to(tl.int64)
+    b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    rows = tl.arange(0, C)
+    q, _ = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+    k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    out = out_ptr + (hk * NCH + pid_c) * 2 * C * C + rows[:, None] * C + rows[None, :]
+    tl.store(out, _dot(q * scale, kT, PREC))
+    tl.store(out + C * C, _dot(k, kT, PREC))
+
+
+@triton.jit
 def _backward_values_kernel(
     q_ptr, s_qb, s_qt, s_qh, s_qd,
     k_ptr, s_kb, s_kt, s_kh, s_kd,
@@ -128,7 +152,7 @@ def _backward_values_kernel(
     g_ptr, s_gb, s_gt, s_gh,
     beta_ptr, s_bb, s_bt, s_bh,
     do_ptr, s_ob, s_ot, s_oh, s_oe,
-    tm_ptr, hs_ptr, dhs_ptr, vn_ptr, dvn_ptr,
+    tm_ptr, hs_ptr, dhs_ptr, vn_ptr, dvn_ptr, key_products_ptr,
     flip_ptr, flip_slot, part_ptr, part_slot,
     dv_ptr, dg_ptr, dbeta_ptr,
     cu_ptr, chunk_seq_ptr, chunk_first_ptr,
@@ -226,16 +250,16 @@ def _backward_values_kernel(
     decay = tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0))
     dM = tl.where(lower_incl, dM * decay, 0.0)
     dq += _dot(dM, k, PREC)
-    kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
-    pairs = dM * _dot(q, kT, PREC)  # dM ⊙ M: terms of D_ij = exp(γ_i - γ_j)
+    square = rows[:, None] * C + rows[None, :]
+    key_products = key_products_ptr + (hk * NCH + pid_c) * 2 * C * C
+    pairs = dM * tl.load(key_products + square)  # dM ⊙ M: terms of D_ij = exp(γ_i - γ_j)
     # A = strictly-lower(β_i (k_i·k_j) D_ij)
-    p = tl.where(lower, _dot(k, kT, PREC) * decay, 0.0)
+    p = tl.where(lower, tl.load(key_products + C * C + square) * decay, 0.0)
     dA = tl.where(lower, dA, 0.0)
     x = dA * p
     dbeta += tl.sum(x, 1)
     pairs += x * beta[:, None]
     dA = dA * decay * beta[:, None]  # G
-    square = rows[:, None] * C + rows[None, :]
     square_T = rows[None, :] * C + rows[:, None]
     flip = flip_ptr + base * flip_slot
     tl.debug_barrier()  # every thread has read its dS_C and dV_new: the flip and share slots may overwrite them
