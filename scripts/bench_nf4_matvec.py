@@ -8,6 +8,8 @@ decoder projection shape of the W3 models, with the time each model spends in th
 Shapes: the NF4 decoder linears of `bench_generate.py`'s `qwen3_8b` and `qwen3_5_27b` (random weights, bf16
 compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), one row of x. Variants:
 - `unsloth_lite`: `unsloth_lite.kernels.nf4_matvec` (the weight read once, dequantised in registers);
+- `unsloth_lite_flat_absmax`: the same kernel on the same weights quantised without double quantisation (a
+  float32 absmax per block: more bytes, but no dependent second-level lookup before each block's scale);
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
@@ -41,11 +43,12 @@ from bench_common import (
 )
 from bench_generate import SHAPES, nf4_bytes, shape_config, weightless_model
 
-VARIANTS = ("unsloth_lite", "bitsandbytes", "dequantize_matmul")
+VARIANTS = ("unsloth_lite", "unsloth_lite_flat_absmax", "bitsandbytes", "dequantize_matmul")
+FLAT_ABSMAX = "unsloth_lite_flat_absmax"  # the same weights quantised without double quantisation
 # (features, weights along K, warps) a program
 SWEEP_TILES = [(4, 1024, 4), (8, 512, 4), (16, 1024, 4), (32, 512, 4), (8, 512, 8), (16, 1024, 8), (32, 512, 8),
                (64, 256, 8)]
-TINY_VARIANTS = ("unsloth_lite", "dequantize_matmul")
+TINY_VARIANTS = ("unsloth_lite", FLAT_ABSMAX, "dequantize_matmul")
 PREFETCHED = "+prefetch"  # the sweep's column suffix of a tile loaded a step ahead
 
 
@@ -58,13 +61,18 @@ def projection_shapes(shape: str, tiny: bool) -> collections.Counter:
     )
 
 
-def nf4_weight(n_out: int, n_in: int, device, dtype):
+def nf4_weight(n_out: int, n_in: int, device, dtype, nested: bool = True):
     import bitsandbytes as bnb
 
-    weight = torch.randn(n_out, n_in, dtype=dtype) * 0.02
-    param = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=True, blocksize=64,
-                              quant_storage=torch.uint8)
+    weight = torch.randn(n_out, n_in, dtype=dtype, generator=torch.Generator().manual_seed(n_out * n_in)) * 0.02
+    param = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=nested,
+                              blocksize=64, quant_storage=torch.uint8)
     return param.to(device)
+
+
+def flat_absmax_bytes(n: int) -> float:
+    """Packed weights and a float32 absmax per 64-weight block (no second level)."""
+    return n / 2 + n / 64 * 4
 
 
 def variant_fn(variant: str, x, weight):
@@ -73,7 +81,7 @@ def variant_fn(variant: str, x, weight):
     from unsloth_lite.kernels import dequantize_nf4
     from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 
-    if variant == "unsloth_lite":
+    if variant in ("unsloth_lite", FLAT_ABSMAX):
         return lambda: nf4_matvec(x, weight)
     if variant == "bitsandbytes":
         import bitsandbytes as bnb
@@ -87,11 +95,13 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
     rows, counts = [], {s: projection_shapes(s, tiny) for s in shapes}
     for n_out, n_in in sorted({key for c in counts.values() for key in c}):
         weight = nf4_weight(n_out, n_in, device, dtype)
+        flat = nf4_weight(n_out, n_in, device, dtype, nested=False) if FLAT_ABSMAX in variants else None
         x = torch.randn(1, n_in, device=device, dtype=dtype)
-        moved = nf4_bytes(n_out * n_in) + x.element_size() * (n_in + n_out)
         for variant in variants:
+            absmax_bytes = flat_absmax_bytes if variant == FLAT_ABSMAX else nf4_bytes
+            moved = absmax_bytes(n_out * n_in) + x.element_size() * (n_in + n_out)
             with torch.no_grad():
-                fn = variant_fn(variant, x, weight)
+                fn = variant_fn(variant, x, flat if variant == FLAT_ABSMAX else weight)
                 ms = graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
             row = dict(out=n_out, **{"in": n_in}, variant=variant)
             if ms is not None:

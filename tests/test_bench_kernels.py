@@ -73,7 +73,7 @@ def test_deltanet_precision_tiny_mode_runs():
 
 def test_bench_nf4_matvec_tiny_mode_runs():
     out = run_tiny("bench_nf4_matvec.py", "--sweep", "--shapes", "qwen3_8b")
-    assert "| unsloth_lite |" in out and "| dequantize_matmul |" in out
+    assert "| unsloth_lite |" in out and "| dequantize_matmul |" in out and "| unsloth_lite_flat_absmax |" in out
     assert "| qwen3_8b | unsloth_lite |" in out
     assert "| out | in | chosen | 4x1024/4w |" in out and "| 64x256/4w |" in out
     assert "| 4x1024/4w+prefetch |" in out
