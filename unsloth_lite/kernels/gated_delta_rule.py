@@ -41,8 +41,8 @@ sums each kind of term over the tokens it reaches instead (no cancellation of la
     dg_t = Σ_{i>=t} Σ_{j<t} P_ij + Σ_{s>=t} (Γ terms)_s + Σ_{s<t} (K̃ terms)_s + (exp(γ_C) terms),
            P = dM⊙M + β_i dA⊙A  (a reverse cumulative sum of P down its columns, then row t summed over j < t)
 
-and through the L2 norm x̂ = x r, r = (Σx² + 1e-6)^-½:  dx = r (dx̂ − x̂ (x̂·dx̂)). dq and dk of a key head are summed
-over its G value heads inside one program.
+and through the L2 norm x̂ = x r, r = (Σx² + 1e-6)^-½:  dx = r (dx̂ − x̂ (x̂·dx̂)). dq and dk of a key head are the
+sums of its G value heads' shares, taken before the L2 norm's backward.
 
 Kernels (`gated_delta_rule_kernels.py`, the backward's in `gated_delta_rule_backward_kernels.py`):
 

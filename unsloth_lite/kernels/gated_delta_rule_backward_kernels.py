@@ -13,6 +13,7 @@ from unsloth_lite.kernels.gated_delta_rule_kernels import (
     _dot_operands,
     _load_cols,
     _load_rows,
+    _load_state_block,
     _load_vec,
     _operand,
     _sequence_of_program,
@@ -90,12 +91,7 @@ def _backward_states_kernel(
     e = pid_v * BV + tl.arange(0, BV)
     mask_e = e < Dv
     mask_de = mask_d[:, None] & mask_e[None, :]
-    if HAS_DHT:
-        dS = tl.load(
-            dht_ptr + n * s_dtn + h * s_dth + d[:, None] * s_dtd + e[None, :] * s_dte, mask=mask_de, other=0.0
-        ).to(tl.float32)
-    else:
-        dS = tl.zeros([DK, BV], dtype=tl.float32)
+    dS = _load_state_block(dht_ptr, n, h, s_dtn, s_dth, s_dtd, s_dte, d, e, mask_de, HAS_DHT, DK, BV)
     for j in range(0, count):
         i = count - 1 - j
         c = first + i

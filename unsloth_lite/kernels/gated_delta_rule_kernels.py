@@ -36,10 +36,7 @@ def _dot(a, b, PREC: tl.constexpr):
     """`tl.dot(a, b)` at PREC. "tf32_rounded": tf32 products of operands rounded to nearest first (the H200's
     errors are those of operands truncated to tf32, which about doubles a bf16 run's error over bf16's own
     rounding: `scripts/deltanet_precision.py`)."""
-    if PREC == "tf32_rounded":
-        return tl.dot(_round_to_tf32(a), _round_to_tf32(b), input_precision="tf32")
-    else:
-        return tl.dot(a, b, input_precision=PREC)
+    return _dot_operands(_operand(a, PREC), _operand(b, PREC), PREC)
 
 
 @triton.jit
@@ -123,6 +120,17 @@ def _load_cols(ptr, b, t, h, s_b, s_t, s_h, s_d, mask_t, Dk, DK: tl.constexpr, L
     if L2:
         x = x * (1.0 / tl.sqrt(tl.sum(x * x, 0) + 1e-6))[None, :]
     return x
+
+
+@triton.jit
+def _load_state_block(ptr, n, h, s_n, s_h, s_d, s_e, d, e, mask, PRESENT: tl.constexpr, DK: tl.constexpr,
+                      BV: tl.constexpr):
+    """Columns e of the `[Dk, Dv]` state of sequence n, value head h, fp32 (zeros where there is no such state)."""
+    if PRESENT:
+        return tl.load(ptr + n * s_n + h * s_h + d[:, None] * s_d + e[None, :] * s_e, mask=mask, other=0.0).to(
+            tl.float32)
+    else:
+        return tl.zeros([DK, BV], dtype=tl.float32)
 
 
 @triton.jit
@@ -275,12 +283,7 @@ def _forward_states_kernel(
     e = pid_v * BV + tl.arange(0, BV)
     mask_e = e < Dv
     mask_de = mask_d[:, None] & mask_e[None, :]
-    if HAS_H0:
-        S = tl.load(
-            h0_ptr + n * s_h0n + h * s_h0h + d[:, None] * s_h0d + e[None, :] * s_h0e, mask=mask_de, other=0.0
-        ).to(tl.float32)
-    else:
-        S = tl.zeros([DK, BV], dtype=tl.float32)
+    S = _load_state_block(h0_ptr, n, h, s_h0n, s_h0h, s_h0d, s_h0e, d, e, mask_de, HAS_H0, DK, BV)
     lower_incl = rows[None, :] <= rows[:, None]
     for i in range(0, count):
         c = first + i
