@@ -106,8 +106,8 @@ LAUNCH = dict(prepare_warps=4, states_warps=4, output_warps=4, free_warps=4, rev
 # `precision`, the products' for 16-bit inputs, one for every kernel or a dict by kernel (prepare, states,
 # output, free, reverse, values): "tf32_rounded" (operands rounded to nearest, then tf32 products: every error
 # within 4% of bf16's own rounding on an H200 at W2's shape), "tf32" (the operands truncated as Hopper's tensor
-# cores read fp32: about 1.4x that error, 8% faster) or "tf32x3" (Triton's three-product split, about fp32's;
-# too much shared memory for the value-gradient kernel at head dim 128).
+# cores read fp32: about 1.4x that error, 5% faster) or "tf32x3" (Triton's three-product split: the PyTorch
+# path's fp32 errors at 2.4x the time).
 
 
 # ----------------------------------------------------------------------------------------------------------
