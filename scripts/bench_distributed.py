@@ -8,7 +8,7 @@ Each variant runs once per process count (`--gpus`, default 1,2) as its own
 `torchrun --standalone --nproc-per-node N scripts/bench_distributed.py --worker VARIANT` (one process per
 GPU); every process builds or loads its model the way the one-GPU benchmarks do (their functions, imported),
 and on more than one process distributes it:
-- `dp_w1`: unsloth-lite on W1 (`bench_train.py`'s checkpoint and loader: fused path, offloaded checkpointing,
+- `dp_w1`: unsloth-lite on W1 (`bench_train_setup.py`'s checkpoint and loader: fused path, offloaded checkpointing,
   CUDA graphs), each process its own batch of 4 random rows, the model wrapped in PyTorch DDP
   (`find_unused_parameters=False`: the reentrant checkpointing builds no graph in the forward,
   `unsloth_lite.training.distributed`).
@@ -67,6 +67,7 @@ from pathlib import Path
 import bench_packing
 import bench_train
 import bench_train_27b
+import bench_train_setup
 import torch
 import torch.distributed as dist
 from bench_common import bench_device, environment, markdown_table, report_unknown, run_worker_process, write_json
@@ -114,7 +115,7 @@ def shard_like_accelerate(model):
 def load_variant(variant: str, args, device: torch.device, dtype: torch.dtype):
     """(model, model config) of a variant, built or loaded as the one-GPU benchmarks do."""
     if variant in W1_LOADER:
-        model, _ = bench_train.LOADERS[W1_LOADER[variant]](args.checkpoint, device, dtype, args.seq)
+        model, _ = bench_train_setup.LOADERS[W1_LOADER[variant]](args.checkpoint, device, dtype, args.seq)
         return model, json.loads((Path(args.checkpoint) / "config.json").read_text())
     c = bench_train_27b.model_config(args.tiny, args.layers)
     peer = "hf" if args.tiny else "hf_fla"
@@ -147,7 +148,7 @@ def w4_micro_batch_shape(tiny: bool) -> tuple[int, int]:
 def measure_random_rows(args, model, optimizer, device: torch.device, batch: int, vocab: int, rank: int) -> dict:
     """W1's and W2's steps on random rows, every token real (module docstring)."""
     result = bench_train.measure(args, model, optimizer, device, batch, args.seq, vocab, args.warmup, args.steps,
-                                 profile=False, seed=bench_train.SEED + RANK_SEED_STRIDE * rank)
+                                 profile=False, seed=bench_train_setup.SEED + RANK_SEED_STRIDE * rank)
     return dict(tokens_per_s=batch * args.seq / result["step_s"], step_s=result["step_s"],
                 peak_gib=result.get("peak_gib"), peak_reserved_gib=result.get("peak_reserved_gib", 0.0),
                 first_loss=result["first_loss"], warmup_s=result["warmup_s"])
@@ -178,7 +179,7 @@ def run_variant(variant: str, args, device: torch.device, dtype: torch.dtype) ->
     model = distribute(model, variant, device)
     model.train()
     # after sharding: FSDP2 replaces the parameters by their shards
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=bench_train.LR)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=bench_train_setup.LR)
     load_s = time.perf_counter() - start
     # what each process holds before training: its shard of the model under FSDP, the whole model otherwise
     load_gib = round(torch.cuda.memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
@@ -357,9 +358,9 @@ def main(argv=None) -> int:
         return 2
     checkpoint = None
     if any(v in W1_LOADER for v in variants):
-        c, dtype = (bench_train.TINY, torch.float32) if args.tiny else (bench_train.W1, torch.bfloat16)
-        checkpoint = bench_train.ensure_checkpoint(c, args.workdir, dtype, device,
-                                                   "tiny_qwen3" if args.tiny else "qwen3_8b_shape")
+        c, dtype = (bench_train_setup.TINY, torch.float32) if args.tiny else (bench_train_setup.W1, torch.bfloat16)
+        checkpoint = bench_train_setup.ensure_checkpoint(c, args.workdir, dtype, device,
+                                                         "tiny_qwen3" if args.tiny else "qwen3_8b_shape")
         if device.type == "cuda":
             torch.cuda.empty_cache()
     env = environment(device, ("torch", "triton", "transformers", "peft", "bitsandbytes", "accelerate", "fla-core"))

@@ -7,12 +7,12 @@ shapes, in one run.
     python scripts/bench_generate.py --shapes qwen3_5_27b --variants hf,unsloth_lite            # a subset
     TRITON_INTERPRET=1 python scripts/bench_generate.py --tiny                                  # CPU smoke run
 
-Shapes: `qwen3_8b` (W1's config, `bench_train.W1`) and `qwen3_5_27b` (W2's, `bench_train_27b.W2`), random
+Shapes: `qwen3_8b` (W1's config, `bench_train_setup.W1`) and `qwen3_5_27b` (W2's, `bench_train_27b.W2`), random
 weights. Every variant but Unsloth builds the model from its config on the GPU in bf16 (Hugging Face's
 initialisation, seed 0: the same weights in every worker) and quantises each decoder linear to bitsandbytes NF4
 in place (double quantisation, block 64, bf16 compute; `unsloth_lite.models.quantize_linears_nf4`); embeddings
 and lm_head stay bf16. Unsloth loads from disk: the parent writes a random-weight checkpoint under `--workdir`,
-reused when present: the 8B's is `bench_train.py`'s bf16 one (`ensure_checkpoint`, 16 GB); the 27B's is written
+reused when present: the 8B's is `bench_train_setup.py`'s bf16 one (`ensure_checkpoint`, 16 GB); the 27B's is written
 shard by shard, each tensor drawn on the GPU (N(0, 0.02) matrices, unit norms), its decoder linears stored
 pre-quantised in the same NF4 format (16 GB where bf16 would take 54: both checkpoints fit the disk of the
 GPU machine at once). Its weights differ from the built ones, so its tokens are not compared.
@@ -68,9 +68,10 @@ from bench_common import (
     worker_timed_out,
     write_json,
 )
-from bench_train import TINY as TINY_QWEN3
-from bench_train import W1, _error, _tokenizer, ensure_checkpoint, worker_env
+from bench_train import _error, worker_env
 from bench_train_27b import ATTENTION_MLP, model_config, with_special_tokens
+from bench_train_setup import TINY as TINY_QWEN3
+from bench_train_setup import W1, _tokenizer, ensure_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_GENERATE_RESULT "
@@ -432,7 +433,7 @@ def unsloth_checkpoints(args, device: torch.device) -> dict:
     paths = {}
     for shape in args.shapes.split(","):
         c = shape_config(shape, args.tiny)
-        if shape == "qwen3_8b":  # bench_train.py's, shared
+        if shape == "qwen3_8b":  # bench_train_setup.py's, shared
             paths[shape] = str(ensure_checkpoint(c, args.workdir, dtype, device,
                                                  "tiny_qwen3" if args.tiny else "qwen3_8b_shape"))
         else:

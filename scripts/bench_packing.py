@@ -14,8 +14,8 @@ the vocabulary less its last three ids (the special tokens, so no record token e
 the rest the response, labels = ids. The Hugging Face variants take the records in this order; the packing
 variants order their packed rows as their packing does (shuffled).
 
-Model and QLoRA setup: `--model qwen3_8b` is W1's (`bench_train.py`: the random-weight checkpoint it writes
-under `--workdir`, each variant through `bench_train.LOADERS`: NF4 decoder linears, LoRA r=16 on
+Model and QLoRA setup: `--model qwen3_8b` is W1's (`bench_train_setup.py`: the random-weight checkpoint it writes
+under `--workdir`, each variant through `bench_train_setup.LOADERS`: NF4 decoder linears, LoRA r=16 on
 q,k,v,o,gate,up,down, gradient checkpointing, AdamW lr 1e-4 over the adapters). `--model qwen3_5_27b` is
 W2's (`bench_train_27b.load`: built on the GPU and quantised in place; Hugging Face with flash-linear-attention
 where it is installed, its Hopper guard bypassed); there is no checkpoint, so no `unsloth` variant.
@@ -30,7 +30,7 @@ Variants, each in its own worker process, and their micro-batches:
   position ids (a block-diagonal causal mask); on Qwen3.5 the collator also returns `cu_seq_lens_*` for the
   DeltaNet layers, which transformers keeps apart only with flash-linear-attention (without it, this
   variant reports transformers' refusal as its error).
-- `unsloth`: `FastLanguageModel` as in `bench_train.py`, imported from `--unsloth-site`; micro-batches from
+- `unsloth`: `FastLanguageModel` as in `bench_train_setup.py`, imported from `--unsloth-site`; micro-batches from
   the dataloader of Unsloth's TRL `SFTTrainer` with `SFTConfig(packing=True, max_length=--packing-tokens,
   per_device_train_batch_size=--rows, completion_only_loss=True)` on the tokenised records (a
   `completion_mask` marks the response): its packing, collator and sampler, as Unsloth configures them. Only
@@ -60,7 +60,7 @@ after loading. `x_fastest_peer`: real tokens/s over the fastest peer's (hf_padde
 `x_lite_w1`: over unsloth_lite_w1's tokens/s; `peak_x_lowest_peer`: peak over the lowest peer peak.
 `first_losses`: the first steps' losses (micro-batches differ between variants: not comparable).
 
-`--tiny`: a CPU smoke run through the same parent/worker path: bench_train.py's tiny qwen3 with one decoder
+`--tiny`: a CPU smoke run through the same parent/worker path: bench_train_setup.py's tiny qwen3 with one decoder
 layer (fp32, NF4 through bitsandbytes' CPU backend, kernels in Triton's interpreter), 8 records of
 `clip(round(exp(N(ln 6, 0.8))), 3, 16)` tokens (70 in all), padded batches of 4, 3 packed rows of 16 tokens
 (flattened: 48), W1 batch 2 x 16, `--epoch` with no warm-up (two steps a variant), workers run `--jobs` at a
@@ -80,6 +80,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import bench_train
+import bench_train_setup
 import numpy as np
 import torch
 from bench_common import (
@@ -101,7 +102,7 @@ BENCH_TRAIN_LOADER = {"hf_padded": "hf", "hf_flatten": "hf", "unsloth": "unsloth
                       "unsloth_lite_w1": "unsloth_lite"}
 W4_RECORDS = dict(count=4096, median=220, sigma=0.8, shortest=32, longest=2048)
 TINY_RECORDS = dict(count=8, median=6, sigma=0.8, shortest=3, longest=16)
-SPECIAL_IDS = 3  # the last ids of the vocabulary: bench_train.py's stand-in tokenizer's special tokens
+SPECIAL_IDS = 3  # the last ids of the vocabulary: bench_train_setup.py's stand-in tokenizer's special tokens
 FIRST_LOSSES = 8
 
 
@@ -187,7 +188,7 @@ def unsloth_batches(model, checkpoint: str, records: list[dict], args) -> list[d
     config = SFTConfig(
         output_dir="/tmp/bench_packing_unsloth", per_device_train_batch_size=args.rows,
         max_length=args.packing_tokens, packing=True, completion_only_loss=True, report_to="none",
-        bf16=not args.tiny, seed=bench_train.SEED, dataloader_num_workers=0,
+        bf16=not args.tiny, seed=bench_train_setup.SEED, dataloader_num_workers=0,
     )
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset,
                          processing_class=AutoTokenizer.from_pretrained(checkpoint))
@@ -222,7 +223,7 @@ def model_config(args) -> dict:
         import bench_train_27b
 
         return bench_train_27b.model_config(args.tiny, args.layers)
-    c = bench_train.TINY if args.tiny else bench_train.W1
+    c = bench_train_setup.TINY if args.tiny else bench_train_setup.W1
     return dict(c, num_hidden_layers=args.layers) if args.layers else c
 
 
@@ -253,7 +254,7 @@ def load_variant(args, device: torch.device, dtype: torch.dtype) -> tuple:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         info["load_gib"] = torch.cuda.memory_allocated(device) / 2**30
-    return model, torch.optim.AdamW(params, lr=bench_train.LR), info
+    return model, torch.optim.AdamW(params, lr=bench_train_setup.LR), info
 
 
 def split_steps(batches: list, warmup: int, steps: int, epoch: bool) -> tuple[list, list]:
@@ -471,7 +472,7 @@ def main(argv=None) -> int:
     checkpoint = None
     if args.model == "qwen3_8b":
         name = "tiny_qwen3" if args.tiny else "qwen3_8b_shape"
-        checkpoint = bench_train.ensure_checkpoint(c, args.workdir, dtype, device, name)
+        checkpoint = bench_train_setup.ensure_checkpoint(c, args.workdir, dtype, device, name)
     records = records_summary(record_lengths(**(TINY_RECORDS if args.tiny else W4_RECORDS)))
     print(f"records: {records}")
     jobs = args.jobs if args.tiny else 1

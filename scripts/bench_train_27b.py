@@ -69,17 +69,8 @@ from bench_common import (
     worker_failure,
     write_json,
 )
-from bench_train import (
-    SEQ_MULTIPLE,
-    _checkpointed_layers,
-    _error,
-    load_unsloth,
-    measure,
-    one_step_probe,
-    search_max_seq,
-    step_flops,
-    worker_env,
-)
+from bench_train import _error, measure, one_step_probe, search_max_seq, worker_env
+from bench_train_setup import SEQ_MULTIPLE, _checkpointed_layers, load_unsloth, step_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_27B_RESULT "
@@ -146,7 +137,7 @@ def recompute_skipped(variant: str, all_linear: bool, offload: bool) -> tuple[st
 
 
 def flops_per_token(c: dict, seq: int, skipped: tuple[str, ...] = (), params: dict[str, int] | None = None) -> dict:
-    """`bench_train.step_flops` of the 27B: every decoder linear, less the recomputation's `skipped`
+    """`bench_train_setup.step_flops` of the 27B: every decoder linear, less the recomputation's `skipped`
     projections, and attention in the full-attention layers only. The DeltaNet's chunked recurrence is left out
     (under 1% of the total at W2's shape). `params`: `linear_params(c)`, where the caller has it already."""
     params = params or linear_params(c)

@@ -1,4 +1,4 @@
-"""Alpaca-format records of random words of `bench_train.py`'s stand-in tokenizer (t0 .. t{V-4}, one token
+"""Alpaca-format records of random words of `bench_train_setup.py`'s stand-in tokenizer (t0 .. t{V-4}, one token
 each), for throughput runs of the recipes on its random-weight checkpoints:
 
     python scripts/random_alpaca.py /tmp/alpaca.jsonl --vocab 151936 --records 256 --words 2400

@@ -22,6 +22,12 @@ def bench_train():
     return importlib.import_module("bench_train")
 
 
+def bench_train_setup():
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module("bench_train_setup")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
 def test_bench_train_tiny_mode_runs(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
@@ -48,10 +54,10 @@ def test_bench_train_tiny_mode_runs(tmp_path):
 
 
 def test_flop_accounting_matches_benchmarks():
-    bt = bench_train()
-    assert bt.total_params(bt.W1) == pytest.approx(8.19e9, rel=1e-3)
-    assert bt.decoder_linear_params(bt.W1) == pytest.approx(6.95e9, rel=1e-3)
-    flops = bt.flops_per_token(bt.W1, 2048)
+    setup = bench_train_setup()
+    assert setup.total_params(setup.W1) == pytest.approx(8.19e9, rel=1e-3)
+    assert setup.decoder_linear_params(setup.W1) == pytest.approx(6.95e9, rel=1e-3)
+    flops = setup.flops_per_token(setup.W1, 2048)
     assert flops["lm_head"] == 4 * 4096 * 151936
     assert flops["attention"] == pytest.approx(2.7e9, rel=0.01)
     assert flops["total"] == pytest.approx(46.9e9, rel=1e-3)
@@ -397,7 +403,7 @@ def test_bench_distributed_tiny_mode_runs(tmp_path):
     fsdp, peer = rows[("fsdp_w2", 2)], rows[("fsdp_w2_hf", 2)]
     assert fsdp["tokens_vs_hf"] == pytest.approx(fsdp["tokens_per_s"] / peer["tokens_per_s"], rel=1e-2, abs=5e-4)
 
-    c = bench_train().TINY
+    c = bench_train_setup().TINY
     packed = bp.packed_batches(bp.make_records(bp.TINY_RECORDS, c["vocab_size"]), bd.TINY_W4_ROW_TOKENS,
                                bd.TINY_W4_ROWS, c["pad_token_id"])
     for processes in (1, 2):
