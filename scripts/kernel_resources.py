@@ -10,7 +10,10 @@ is compiled by Triton's own toolchain (ptxas included in its wheel) for the targ
 shared memory passes the card's limit (227 KB a block on Hopper) would fail there with "out of resource".
 Before a kernel change reaches a GPU, this shows whether it spills or runs out of shared memory at the
 shipped launch settings; the figures are those of the installed Triton (the GPU image runs triton 3.6: put a
-3.6 install first on PYTHONPATH to read its figures).
+3.6 install first on PYTHONPATH to read its figures). A launch is specialised as Triton's JIT specialises it
+(integer arguments equal to 1, such as the batch size, become constants): so compiled with triton 3.6 at 6a99c7f,
+every DeltaNet kernel's registers and shared memory equal those the H200 reported in the same launch settings
+(`docs/results/deltanet_launch_sweep_2026-12-02b.json`, rounded products).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class Captured:
 
 def compile_launch(kernel: JITFunction, args, kwargs, arch: int):
     """The captured launch compiled for `arch`, specialised as a launch would be (pointers and multiples of 16
-    marked 16-divisible)."""
+    marked 16-divisible, integers equal to 1 made constants)."""
     kwargs = dict(kwargs)
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
     signature, constants, attributes = {}, {}, {}
@@ -73,6 +76,8 @@ def compile_launch(kernel: JITFunction, args, kwargs, arch: int):
             signature[name], attributes[(i,)] = "*" + ARGUMENT_TYPES[value.dtype], [["tt.divisibility", 16]]
         elif isinstance(value, bool):
             signature[name] = "i1"
+        elif isinstance(value, int) and value == 1:  # a launch specialises 1 as a constant, as Triton's JIT does
+            signature[name], constants[(i,)] = "constexpr", value
         elif isinstance(value, int):
             signature[name] = "i64" if abs(value) >= 2**31 else "i32"
             if value != 0 and value % 16 == 0:
