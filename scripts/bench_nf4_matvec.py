@@ -14,9 +14,10 @@ compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), 
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
 `--sweep` also times the unsloth-lite kernel at each tile of `SWEEP_TILES` (features x weights along K / warps
-of a program, `nf4_matvec.blocked_tile`'s choice) per shape, each loaded when used and a step ahead
-(`nf4_matvec.PREFETCH`), to choose that table from one run, and at the chosen tile with the code book read from
-memory (`nf4_matvec.PTX_LOOKUP` off: the interpreter's decoding).
+of a program, and whether K is split over programs, one tile each: `nf4_matvec.blocked_tile`'s choice) per
+shape, each unsplit tile loaded when used and a step ahead (`nf4_matvec.PREFETCH`), to choose that table from
+one run, and at the chosen tile with the code book read from memory (`nf4_matvec.PTX_LOOKUP` off: the
+interpreter's decoding).
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, 8-bit absmax, second-level absmax, x) and write (y) once;
@@ -45,9 +46,11 @@ from bench_generate import SHAPES, nf4_bytes, shape_config, weightless_model
 
 VARIANTS = ("unsloth_lite", "unsloth_lite_flat_absmax", "bitsandbytes", "dequantize_matmul")
 FLAT_ABSMAX = "unsloth_lite_flat_absmax"  # the same weights quantised without double quantisation
-# (features, weights along K, warps) a program
-SWEEP_TILES = [(4, 1024, 4), (8, 512, 4), (16, 1024, 4), (32, 512, 4), (8, 512, 8), (16, 1024, 8), (32, 512, 8),
-               (64, 256, 8)]
+# (features, weights along K, warps, split along K) a program
+SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (32, 512, 4, False),
+               (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),
+               (8, 512, 4, True), (8, 1024, 4, True), (16, 512, 4, True), (16, 1024, 8, True), (32, 1024, 8, True),
+               (16, 2048, 8, True)]
 TINY_VARIANTS = ("unsloth_lite", FLAT_ABSMAX, "dequantize_matmul")
 PREFETCHED = "+prefetch"  # the sweep's column suffix of a tile loaded a step ahead
 
@@ -111,9 +114,9 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
     return rows
 
 
-def tile_name(tile: tuple[int, int, int]) -> str:
-    features, tile_k, warps = tile
-    return f"{features}x{tile_k}/{warps}w"
+def tile_name(tile: tuple[int, int, int, bool]) -> str:
+    features, tile_k, warps, split_k = tile
+    return f"{features}x{tile_k}/{warps}w" + (" split" if split_k else "")
 
 
 def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
@@ -140,6 +143,8 @@ def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
             for ahead, suffix in ((False, ""), (True, PREFETCHED)):
                 matvec.PREFETCH = ahead
                 for tile in SWEEP_TILES:
+                    if ahead and tile[3]:  # a split program reads one tile: nothing to load ahead
+                        continue
                     matvec.blocked_tile = lambda _n, tile=tile: tile
                     row[tile_name(tile) + suffix] = time_us(x, weight)
             matvec.blocked_tile, matvec.PTX_LOOKUP, matvec.PREFETCH = chosen, False, prefetch
@@ -188,7 +193,8 @@ def main(argv=None) -> int:
     sweep = sweep_tiles(shapes, device, args.tiny) if args.sweep else []
     if sweep:
         tiles = [*map(tile_name, SWEEP_TILES)]
-        print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *(t + PREFETCHED for t in tiles), "chosen, table"]))
+        ahead = [tile_name(t) + PREFETCHED for t in SWEEP_TILES if not t[3]]
+        print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *ahead, "chosen, table"]))
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
                               copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, sweep=sweep))
     return 0

@@ -67,6 +67,19 @@ def test_nf4_matvec_prefetched_tiles(rows, device, monkeypatch):
     check((40, 64 * 37), rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_nf4_matvec_split_along_k(rows, device, monkeypatch):
+    """K split over programs, one tile of 2 quantisation blocks each (19 splits, the last part-filled): the last
+    program of each feature block sums the splits in order, so two calls give the same bits, and leaves the
+    arrival counters at 0 for the next launch."""
+    monkeypatch.setattr(nf4_matvec_module, "blocked_tile", lambda n_out: (16, 128, 4, True))
+    check((40, 64 * 37), rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
+    x, weight, bias, lora_a, lora_b = make_case((40, 64 * 37), rows, torch.float32, True, 64, True, 4, device)
+    first = nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5)
+    assert torch.equal(first, nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5))
+    assert all(int(counters.abs().sum()) == 0 for counters in nf4_matvec_module._ARRIVALS.values())
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
 @pytest.mark.parametrize("n_in", [96, 320])
 def test_nf4_matvec_rows(rows, n_in, device):
@@ -97,6 +110,18 @@ def test_nf4_matvec_refuses_grad_and_too_many_rows(device):
 @pytest.mark.parametrize("shape", [*SHAPES, (5120, 5120), (17408, 5120)], ids=str)
 def test_nf4_matvec_cuda(shape, rows, dtype):
     check(shape, rows, dtype, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("shape", [(1024, 4096), (5120, 5120), (17408, 5120), (5120, 17408)], ids=str)
+@pytest.mark.parametrize("tile", [(8, 512, 4, True), (16, 1024, 8, True), (32, 1024, 8, True), (16, 2048, 8, True)],
+                         ids=str)
+def test_nf4_matvec_split_along_k_cuda(tile, shape, rows, monkeypatch):
+    """K split over programs, compiled, at the W3 models' shapes: from 4 to 32 features a program, 4 and 8 warps,
+    1 to 34 splits."""
+    monkeypatch.setattr(nf4_matvec_module, "blocked_tile", lambda n_out: tile)
+    check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])

@@ -28,6 +28,12 @@ each weight costs half a table load and a fused multiply-add, little more. Other
 shapes (rows that split a quantisation block, odd element counts) take the general kernel: element e from byte
 e // 2, absmax per element, one reduction per tile.
 
+Split along K (`blocked_tile`'s fourth entry): the blocked kernel's program (i, j) reads only tile j along K of
+feature block i, so a projection has K / tile times the programs, each with all its bytes in flight at once
+instead of one tile at a time. Each stores its sums to an fp32 slot `[splits, rows, N]`; the last to arrive
+at the feature block's counter (an acq_rel atomic) adds the slots in split order (deterministic), writes y
+and resets the counter, so there is no second launch and no memset.
+
 Inference only: no autograd (the weight is frozen and generation needs no gradient); `nf4_matvec` refuses
 inputs that require grad.
 """
@@ -56,16 +62,17 @@ PTX_LOOKUP = not INTERPRET
 PREFETCH = False
 
 
-def blocked_tile(n_out: int) -> tuple[int, int, int]:
-    """(features, weights along K, warps) of the blocked kernel's programs. Measured on the H200 at batch 1 over
-    the Qwen3-8B and Qwen3.5-27B projections (`bench_nf4_matvec.py --sweep`): 8 features by 512 weights where N
-    is large; 4 by 1024 where N / 8 programs would leave SMs idle (k/v projections: N = 1024). The
-    interpreter's cost is per program and per operation: few, wide tiles."""
+def blocked_tile(n_out: int) -> tuple[int, int, int, bool]:
+    """(features, weights along K, warps, split along K) of the blocked kernel's programs. Measured on the H200
+    at batch 1 over the Qwen3-8B and Qwen3.5-27B projections (`bench_nf4_matvec.py --sweep`): 8 features by 512
+    weights where N is large; 4 by 1024 where N / 8 programs would leave SMs idle (k/v projections: N = 1024).
+    The interpreter's cost is per program and per operation: few, wide tiles. Split along K (one tile of K a
+    program, `_nf4_matvec_blocked_kernel`): off until measured on a GPU."""
     if INTERPRET:
-        return 64, 256, 4
+        return 64, 256, 4, False
     if n_out >= 2048:
-        return 8, 512, 4
-    return 4, 1024, 4
+        return 8, 512, 4, False
+    return 4, 1024, 4, False
 
 
 @triton.jit
@@ -219,8 +226,9 @@ def _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP: tl.constexpr):
         odd = tl.inline_asm_elementwise(NF4_ODD_PTX, "=r,=r,=r,=r,r", [packed], dtype=tl.int32, is_pure=True,
                                         pack=4)
         return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
-    both = tl.load(code_pairs_ptr + packed.to(tl.int32))
-    return both.to(tl.int32).to(tl.float32, bitcast=True), (both >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:  # (not a fall-through: a launch with PTX_LOOKUP passes the fp32 code book here, which `>>` refuses)
+        both = tl.load(code_pairs_ptr + packed.to(tl.int32))
+        return both.to(tl.int32).to(tl.float32, bitcast=True), (both >> 32).to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -254,30 +262,40 @@ def _nf4_matvec_blocked_kernel(
     packed_ptr, absmax_ptr, code_pairs_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
     nested_blocksize: tl.constexpr,  # a compile-time constant: no 64-bit division call per absmax (in the SASS)
     bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
-    out_ptr, out_row_stride,
+    out_ptr, out_row_stride, partial_ptr, arrivals_ptr,
     n_rows, n_out, n_in, rank,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
-    PTX_LOOKUP: tl.constexpr, PREFETCH: tl.constexpr,
+    PTX_LOOKUP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """PREFETCH: the next tile's absmax and packed bytes (and x, for one row) are loaded before the current
     tile is decoded, so that their memory latency overlaps that work instead of stalling the program at each
-    tile (the nested absmax alone is two dependent loads)."""
+    tile (the nested absmax alone is two dependent loads).
+
+    SPLIT_K: program (i, j) takes tile j along K of feature block i (`_sum_of_splits`), so that a layer's
+    programs are K / tile times as many and each reads its bytes in one step: more bytes in flight per SM, x
+    converted to the tile's layout once."""
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     mask_features = features < n_out
     blocks_per_row = n_in // BLOCKSIZE
+    if SPLIT_K:
+        first_block = tl.program_id(1) * BLOCKS_PER_TILE
+        end_block = tl.minimum(first_block + BLOCKS_PER_TILE, blocks_per_row)
+    else:
+        first_block = 0
+        end_block = blocks_per_row
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, BLOCKSIZE // 2], dtype=tl.float32)  # one row: reduced at the end
     if PREFETCH:
         next_absmax, next_packed, next_x_ptr, next_mask_x = _blocked_tile_loads(
-            0, x_ptr, x_col_stride, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+            first_block, x_ptr, x_col_stride, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
             nested_blocksize, features, mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE,
         )
         if BLOCK_M == 1:
             next_x = tl.load(next_x_ptr, mask=next_mask_x, other=0.0)
-    for b0 in range(0, blocks_per_row, BLOCKS_PER_TILE):
+    for b0 in range(first_block, end_block, BLOCKS_PER_TILE):
         if PREFETCH:
             absmax, packed, x_pairs_ptr, mask_x = next_absmax, next_packed, next_x_ptr, next_mask_x
             if BLOCK_M == 1:
@@ -310,10 +328,37 @@ def _nf4_matvec_blocked_kernel(
                 acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
     if BLOCK_M == 1:
         acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
-    _store_rows(
-        acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
-        lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS, HAS_LORA, BLOCK_R,
-    )
+    if SPLIT_K:
+        acc, last = _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, BLOCK_M)
+    else:
+        last = True
+    if last:
+        _store_rows(
+            acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr,
+            lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS, HAS_LORA, BLOCK_R,
+        )
+
+
+@triton.jit
+def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, BLOCK_M: tl.constexpr):
+    """(sum over the K splits of each program's sums, whether this program finishes the feature block): each
+    split stores its sums `[BLOCK_M, BLOCK_N]` in its slot of `partial_ptr` ([splits, BLOCK_M, n_out] fp32) and
+    counts itself in the block's arrival counter; the last to arrive adds every slot in split order (the same
+    bits whichever program comes last) and sets the counter back to 0 for the next launch (no memset: a
+    replayed CUDA graph finds it at 0)."""
+    split = tl.program_id(1)
+    mask = (rows < n_rows)[:, None] & (features < n_out)[None, :]
+    slot = (rows[:, None] * n_out + features[None, :]).to(tl.int64)
+    tl.store(partial_ptr + split * BLOCK_M * n_out + slot, acc, mask=mask)
+    tl.debug_barrier()  # every thread's stores before the arrival (released at GPU scope by the atomic)
+    arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+    last = arrived == tl.num_programs(1) - 1
+    total = tl.zeros_like(acc)
+    if last:
+        for s in range(0, tl.num_programs(1)):  # .cg: from L2, where the other SMs' stores are
+            total += tl.load(partial_ptr + s * BLOCK_M * n_out + slot, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(arrivals_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+    return total, last
 
 
 @triton.jit
@@ -395,6 +440,20 @@ def _check_args(x, weight, bias, lora_a, lora_b, lora_t, n_out, n_in):
             )
 
 
+_ARRIVALS: dict = {}
+
+
+def _arrival_counters(device: torch.device, blocks: int) -> torch.Tensor:
+    """int32 zeros, at least `blocks` of them, one set per (device, stream): the split kernel's arrival counters,
+    which each launch leaves at 0. Launches on one stream run in order; another stream gets its own set."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream)
+    counters = _ARRIVALS.get(key)
+    if counters is None or counters.numel() < blocks:
+        counters = _ARRIVALS[key] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+    return counters
+
+
 def nf4_matvec(
     x: torch.Tensor,
     weight,
@@ -426,8 +485,13 @@ def nf4_matvec(
     lora_b_arg = lora_b if has_lora else out
     packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize = launch.inputs
     blocksize = 2 * launch.meta["HALF_BLOCK"]
-    block_n, tile_k, warps = blocked_tile(n_out)
+    block_n, tile_k, warps, split_k = blocked_tile(n_out)
     blocked = n_in % blocksize == 0 and tile_k % blocksize == 0
+    feature_blocks, splits = triton.cdiv(n_out, block_n), triton.cdiv(n_in, tile_k)
+    split_k = split_k and blocked and splits > 1
+    if split_k:
+        partial = empty((splits, triton.next_power_of_2(n_rows), n_out), torch.float32, x.device)
+        arrivals = _arrival_counters(x.device, feature_blocks)
     args = (
         x2d, x2d.stride(0), x2d.stride(1),
         # the blocked kernel reads the pair table only where it cannot decode in registers
@@ -436,20 +500,21 @@ def nf4_matvec(
         bias if bias is not None else out, t, t.stride(0), lora_b_arg, lora_b_arg.stride(0), lora_b_arg.stride(1),
         float(scale),
         out, out.stride(0),
-        n_rows, n_out, n_in, rank,
     )
+    sizes = (n_rows, n_out, n_in, rank)
     meta = dict(
         BLOCKSIZE=blocksize, NESTED=launch.meta["NESTED"], HAS_BIAS=bias is not None, HAS_LORA=has_lora,
         BLOCK_R=max(2, triton.next_power_of_2(rank)),
     )
     if blocked:
-        _nf4_matvec_blocked_kernel[(triton.cdiv(n_out, block_n),)](
-            *args, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
-            PTX_LOOKUP=PTX_LOOKUP, PREFETCH=PREFETCH, num_warps=warps, **meta,
+        _nf4_matvec_blocked_kernel[(feature_blocks, splits if split_k else 1)](
+            *args, *((partial, arrivals) if split_k else (out, out)), *sizes,
+            BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
+            PTX_LOOKUP=PTX_LOOKUP, PREFETCH=PREFETCH and not split_k, SPLIT_K=split_k, num_warps=warps, **meta,
         )
     else:
         _nf4_matvec_kernel[(triton.cdiv(n_out, BLOCK_N),)](
-            *args, BLOCK_M=max(2, triton.next_power_of_2(n_rows)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            *args, *sizes, BLOCK_M=max(2, triton.next_power_of_2(n_rows)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
             WEIGHT_BF16=launch.dtype == torch.bfloat16, WEIGHT_FP16=launch.dtype == torch.float16,
             enable_fp_fusion=False, num_warps=4, **meta,
         )
