@@ -94,7 +94,8 @@ def test_kernel_resources_compiles_every_deltanet_kernel_for_hopper(tmp_path):
     assert result.returncode == 0, result.stderr
     rows = {row["kernel"]: row for row in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"_prepare_kernel", "_forward_states_kernel", "_output_kernel", "_backward_state_free_kernel",
-                         "_backward_states_kernel", "_backward_values_kernel", "_backward_keys_kernel"}
+                         "_backward_states_kernel", "_backward_key_products_kernel", "_backward_values_kernel",
+                         "_backward_keys_kernel"}
     assert all(0 < row["registers"] <= 255 and row["stack_bytes"] >= 0 for row in rows.values()), rows
     assert rows["_prepare_kernel"]["shared_bytes"] > 0  # its products stage operands in shared memory
     assert rows["_backward_values_kernel"]["warps"] == 4
