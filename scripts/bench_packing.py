@@ -43,6 +43,9 @@ Variants, each in its own worker process, and their micro-batches:
 - `unsloth_lite_w1`: the same model on W1's workload, `bench_train.measure` on `--w1-batch` (4) random rows
   of 2048 tokens, labels = ids: every token real; `--warmup` then `--steps` timed steps, with `--epoch` too.
   Its tokens/s is the ">= 0.95x its own W1" reference.
+- `unsloth_lite:N`, `unsloth_lite_w1:N`: the same with the last N decoder layers not checkpointed (their
+  activations kept, their recomputation skipped), so that one run compares several N against the peers;
+  `--uncheckpointed-layers N` sets it for the unsuffixed unsloth-lite variants.
 
 One step, as in `bench_train.py`: forward with the micro-batch (labels included: the loss), backward,
 `optimizer.step()`, `zero_grad(set_to_none=True)`. Micro-batches are collated on the host before timing and
@@ -342,13 +345,22 @@ def worker_main(args) -> int:
 # Parent
 
 
+def split_variant(variant: str) -> tuple[str, int | None]:
+    """("unsloth_lite", 8) of "unsloth_lite:8"; (variant, None) without a suffix."""
+    name, _, layers = variant.partition(":")
+    return name, int(layers) if layers.isdigit() else None
+
+
 def run_variant(args, checkpoint: Path | None, variant: str) -> dict:
-    """Runs one variant's worker; its result, or an error row."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--model", args.model]
+    """Runs one variant's worker; its result (labelled with the variant as named), or an error row."""
+    name, uncheckpointed = split_variant(variant)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model", args.model]
+    flags = dict(vars(args), uncheckpointed_layers=uncheckpointed if uncheckpointed is not None
+                 else args.uncheckpointed_layers)
     for flag in ("packing_tokens", "rows", "padded_batch", "flatten_tokens", "w1_batch", "w1_seq", "warmup",
                  "steps", "layers", "uncheckpointed_layers"):
-        if getattr(args, flag) is not None:
-            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+        if flags[flag] is not None:
+            cmd += ["--" + flag.replace("_", "-"), str(flags[flag])]
     cmd += ["--checkpoint", str(checkpoint)] if checkpoint else []
     cmd += ["--epoch"] * args.epoch + ["--tiny"] * args.tiny
     label = f"[{variant}]"
@@ -358,7 +370,9 @@ def run_variant(args, checkpoint: Path | None, variant: str) -> dict:
         cmd, bench_train.worker_env(variant, args), ROOT, RESULT_PREFIX, args.worker_timeout, label, args.verbose,
     )
     if results:
-        result = results[0]
+        result = dict(results[0], variant=variant)
+        if name.startswith("unsloth_lite"):
+            result["uncheckpointed_layers"] = flags["uncheckpointed_layers"] or 0
     else:
         reason = worker_failure(returncode)
         result = dict(variant=variant, model=args.model, error=f"worker {reason}")
@@ -465,7 +479,13 @@ def main(argv=None) -> int:
     if device is None:
         return 2
     variants = choose_variants(args)
-    if report_unknown("variants", variants, VARIANTS):
+    if report_unknown("variants", [split_variant(v)[0] for v in variants], VARIANTS):
+        return 2
+    suffixed = [v for v in variants if ":" in v and (split_variant(v)[1] is None
+                                                      or not split_variant(v)[0].startswith("unsloth_lite"))]
+    if suffixed:
+        print(f"bench_packing.py: --variants {suffixed[0]}: only unsloth_lite and unsloth_lite_w1 take ':N', N the "
+              "decoder layers left uncheckpointed", file=sys.stderr)
         return 2
     c = model_config(args)
     dtype = torch.float32 if args.tiny else torch.bfloat16

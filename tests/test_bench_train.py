@@ -327,28 +327,33 @@ def test_w4_records_and_token_counts():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
 def test_bench_packing_tiny_mode_runs(tmp_path):
     """W4's script end to end on the tiny model: every variant trains a whole epoch of the same records, and
-    counts the same real tokens and targets for them; ours with its last layer not checkpointed."""
+    counts the same real tokens and targets for them; ours with its last layer not checkpointed, and (":0") with
+    every layer checkpointed in the same run."""
     bp = bench_packing()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
     out = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "scripts/bench_packing.py", "--tiny", "--jobs", "4", "--workdir", str(tmp_path),
-         "--uncheckpointed-layers", "1", "--out", str(out)],
+         "--uncheckpointed-layers", "1", "--out", str(out),
+         "--variants", "hf_padded,hf_flatten,unsloth_lite,unsloth_lite_w1,unsloth_lite:0"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"hf_padded", "hf_flatten", "unsloth_lite", "unsloth_lite_w1"}
+    assert set(rows) == {"hf_padded", "hf_flatten", "unsloth_lite", "unsloth_lite_w1", "unsloth_lite:0"}
     for variant, row in rows.items():
         assert "error" not in row, f"{variant}: {row['error']}\n{result.stdout}"
         assert row["real_tokens_per_s"] > 0
     lengths = bp.record_lengths(**bp.TINY_RECORDS)
-    for variant in ("hf_padded", "hf_flatten", "unsloth_lite"):
+    for variant in ("hf_padded", "hf_flatten", "unsloth_lite", "unsloth_lite:0"):
         assert rows[variant]["real_tokens"] == lengths.sum(), variant
         assert rows[variant]["target_tokens"] == (lengths - lengths // 3).sum(), variant
     assert rows["hf_padded"]["tokens"] > rows["hf_padded"]["real_tokens"]
     layers = rows["hf_padded"]["checkpointed_layers"]  # Hugging Face checkpoints all; ours keeps the last one out
     assert rows["unsloth_lite"]["checkpointed_layers"] == rows["unsloth_lite_w1"]["checkpointed_layers"] == layers - 1
+    every_layer = rows["unsloth_lite:0"]
+    assert every_layer["checkpointed_layers"] == layers and every_layer["uncheckpointed_layers"] == 0
+    assert rows["unsloth_lite:0"]["first_losses"] == rows["unsloth_lite"]["first_losses"]  # the same steps
     assert rows["hf_flatten"]["real_fraction"] == 1.0
     assert rows["unsloth_lite_w1"]["real_tokens"] == 2 * 16 * 2  # batch 2 x 16 tokens, two steps
     assert rows["unsloth_lite_w1"]["x_lite_w1"] == 1.0
