@@ -25,6 +25,8 @@ Variants, each in its own process (Unsloth patches transformers on import), each
 - `unsloth_lite`: `unsloth_lite.patch_model`, then `model.generate`.
 - `unsloth_lite_lora`: the same with LoRA r=16 (random B, so the adapters change the output) on q,k,v,o,gate,
   up,down through `unsloth_lite.add_lora`, unmerged.
+- `unsloth_lite_pdl`: `unsloth_lite` with the NF4 projections launched as programmatic dependent launches
+  (`nf4_matvec.PDL`: each starts loading its weight while the kernel before it finishes), only when named.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
 (`min_new_tokens`: random weights may say end-of-sequence at any step), one warm-up generation (compilation,
@@ -75,7 +77,8 @@ from bench_train_setup import W1, _tokenizer, ensure_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_GENERATE_RESULT "
-VARIANTS = ("hf", "hf_static", "unsloth", "unsloth_lite", "unsloth_lite_lora")
+VARIANTS = ("hf", "hf_static", "unsloth", "unsloth_lite", "unsloth_lite_lora", "unsloth_lite_pdl")
+DEFAULT_VARIANTS = VARIANTS[:-1]
 TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
 SHAPES = ("qwen3_8b", "qwen3_5_27b")
 H200_COPY_GBPS = 4270.0
@@ -267,7 +270,9 @@ def load(variant: str, shape: str, c: dict, checkpoint: str | None, device, dtyp
     if variant.startswith("hf"):
         return model
     import unsloth_lite
+    from unsloth_lite.kernels import nf4_matvec
 
+    nf4_matvec.PDL = variant == "unsloth_lite_pdl"
     model = unsloth_lite.patch_model(model)
     if variant == "unsloth_lite_lora":
         torch.manual_seed(SEED)
@@ -393,7 +398,7 @@ def summarise(rows: list[dict], bandwidth_gbps: float, prompt: int, new_tokens: 
         if "peak_gib" in row:
             row["peak_gib"] = round(row["peak_gib"], 2)
         ours, theirs = row.get("tokens"), reference.get(row["shape"])
-        if ours and theirs and row["variant"] in ("hf_static", "unsloth_lite"):
+        if ours and theirs and row["variant"] in ("hf_static", "unsloth_lite", "unsloth_lite_pdl"):
             row["same_tokens_as_hf"] = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False))
                                              if a != b), min(len(ours), len(theirs)))
 
@@ -452,7 +457,7 @@ def main(argv=None) -> int:
         return 1
     if report_unknown("shapes", args.shapes.split(","), SHAPES):
         return 2
-    variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
+    variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else DEFAULT_VARIANTS)
     variants = drop_missing_unsloth(variants, bool(args.variants), args.unsloth_site)
     bandwidth = copy_bandwidth_gbps(device) if args.measure_bandwidth else args.bandwidth_gbps
     checkpoints = unsloth_checkpoints(args, device) if "unsloth" in variants else {}

@@ -1,6 +1,8 @@
 """`nf4_matvec` (decoding's 4-bit projection, LoRA unmerged) against the product with the dequantised weight,
 in float64: odd shapes (rows that split a quantisation block, odd element counts), 1 to 8 rows, bias, adapter."""
 
+import itertools
+
 import pytest
 import torch
 from helpers import TOLERANCE, assert_close, dtype_id
@@ -111,6 +113,41 @@ def test_nf4_matvec_refuses_grad_and_too_many_rows(device):
 def test_nf4_matvec_cuda(shape, rows, dtype):
     check(shape, rows, dtype, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+def test_nf4_matvec_programmatic_dependent_launch_chain(split, prefetch, monkeypatch):
+    """`PDL`: each projection launched while the one before it finishes reads that one's output only after
+    waiting for it. A chain of four (y = W4 W3 W2 W1 x, each with bias and adapter, the inputs of one the outputs
+    of the one before), eager and replayed as a CUDA graph, against float64."""
+    monkeypatch.setattr(nf4_matvec_module, "PDL", True)
+    monkeypatch.setattr(nf4_matvec_module, "PREFETCH", prefetch)
+    if split:
+        monkeypatch.setattr(nf4_matvec_module, "blocked_tile", lambda n_out: (16, 1024, 8, True))
+    sizes = [4096, 12288, 4096, 1024, 4096]
+    layers = [make_case((n_out, n_in), 1, torch.bfloat16, True, 64, True, 16, "cuda")[1:]
+              for n_in, n_out in itertools.pairwise(sizes)]
+    x = torch.randn(1, sizes[0], dtype=torch.bfloat16, device="cuda")
+
+    def chain(y):
+        for weight, bias, lora_a, lora_b in layers:
+            y = nf4_matvec(y, weight, bias, lora_a, lora_b, scale=0.5) / 8  # keeps the values near unit scale
+        return y
+
+    expected = x.double()
+    for weight, bias, lora_a, lora_b in layers:
+        expected = float64_reference(expected.to(torch.bfloat16), weight, bias, lora_a, lora_b, 0.5) / 8
+    assert_close(chain(x), expected, 4 * TOLERANCE[torch.bfloat16], "eager y")
+    chain(x)  # compiled and warm before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(x)
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        assert_close(captured, expected, 4 * TOLERANCE[torch.bfloat16], "replayed y")
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3])

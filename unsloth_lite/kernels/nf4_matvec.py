@@ -32,7 +32,9 @@ Split along K (`blocked_tile`'s fourth entry): the blocked kernel's program (i, 
 feature block i, so a projection has K / tile times the programs, each with all its bytes in flight at once
 instead of one tile at a time. Each stores its sums to an fp32 slot `[splits, rows, N]`; the last to arrive
 at the feature block's counter (an acq_rel atomic) adds the slots in split order (deterministic), writes y
-and resets the counter, so there is no second launch and no memset.
+and resets the counter, so there is no second launch and no memset. With `PDL` (Hopper's programmatic
+dependent launch) a projection starts loading its weight while the kernel before it finishes and waits for
+that kernel before it reads anything the kernel may write; a decoding step chains hundreds of them.
 
 Inference only: no autograd (the weight is frozen and generation needs no gradient); `nf4_matvec` refuses
 inputs that require grad.
@@ -43,6 +45,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
 from unsloth_lite.kernels.dequantize_nf4 import (
     _block_absmax,
@@ -60,6 +63,10 @@ BLOCK_K = 256 if INTERPRET else 128  # the interpreter's cost is per operation: 
 PTX_LOOKUP = not INTERPRET
 # The blocked kernel loads each tile one step ahead (`_nf4_matvec_blocked_kernel`); off until measured on a GPU.
 PREFETCH = False
+# Programmatic dependent launch (Hopper and later; compiled only): the blocked kernel may start while the kernel
+# before it finishes, its first weight loads in flight before it waits for that kernel (`_nf4_matvec_blocked_kernel`);
+# off until measured on a GPU.
+PDL = False
 
 
 def blocked_tile(n_out: int) -> tuple[int, int, int, bool]:
@@ -267,7 +274,7 @@ def _nf4_matvec_blocked_kernel(
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
-    PTX_LOOKUP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr,
+    PTX_LOOKUP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """PREFETCH: the next tile's absmax and packed bytes (and x, for one row) are loaded before the current
     tile is decoded, so that their memory latency overlaps that work instead of stalling the program at each
@@ -275,7 +282,12 @@ def _nf4_matvec_blocked_kernel(
 
     SPLIT_K: program (i, j) takes tile j along K of feature block i (`_sum_of_splits`), so that a layer's
     programs are K / tile times as many and each reads its bytes in one step: more bytes in flight per SM, x
-    converted to the tile's layout once."""
+    converted to the tile's layout once.
+
+    PDL (launched as a programmatic dependent launch): nothing the kernel before may still write or read is
+    touched before `gdc_wait` (x, the adapter's t, bias, the outputs and the split scratch all come after it);
+    only the frozen weight's bytes and absmax are loaded ahead of it. Every program waits once it has issued its
+    first tile's weight loads, and lets the next kernel launch once its loop is done."""
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     mask_features = features < n_out
@@ -293,6 +305,8 @@ def _nf4_matvec_blocked_kernel(
             first_block, x_ptr, x_col_stride, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
             nested_blocksize, features, mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE,
         )
+        if PDL:
+            gdc_wait()
         if BLOCK_M == 1:
             next_x = tl.load(next_x_ptr, mask=next_mask_x, other=0.0)
     for b0 in range(first_block, end_block, BLOCKS_PER_TILE):
@@ -312,6 +326,8 @@ def _nf4_matvec_blocked_kernel(
                 b0, x_ptr, x_col_stride, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
                 nested_blocksize, features, mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE,
             )
+            if PDL:
+                gdc_wait()  # returns at once after the first tile
             if BLOCK_M == 1:
                 x = tl.load(x_pairs_ptr, mask=mask_x, other=0.0)
         code_even, code_odd = _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP)  # masked bytes: finite, x is 0
@@ -328,6 +344,8 @@ def _nf4_matvec_blocked_kernel(
                 acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
     if BLOCK_M == 1:
         acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
+    if PDL:
+        gdc_launch_dependents()
     if SPLIT_K:
         acc, last = _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, BLOCK_M)
     else:
@@ -510,7 +528,8 @@ def nf4_matvec(
         _nf4_matvec_blocked_kernel[(feature_blocks, splits if split_k else 1)](
             *args, *((partial, arrivals) if split_k else (out, out)), *sizes,
             BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
-            PTX_LOOKUP=PTX_LOOKUP, PREFETCH=PREFETCH and not split_k, SPLIT_K=split_k, num_warps=warps, **meta,
+            PTX_LOOKUP=PTX_LOOKUP, PREFETCH=PREFETCH and not split_k, SPLIT_K=split_k, PDL=PDL and not INTERPRET,
+            num_warps=warps, **({"launch_pdl": True} if PDL and not INTERPRET else {}), **meta,
         )
     else:
         _nf4_matvec_kernel[(triton.cdiv(n_out, BLOCK_N),)](
