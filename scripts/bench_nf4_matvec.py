@@ -17,7 +17,8 @@ compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), 
 of a program, and whether K is split over programs, one tile each: `nf4_matvec.blocked_tile`'s choice) per
 shape, each unsplit tile loaded when used and a step ahead (`nf4_matvec.PREFETCH`), to choose that table from
 one run, and at the chosen tile with the code book read from memory (`nf4_matvec.PTX_LOOKUP` off: the
-interpreter's decoding).
+interpreter's decoding) and with the code book rounded to bf16 (`nf4_matvec.BF16_CODES`: fewer instructions a
+weight; whether they bound the kernel).
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, 8-bit absmax, second-level absmax, x) and write (y) once;
@@ -127,6 +128,7 @@ def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
 
     dtype = torch.float32 if tiny else torch.bfloat16
     chosen, ptx_lookup, prefetch, rows = matvec.blocked_tile, matvec.PTX_LOOKUP, matvec.PREFETCH, []
+    bf16_codes = matvec.BF16_CODES
     keys = sorted({key for s in shapes for key in projection_shapes(s, tiny)})
 
     def time_us(x, weight):
@@ -149,10 +151,13 @@ def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
                     row[tile_name(tile) + suffix] = time_us(x, weight)
             matvec.blocked_tile, matvec.PTX_LOOKUP, matvec.PREFETCH = chosen, False, prefetch
             row["chosen, table"] = time_us(x, weight)
-            matvec.PTX_LOOKUP = ptx_lookup
+            matvec.PTX_LOOKUP, matvec.BF16_CODES = ptx_lookup, True
+            row["chosen, bf16 codes"] = time_us(x, weight)
+            matvec.BF16_CODES = bf16_codes
             rows.append(row)
     finally:
         matvec.blocked_tile, matvec.PTX_LOOKUP, matvec.PREFETCH = chosen, ptx_lookup, prefetch
+        matvec.BF16_CODES = bf16_codes
     return rows
 
 
@@ -194,7 +199,7 @@ def main(argv=None) -> int:
     if sweep:
         tiles = [*map(tile_name, SWEEP_TILES)]
         ahead = [tile_name(t) + PREFETCHED for t in SWEEP_TILES if not t[3]]
-        print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *ahead, "chosen, table"]))
+        print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *ahead, "chosen, table", "chosen, bf16 codes"]))
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
                               copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, sweep=sweep))
     return 0

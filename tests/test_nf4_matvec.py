@@ -116,6 +116,15 @@ def test_nf4_matvec_cuda(shape, rows, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("shape", [*SHAPES, (5120, 5120), (17408, 5120)], ids=str)
+def test_nf4_matvec_bf16_codes_cuda(shape, rows, monkeypatch):
+    """`BF16_CODES`: the code book rounded to bf16 in the PTX lookup moves each weight by at most bf16's rounding
+    (as dequantising to bf16 does): y within the bf16 tolerance of the exact product."""
+    monkeypatch.setattr(nf4_matvec_module, "BF16_CODES", True)
+    check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
 @pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 def test_nf4_matvec_programmatic_dependent_launch_chain(split, prefetch, monkeypatch):

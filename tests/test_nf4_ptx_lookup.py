@@ -1,6 +1,7 @@
 """The PTX that decodes NF4 codes in registers (`nf4_matvec._nf4_lookup_ptx`), run on the CPU by a small
 interpreter of the instructions it uses: every byte value, in every byte of the word, decodes to the code
-book's fp32 bit patterns for its high and its low nibble. The GPU tests run the same PTX compiled."""
+book's fp32 bit patterns (or, with `bf16_codes`, those of the codes rounded to bf16) for its high and its low
+nibble. The GPU tests run the same PTX compiled."""
 
 import struct
 
@@ -54,10 +55,12 @@ def fp32_bits(value: float) -> int:
     return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
+@pytest.mark.parametrize("bf16_codes", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("high_nibbles", [True, False], ids=["even", "odd"])
-def test_lookup_decodes_every_byte_in_every_position(high_nibbles):
-    ptx = nf4_matvec._nf4_lookup_ptx(high_nibbles)
-    expected = [fp32_bits(c) for c in torch.tensor(nf4_matvec.NF4_CODE, dtype=torch.float32).tolist()]
+def test_lookup_decodes_every_byte_in_every_position(high_nibbles, bf16_codes):
+    ptx = nf4_matvec._nf4_lookup_ptx(high_nibbles, bf16_codes)
+    codes = torch.tensor(nf4_matvec.NF4_CODE, dtype=torch.float32)
+    expected = [fp32_bits(c) for c in (codes.to(torch.bfloat16).float() if bf16_codes else codes).tolist()]
     for value in range(256):
         for position in range(4):
             others = [(value * 37 + 11 * i) & 0xFF for i in range(4)]  # the other bytes vary too

@@ -32,7 +32,10 @@ Split along K (`blocked_tile`'s fourth entry): the blocked kernel's program (i, 
 feature block i, so a projection has K / tile times the programs, each with all its bytes in flight at once
 instead of one tile at a time. Each stores its sums to an fp32 slot `[splits, rows, N]`; the last to arrive
 at the feature block's counter (an acq_rel atomic) adds the slots in split order (deterministic), writes y
-and resets the counter, so there is no second launch and no memset. With `PDL` (Hopper's programmatic
+and resets the counter, so there is no second launch and no memset. `BF16_CODES` decodes with the code
+book rounded to bf16: two of the four byte planes of the lookup, a third fewer instructions a weight (compiled
+offline for sm_90: 496 instead of 592 in the kernel at 8 x 512), each weight within bf16's rounding of its
+exact value. With `PDL` (Hopper's programmatic
 dependent launch) a projection starts loading its weight while the kernel before it finishes and waits for
 that kernel before it reads anything the kernel may write; a decoding step chains hundreds of them.
 
@@ -67,6 +70,10 @@ PREFETCH = False
 # before it finishes, its first weight loads in flight before it waits for that kernel (`_nf4_matvec_blocked_kernel`);
 # off until measured on a GPU.
 PDL = False
+# The blocked kernel's PTX lookup with the code book rounded to bf16 (`_nf4_lookup_ptx`): fewer instructions a
+# weight, each weight then within bf16's rounding of its exact value (as bitsandbytes' own dequantisation
+# rounds it); off until measured on a GPU.
+BF16_CODES = False
 
 
 def blocked_tile(n_out: int) -> tuple[int, int, int, bool]:
@@ -188,12 +195,15 @@ NF4_CODE = (
 )
 
 
-def _nf4_lookup_ptx(high_nibbles: bool) -> str:
+def _nf4_lookup_ptx(high_nibbles: bool, bf16_codes: bool = False) -> str:
     """PTX that maps the four bytes of `$4` to the fp32 bit patterns of NF4_CODE[nibble] in `$0..$3` (the high
     or the low nibble of each byte), with no memory access: `prmt` looks up four bytes at once in an 8-byte
     table held in two registers, so each of the four byte planes of the 16 fp32 codes is two lookups (entries
-    0-7 and 8-15) and a select on the nibble's top bit; eight more `prmt` transpose the planes into words."""
-    words = torch.tensor(NF4_CODE, dtype=torch.float32).view(torch.int32).tolist()
+    0-7 and 8-15) and a select on the nibble's top bit; eight more `prmt` transpose the planes into words.
+    `bf16_codes`: the codes rounded to bf16 (fp32 words whose low half is zero): two planes, not four, and two
+    `prmt` with four shifts or masks to form the words (about a third fewer instructions a weight)."""
+    codes = torch.tensor(NF4_CODE, dtype=torch.float32)
+    words = (codes.to(torch.bfloat16).float() if bf16_codes else codes).view(torch.int32).tolist()
     plane = [[(w >> (8 * p)) & 0xFF for w in words] for p in range(4)]
 
     def table(p, first):  # entries first..first+3 of plane p, little-endian
@@ -205,12 +215,18 @@ def _nf4_lookup_ptx(high_nibbles: bool) -> str:
     lines += ["shr.b32 t, n, 4;", "or.b32 t, t, n;", "prmt.b32 s, t, t, 0x20;", "and.b32 s, s, 0x7777;"]
     # 0xFF in each byte whose nibble is 8-15: prmt's sign mode replicates bit 7 of the byte
     lines += ["shl.b32 m, n, 4;", "prmt.b32 m, m, m, 0xBA98;", "not.b32 t, m;"]
-    for p in range(4):
+    for p in (2, 3) if bf16_codes else range(4):
         lines += [
             f"mov.b32 ta, 0x{table(p, 0):08X};", f"mov.b32 tb, 0x{table(p, 4):08X};", "prmt.b32 lo, ta, tb, s;",
             f"mov.b32 ta, 0x{table(p, 8):08X};", f"mov.b32 tb, 0x{table(p, 12):08X};", "prmt.b32 hi, ta, tb, s;",
             "and.b32 hi, hi, m;", "and.b32 lo, lo, t;", f"or.b32 v{p}, lo, hi;",
         ]
+    if bf16_codes:  # word j = the bf16 code's two bytes (planes 2 and 3 of byte j) in its high half
+        lines += [
+            "prmt.b32 a, v2, v3, 0x5140;", "prmt.b32 b, v2, v3, 0x7362;",
+            "shl.b32 $0, a, 16;", "and.b32 $1, a, 0xFFFF0000;", "shl.b32 $2, b, 16;", "and.b32 $3, b, 0xFFFF0000;",
+        ]
+        return "{\n" + "\n".join(lines) + "\n}"
     lines += [
         "prmt.b32 a, v0, v1, 0x5140;", "prmt.b32 b, v0, v1, 0x7362;",
         "prmt.b32 c, v2, v3, 0x5140;", "prmt.b32 d, v2, v3, 0x7362;",
@@ -222,16 +238,19 @@ def _nf4_lookup_ptx(high_nibbles: bool) -> str:
 
 NF4_EVEN_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=True))
 NF4_ODD_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=False))
+NF4_EVEN_BF16_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=True, bf16_codes=True))
+NF4_ODD_BF16_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=False, bf16_codes=True))
 
 
 @triton.jit
-def _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP: tl.constexpr):
-    """fp32 code-book values of the high (even weight) and low (odd weight) nibble of each byte of `packed`."""
+def _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr):
+    """fp32 code-book values of the high (even weight) and low (odd weight) nibble of each byte of `packed`
+    (rounded to bf16 with BF16_CODES, which only the PTX lookup takes)."""
     if PTX_LOOKUP:
-        even = tl.inline_asm_elementwise(NF4_EVEN_PTX, "=r,=r,=r,=r,r", [packed], dtype=tl.int32, is_pure=True,
-                                         pack=4)
-        odd = tl.inline_asm_elementwise(NF4_ODD_PTX, "=r,=r,=r,=r,r", [packed], dtype=tl.int32, is_pure=True,
-                                        pack=4)
+        even = tl.inline_asm_elementwise(NF4_EVEN_BF16_PTX if BF16_CODES else NF4_EVEN_PTX, "=r,=r,=r,=r,r",
+                                         [packed], dtype=tl.int32, is_pure=True, pack=4)
+        odd = tl.inline_asm_elementwise(NF4_ODD_BF16_PTX if BF16_CODES else NF4_ODD_PTX, "=r,=r,=r,=r,r",
+                                        [packed], dtype=tl.int32, is_pure=True, pack=4)
         return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
     else:  # (not a fall-through: a launch with PTX_LOOKUP passes the fp32 code book here, which `>>` refuses)
         both = tl.load(code_pairs_ptr + packed.to(tl.int32))
@@ -274,7 +293,8 @@ def _nf4_matvec_blocked_kernel(
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
-    PTX_LOOKUP: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    PTX_LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """PREFETCH: the next tile's absmax and packed bytes (and x, for one row) are loaded before the current
     tile is decoded, so that their memory latency overlaps that work instead of stalling the program at each
@@ -330,7 +350,7 @@ def _nf4_matvec_blocked_kernel(
                 gdc_wait()  # returns at once after the first tile
             if BLOCK_M == 1:
                 x = tl.load(x_pairs_ptr, mask=mask_x, other=0.0)
-        code_even, code_odd = _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP)  # masked bytes: finite, x is 0
+        code_even, code_odd = _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP, BF16_CODES)  # masked bytes: finite, x is 0
         if BLOCK_M == 1:
             x_even, x_odd = tl.split(x.to(tl.float32))
             partial += (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
@@ -528,7 +548,8 @@ def nf4_matvec(
         _nf4_matvec_blocked_kernel[(feature_blocks, splits if split_k else 1)](
             *args, *((partial, arrivals) if split_k else (out, out)), *sizes,
             BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
-            PTX_LOOKUP=PTX_LOOKUP, PREFETCH=PREFETCH and not split_k, SPLIT_K=split_k, PDL=PDL and not INTERPRET,
+            PTX_LOOKUP=PTX_LOOKUP, BF16_CODES=BF16_CODES and PTX_LOOKUP, PREFETCH=PREFETCH and not split_k,
+            SPLIT_K=split_k, PDL=PDL and not INTERPRET,
             num_warps=warps, **({"launch_pdl": True} if PDL and not INTERPRET else {}), **meta,
         )
     else:
