@@ -33,11 +33,11 @@ feature block i, so a projection has K / tile times the programs, each with all 
 instead of one tile at a time. Each stores its sums to an fp32 slot `[splits, rows, N]`; the last to arrive
 at the feature block's counter (an acq_rel atomic) adds the slots in split order (deterministic), writes y
 and resets the counter, so there is no second launch and no memset. `BF16_CODES` decodes with the code
-book rounded to bf16: two of the four byte planes of the lookup, a third fewer instructions a weight (compiled
-offline for sm_90: 496 instead of 592 in the kernel at 8 x 512), each weight within bf16's rounding of its
-exact value. With `PDL` (Hopper's programmatic
-dependent launch) a projection starts loading its weight while the kernel before it finishes and waits for
-that kernel before it reads anything the kernel may write; a decoding step chains hundreds of them.
+book rounded to bf16: two of the four byte planes of the lookup (compiled offline for sm_90: 496 instructions
+instead of 592 in the kernel at 8 x 512), each weight within bf16's rounding of its exact value. With `PDL`
+(Hopper's programmatic dependent launch) a projection starts loading its weight while the kernel before it
+finishes and waits for that kernel before it reads anything the kernel may write; a decoding step chains
+hundreds of them.
 
 Inference only: no autograd (the weight is frozen and generation needs no gradient); `nf4_matvec` refuses
 inputs that require grad.
@@ -201,7 +201,7 @@ def _nf4_lookup_ptx(high_nibbles: bool, bf16_codes: bool = False) -> str:
     table held in two registers, so each of the four byte planes of the 16 fp32 codes is two lookups (entries
     0-7 and 8-15) and a select on the nibble's top bit; eight more `prmt` transpose the planes into words.
     `bf16_codes`: the codes rounded to bf16 (fp32 words whose low half is zero): two planes, not four, and two
-    `prmt` with four shifts or masks to form the words (about a third fewer instructions a weight)."""
+    `prmt` with four shifts or masks to form the words: 33 PTX instructions for four weights instead of 53."""
     codes = torch.tensor(NF4_CODE, dtype=torch.float32)
     words = (codes.to(torch.bfloat16).float() if bf16_codes else codes).view(torch.int32).tolist()
     plane = [[(w >> (8 * p)) & 0xFF for w in words] for p in range(4)]
