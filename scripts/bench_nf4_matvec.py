@@ -122,8 +122,9 @@ def tile_name(tile: tuple[int, int, int, bool]) -> str:
 
 def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
     """Device time of the blocked kernel at every tile of SWEEP_TILES, per projection shape, one row of x, with
-    each tile loaded when it is used and a step ahead (`PREFETCH`, columns "+prefetch"); and at the chosen tile
-    with the code book read from memory instead of looked up in registers (`PTX_LOOKUP`)."""
+    each unsplit tile loaded when it is used and a step ahead (`PREFETCH`, columns "+prefetch"); and at the chosen
+    tile with the code book read from memory instead of looked up in registers (`PTX_LOOKUP`) and with it rounded
+    to bf16 (`BF16_CODES`)."""
     from unsloth_lite.kernels import nf4_matvec as matvec
 
     dtype = torch.float32 if tiny else torch.bfloat16

@@ -367,7 +367,7 @@ def run_variant(args, checkpoint: Path | None, variant: str) -> dict:
     print(f"{label} starting", flush=True)
     start = time.perf_counter()
     results, lines, returncode = run_worker_process(
-        cmd, bench_train.worker_env(variant, args), ROOT, RESULT_PREFIX, args.worker_timeout, label, args.verbose,
+        cmd, bench_train.worker_env(name, args), ROOT, RESULT_PREFIX, args.worker_timeout, label, args.verbose,
     )
     if results:
         result = dict(results[0], variant=variant)
@@ -479,13 +479,14 @@ def main(argv=None) -> int:
     if device is None:
         return 2
     variants = choose_variants(args)
-    if report_unknown("variants", [split_variant(v)[0] for v in variants], VARIANTS):
+    named = [(v, *split_variant(v)) for v in variants]
+    if report_unknown("variants", [name for _, name, _ in named], VARIANTS):
         return 2
-    suffixed = [v for v in variants if ":" in v and (split_variant(v)[1] is None
-                                                      or not split_variant(v)[0].startswith("unsloth_lite"))]
-    if suffixed:
-        print(f"bench_packing.py: --variants {suffixed[0]}: only unsloth_lite and unsloth_lite_w1 take ':N', N the "
-              "decoder layers left uncheckpointed", file=sys.stderr)
+    bad = next((v for v, name, layers in named if ":" in v and (layers is None or not name.startswith("unsloth_lite"))),
+               None)
+    if bad:
+        print(f"bench_packing.py: --variants {bad}: only unsloth_lite and unsloth_lite_w1 take ':N', N the decoder "
+              "layers left uncheckpointed", file=sys.stderr)
         return 2
     c = model_config(args)
     dtype = torch.float32 if args.tiny else torch.bfloat16
