@@ -25,8 +25,9 @@ Variants, each in its own process (Unsloth patches transformers on import), each
 - `unsloth_lite`: `unsloth_lite.patch_model`, then `model.generate`.
 - `unsloth_lite_lora`: the same with LoRA r=16 (random B, so the adapters change the output) on q,k,v,o,gate,
   up,down through `unsloth_lite.add_lora`, unmerged.
-- `unsloth_lite_pdl`: `unsloth_lite` with the NF4 projections launched as programmatic dependent launches
-  (`nf4_matvec.PDL`: each starts loading its weight while the kernel before it finishes), only when named.
+- `unsloth_lite_no_pdl`: `unsloth_lite` with the NF4 projections launched as ordinary launches instead of
+  programmatic dependent ones (`nf4_matvec.PDL`: each starts loading its weight while the kernel before it
+  finishes), only when named.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
 (`min_new_tokens`: random weights may say end-of-sequence at any step), one warm-up generation (compilation,
@@ -77,7 +78,7 @@ from bench_train_setup import W1, _tokenizer, ensure_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_GENERATE_RESULT "
-VARIANTS = ("hf", "hf_static", "unsloth", "unsloth_lite", "unsloth_lite_lora", "unsloth_lite_pdl")
+VARIANTS = ("hf", "hf_static", "unsloth", "unsloth_lite", "unsloth_lite_lora", "unsloth_lite_no_pdl")
 DEFAULT_VARIANTS = VARIANTS[:-1]
 TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
 SHAPES = ("qwen3_8b", "qwen3_5_27b")
@@ -272,7 +273,8 @@ def load(variant: str, shape: str, c: dict, checkpoint: str | None, device, dtyp
     import unsloth_lite
     from unsloth_lite.kernels import nf4_matvec
 
-    nf4_matvec.PDL = variant == "unsloth_lite_pdl"
+    if variant == "unsloth_lite_no_pdl":
+        nf4_matvec.PDL = False
     model = unsloth_lite.patch_model(model)
     if variant == "unsloth_lite_lora":
         torch.manual_seed(SEED)
@@ -398,7 +400,7 @@ def summarise(rows: list[dict], bandwidth_gbps: float, prompt: int, new_tokens: 
         if "peak_gib" in row:
             row["peak_gib"] = round(row["peak_gib"], 2)
         ours, theirs = row.get("tokens"), reference.get(row["shape"])
-        if ours and theirs and row["variant"] in ("hf_static", "unsloth_lite", "unsloth_lite_pdl"):
+        if ours and theirs and row["variant"] in ("hf_static", "unsloth_lite", "unsloth_lite_no_pdl"):
             row["same_tokens_as_hf"] = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False))
                                              if a != b), min(len(ours), len(theirs)))
 

@@ -17,8 +17,8 @@ compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), 
 of a program, and whether K is split over programs, one tile each: `nf4_matvec.blocked_tile`'s choice) per
 shape, each unsplit tile loaded when used and a step ahead (`nf4_matvec.PREFETCH`), to choose that table from
 one run, and at the chosen tile with the code book read from memory (`nf4_matvec.PTX_LOOKUP` off: the
-interpreter's decoding) and with the code book rounded to bf16 (`nf4_matvec.BF16_CODES`: fewer instructions a
-weight; whether they bound the kernel).
+interpreter's decoding) and with the exact fp32 code book instead of the one rounded to bf16 that bf16 weights
+take (`nf4_matvec.BF16_CODES` off: more instructions a weight; whether they bound the kernel).
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, 8-bit absmax, second-level absmax, x) and write (y) once;
@@ -123,8 +123,8 @@ def tile_name(tile: tuple[int, int, int, bool]) -> str:
 def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
     """Device time of the blocked kernel at every tile of SWEEP_TILES, per projection shape, one row of x, with
     each unsplit tile loaded when it is used and a step ahead (`PREFETCH`, columns "+prefetch"); and at the chosen
-    tile with the code book read from memory instead of looked up in registers (`PTX_LOOKUP`) and with it rounded
-    to bf16 (`BF16_CODES`)."""
+    tile with the code book read from memory instead of looked up in registers (`PTX_LOOKUP`) and with the exact
+    code book instead of the bf16 one (`BF16_CODES`)."""
     from unsloth_lite.kernels import nf4_matvec as matvec
 
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -152,8 +152,8 @@ def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
                     row[tile_name(tile) + suffix] = time_us(x, weight)
             matvec.blocked_tile, matvec.PTX_LOOKUP, matvec.PREFETCH = chosen, False, prefetch
             row["chosen, table"] = time_us(x, weight)
-            matvec.PTX_LOOKUP, matvec.BF16_CODES = ptx_lookup, True
-            row["chosen, bf16 codes"] = time_us(x, weight)
+            matvec.PTX_LOOKUP, matvec.BF16_CODES = ptx_lookup, False
+            row["chosen, exact codes"] = time_us(x, weight)
             matvec.BF16_CODES = bf16_codes
             rows.append(row)
     finally:
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     if sweep:
         tiles = [*map(tile_name, SWEEP_TILES)]
         ahead = [tile_name(t) + PREFETCHED for t in SWEEP_TILES if not t[3]]
-        print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *ahead, "chosen, table", "chosen, bf16 codes"]))
+        print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *ahead, "chosen, table", "chosen, exact codes"]))
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
                               copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, sweep=sweep))
     return 0

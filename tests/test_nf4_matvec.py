@@ -118,11 +118,37 @@ def test_nf4_matvec_cuda(shape, rows, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("shape", [*SHAPES, (5120, 5120), (17408, 5120)], ids=str)
-def test_nf4_matvec_bf16_codes_cuda(shape, rows, monkeypatch):
-    """`BF16_CODES`: the code book rounded to bf16 in the PTX lookup moves each weight by at most bf16's rounding
-    (as dequantising to bf16 does): y within the bf16 tolerance of the exact product."""
-    monkeypatch.setattr(nf4_matvec_module, "BF16_CODES", True)
+def test_nf4_matvec_exact_codes_cuda(shape, rows, monkeypatch):
+    """`BF16_CODES` off: bf16 weights decoded with the exact fp32 code book (the default rounds it to bf16, which
+    `test_nf4_matvec_cuda` covers; its fp32 cases check that fp32 weights keep the exact one)."""
+    monkeypatch.setattr(nf4_matvec_module, "BF16_CODES", False)
     check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
+
+
+def test_programmatic_dependent_launch_only_on_hopper_and_later(monkeypatch):
+    """`griddepcontrol` exists from compute capability 9.0: older GPUs, the CPU and the interpreter launch the
+    blocked kernel as an ordinary launch."""
+    monkeypatch.setattr(nf4_matvec_module, "INTERPRET", False)
+    monkeypatch.setattr(nf4_matvec_module, "_PDL_DEVICES", {})
+    for major, expected in ((8, False), (9, True), (10, True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _index, major=major: (major, 0))
+        nf4_matvec_module._PDL_DEVICES.clear()
+        assert nf4_matvec_module.uses_pdl(torch.device("cuda", 0)) is expected
+    assert not nf4_matvec_module.uses_pdl(torch.device("cpu"))
+    monkeypatch.setattr(nf4_matvec_module, "PDL", False)
+    assert not nf4_matvec_module.uses_pdl(torch.device("cuda", 0))
+
+
+def test_bf16_code_book_only_for_bf16_weights(monkeypatch):
+    """Rounding the code book to bf16 is within a bf16 weight's own rounding, not an fp32 or fp16 weight's (an
+    fp32 model's greedy tokens change with it), and only the compiled PTX lookup has it."""
+    monkeypatch.setattr(nf4_matvec_module, "PTX_LOOKUP", True)
+    monkeypatch.setattr(nf4_matvec_module, "BF16_CODES", True)
+    assert nf4_matvec_module.uses_bf16_codes(torch.bfloat16)
+    assert not nf4_matvec_module.uses_bf16_codes(torch.float32)
+    assert not nf4_matvec_module.uses_bf16_codes(torch.float16)
+    monkeypatch.setattr(nf4_matvec_module, "PTX_LOOKUP", False)
+    assert not nf4_matvec_module.uses_bf16_codes(torch.bfloat16)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
