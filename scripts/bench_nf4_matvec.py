@@ -15,10 +15,11 @@ compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), 
 
 `--sweep` also times the unsloth-lite kernel at each tile of `SWEEP_TILES` (features x weights along K / warps
 of a program, and whether K is split over programs, one tile each: `nf4_matvec.blocked_tile`'s choice) per
-shape, each unsplit tile loaded when used and a step ahead (`nf4_matvec.PREFETCH`), to choose that table from
-one run, and at the chosen tile with the code book read from memory (`nf4_matvec.PTX_LOOKUP` off: the
-interpreter's decoding) and with the exact fp32 code book instead of the one rounded to bf16 that bf16 weights
-take (`nf4_matvec.BF16_CODES` off: more instructions a weight; whether they bound the kernel).
+shape, as it is and with the options of `TILE_OPTIONS` (suffix "+word lookup": a word's eight nibbles in one
+call, `nf4_matvec.WORD_LOOKUP`), to choose that table from one run; and at the chosen tile with each
+setting of `CHOSEN_OPTIONS`: the codes read from memory instead of looked up in registers (`nf4_matvec.LOOKUP`
+"pairs", the interpreter's lookup, and "code_book"), the exact fp32 code book instead of the one rounded to
+bf16 that bf16 weights take (`BF16_CODES` off: more instructions a weight; whether they bound the kernel).
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, 8-bit absmax, second-level absmax, x) and write (y) once;
@@ -53,7 +54,11 @@ SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (3
                (8, 512, 4, True), (8, 1024, 4, True), (16, 512, 4, True), (16, 1024, 8, True), (32, 1024, 8, True),
                (16, 2048, 8, True)]
 TINY_VARIANTS = ("unsloth_lite", FLAT_ABSMAX, "dequantize_matmul")
-PREFETCHED = "+prefetch"  # the sweep's column suffix of a tile loaded a step ahead
+# `nf4_matvec` settings the sweep times at every tile (column suffix: settings) and at the chosen tile only
+TILE_OPTIONS = {"": {}, "+word lookup": {"WORD_LOOKUP": True}}
+CHOSEN_OPTIONS = {
+    "pairs": {"LOOKUP": "pairs"}, "code_book": {"LOOKUP": "code_book"}, "exact codes": {"BF16_CODES": False},
+}
 
 
 def projection_shapes(shape: str, tiny: bool) -> collections.Counter:
@@ -121,44 +126,40 @@ def tile_name(tile: tuple[int, int, int, bool]) -> str:
 
 
 def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
-    """Device time of the blocked kernel at every tile of SWEEP_TILES, per projection shape, one row of x, with
-    each unsplit tile loaded when it is used and a step ahead (`PREFETCH`, columns "+prefetch"); and at the chosen
-    tile with the code book read from memory instead of looked up in registers (`PTX_LOOKUP`) and with the exact
-    code book instead of the bf16 one (`BF16_CODES`)."""
+    """Device time of the blocked kernel at every tile of SWEEP_TILES, per projection shape, one row of x, as it
+    is and with the options of TILE_OPTIONS (column suffixes); and at the chosen tile with each setting of
+    CHOSEN_OPTIONS (columns "chosen, <name>")."""
     from unsloth_lite.kernels import nf4_matvec as matvec
 
     dtype = torch.float32 if tiny else torch.bfloat16
-    chosen, ptx_lookup, prefetch, rows = matvec.blocked_tile, matvec.PTX_LOOKUP, matvec.PREFETCH, []
-    bf16_codes = matvec.BF16_CODES
     keys = sorted({key for s in shapes for key in projection_shapes(s, tiny)})
+    rows = []
 
-    def time_us(x, weight):
-        with torch.no_grad():
-            fn = variant_fn("unsloth_lite", x, weight)
-            ms = graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
+    def time_us(x, weight, tile, options):
+        saved = {name: getattr(matvec, name) for name in ("blocked_tile", *options)}
+        try:
+            matvec.blocked_tile = lambda _n: tile
+            for name, value in options.items():
+                setattr(matvec, name, value)
+            with torch.no_grad():
+                fn = variant_fn("unsloth_lite", x, weight)
+                ms = graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
+        finally:
+            for name, value in saved.items():
+                setattr(matvec, name, value)
         return None if ms is None else round(1e3 * ms, 2)
 
-    try:
-        for n_out, n_in in keys:
-            weight = nf4_weight(n_out, n_in, device, dtype)
-            x = torch.randn(1, n_in, device=device, dtype=dtype)
-            row = dict(out=n_out, **{"in": n_in}, chosen=tile_name(chosen(n_out)))
-            for ahead, suffix in ((False, ""), (True, PREFETCHED)):
-                matvec.PREFETCH = ahead
-                for tile in SWEEP_TILES:
-                    if ahead and tile[3]:  # a split program reads one tile: nothing to load ahead
-                        continue
-                    matvec.blocked_tile = lambda _n, tile=tile: tile
-                    row[tile_name(tile) + suffix] = time_us(x, weight)
-            matvec.blocked_tile, matvec.PTX_LOOKUP, matvec.PREFETCH = chosen, False, prefetch
-            row["chosen, table"] = time_us(x, weight)
-            matvec.PTX_LOOKUP, matvec.BF16_CODES = ptx_lookup, False
-            row["chosen, exact codes"] = time_us(x, weight)
-            matvec.BF16_CODES = bf16_codes
-            rows.append(row)
-    finally:
-        matvec.blocked_tile, matvec.PTX_LOOKUP, matvec.PREFETCH = chosen, ptx_lookup, prefetch
-        matvec.BF16_CODES = bf16_codes
+    for n_out, n_in in keys:
+        weight = nf4_weight(n_out, n_in, device, dtype)
+        x = torch.randn(1, n_in, device=device, dtype=dtype)
+        chosen = matvec.blocked_tile(n_out)
+        row = dict(out=n_out, **{"in": n_in}, chosen=tile_name(chosen))
+        for suffix, options in TILE_OPTIONS.items():
+            for tile in SWEEP_TILES:
+                row[tile_name(tile) + suffix] = time_us(x, weight, tile, options)
+        for name, options in CHOSEN_OPTIONS.items():
+            row[f"chosen, {name}"] = time_us(x, weight, chosen, options)
+        rows.append(row)
     return rows
 
 
@@ -198,9 +199,8 @@ def main(argv=None) -> int:
     print(markdown_table(totals, ["model", "variant", "ms_per_token"]))
     sweep = sweep_tiles(shapes, device, args.tiny) if args.sweep else []
     if sweep:
-        tiles = [*map(tile_name, SWEEP_TILES)]
-        ahead = [tile_name(t) + PREFETCHED for t in SWEEP_TILES if not t[3]]
-        print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *ahead, "chosen, table", "chosen, exact codes"]))
+        tiles = [tile_name(t) + suffix for suffix in TILE_OPTIONS for t in SWEEP_TILES]
+        print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *(f"chosen, {n}" for n in CHOSEN_OPTIONS)]))
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
                               copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, sweep=sweep))
     return 0

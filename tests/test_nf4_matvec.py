@@ -62,14 +62,6 @@ def test_nf4_matvec_wider_tiles(device):
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_nf4_matvec_prefetched_tiles(rows, device, monkeypatch):
-    """The blocked kernel loading each tile a step ahead (`PREFETCH`): 37 quantisation blocks a row make several
-    tiles along K, compiled or interpreted, the last part-filled (its prefetch past the row loads nothing)."""
-    monkeypatch.setattr(nf4_matvec_module, "PREFETCH", True)
-    check((40, 64 * 37), rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
-
-
-@pytest.mark.parametrize("rows", [1, 3])
 def test_nf4_matvec_split_along_k(rows, device, monkeypatch):
     """K split over programs, one tile of 2 quantisation blocks each (19 splits, the last part-filled): the last
     program of each feature block sums the splits in order, so two calls give the same bits, and leaves the
@@ -80,6 +72,18 @@ def test_nf4_matvec_split_along_k(rows, device, monkeypatch):
     first = nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5)
     assert torch.equal(first, nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5))
     assert all(int(counters.abs().sum()) == 0 for counters in nf4_matvec_module._ARRIVALS.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("lookup", nf4_matvec_module.LOOKUPS)
+def test_nf4_matvec_lookups(lookup, rows, dtype, device, monkeypatch):
+    """Every way of mapping nibbles to code-book values (`LOOKUP`) over several tiles along K, the last
+    part-filled; the PTX lookup runs compiled only."""
+    if lookup == "registers" and device != "cuda":
+        pytest.skip("the PTX lookup runs compiled only")
+    monkeypatch.setattr(nf4_matvec_module, "LOOKUP", lookup)
+    check((40, 64 * 37), rows, dtype, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
@@ -142,23 +146,33 @@ def test_programmatic_dependent_launch_only_on_hopper_and_later(monkeypatch):
 def test_bf16_code_book_only_for_bf16_weights(monkeypatch):
     """Rounding the code book to bf16 is within a bf16 weight's own rounding, not an fp32 or fp16 weight's (an
     fp32 model's greedy tokens change with it), and only the compiled PTX lookup has it."""
-    monkeypatch.setattr(nf4_matvec_module, "PTX_LOOKUP", True)
+    monkeypatch.setattr(nf4_matvec_module, "LOOKUP", "registers")
     monkeypatch.setattr(nf4_matvec_module, "BF16_CODES", True)
     assert nf4_matvec_module.uses_bf16_codes(torch.bfloat16)
     assert not nf4_matvec_module.uses_bf16_codes(torch.float32)
     assert not nf4_matvec_module.uses_bf16_codes(torch.float16)
-    monkeypatch.setattr(nf4_matvec_module, "PTX_LOOKUP", False)
+    monkeypatch.setattr(nf4_matvec_module, "LOOKUP", "pairs")
     assert not nf4_matvec_module.uses_bf16_codes(torch.bfloat16)
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("shape", [*SHAPES, (5120, 5120), (17408, 5120), (1024, 4096)], ids=str)
+def test_nf4_matvec_word_lookup_cuda(shape, rows, monkeypatch):
+    """`WORD_LOOKUP` (a word's eight nibbles in one PTX call, its tables in registers), compiled, bf16 weights:
+    y within the bf16 tolerance of the exact product."""
+    monkeypatch.setattr(nf4_matvec_module, "WORD_LOOKUP", True)
+    check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
-@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
-def test_nf4_matvec_programmatic_dependent_launch_chain(split, prefetch, monkeypatch):
+@pytest.mark.parametrize("words", [False, True], ids=["", "words"])
+def test_nf4_matvec_programmatic_dependent_launch_chain(split, words, monkeypatch):
     """`PDL`: each projection launched while the one before it finishes reads that one's output only after
     waiting for it. A chain of four (y = W4 W3 W2 W1 x, each with bias and adapter, the inputs of one the outputs
     of the one before), eager and replayed as a CUDA graph, against float64."""
     monkeypatch.setattr(nf4_matvec_module, "PDL", True)
-    monkeypatch.setattr(nf4_matvec_module, "PREFETCH", prefetch)
+    monkeypatch.setattr(nf4_matvec_module, "WORD_LOOKUP", words)
     if split:
         monkeypatch.setattr(nf4_matvec_module, "blocked_tile", lambda n_out: (16, 1024, 8, True))
     sizes = [4096, 12288, 4096, 1024, 4096]

@@ -20,11 +20,11 @@ Each program owns BLOCK_N output features for all M rows (a matrix-vector produc
 cores). Where K is a multiple of the quantisation block (every real model), the blocked kernel walks K a few
 whole blocks at a time: it loads the tile's bytes as they lie (two weights a byte: the high nibble is the even
 element, the low nibble the odd one, multiplied by x's even and odd elements), decodes each block's absmax once
-(not once per weight: the nested form costs three dependent loads) and applies it once per weight pair, reads
-both code-book values of a byte with one load from a 256-entry table of pairs (`code_pairs`), and
+(not once per weight: the nested form costs three dependent loads) and applies it once per weight pair, maps
+each nibble to its code-book value (`LOOKUP`: in registers with `prmt` where compiled, else from a table), and
 for one row keeps elementwise partial sums that it reduces once at the end; for several rows each tile's
-decoded weights serve every row. At batch 1 the kernel is bound by instructions per weight, not by bytes, so
-each weight costs half a table load and a fused multiply-add, little more. Other
+decoded weights serve every row. At batch 1 the kernel is bound by instructions per weight, not by bytes (the
+lookup is most of them), so each weight costs its lookup and a fused multiply-add, little more. Other
 shapes (rows that split a quantisation block, odd element counts) take the general kernel: element e from byte
 e // 2, absmax per element, one reduction per tile.
 
@@ -62,11 +62,12 @@ MAX_ROWS = 8
 # Output features per program: N / BLOCK_N programs keep every SM busy at the hidden sizes of real models.
 BLOCK_N = 16
 BLOCK_K = 256 if INTERPRET else 128  # the interpreter's cost is per operation: fewer, wider tiles
-# The blocked kernel decodes nibbles with `prmt` (no memory access) when compiled; the interpreter runs no PTX.
-PTX_LOOKUP = not INTERPRET
-# The blocked kernel can load each tile one step ahead (`_nf4_matvec_blocked_kernel`): measured on the H200 at
-# the chosen tiles: from 7% faster to 6% slower by projection, no faster in sum, so off.
-PREFETCH = False
+# How the blocked kernel maps nibbles to code-book values (`_nf4_codes`): "registers", with `prmt` and no memory
+# access (compiled only: the interpreter runs no PTX); "pairs", one load a byte from a 256-entry table of value
+# pairs (2 KB: a warp's loads touch up to 16 cache lines); "code_book", one load a weight from the 16 fp32 codes
+# (64 bytes: every load of a warp hits one cache line).
+LOOKUPS = ("registers", "pairs", "code_book")
+LOOKUP = "pairs" if INTERPRET else "registers"
 # Programmatic dependent launch (Hopper and later, compiled only: `uses_pdl`): the blocked kernel may start while
 # the kernel before it finishes, its first weight loads in flight before it waits for that kernel
 # (`_nf4_matvec_blocked_kernel`). Measured on the H200: Qwen3-8B decoding 111 -> 116 tokens/s.
@@ -76,12 +77,15 @@ PDL = True
 # or more); each weight within bf16's rounding of its exact value, as the bf16 weight that `dequantize_nf4` writes
 # is. fp32 and fp16 weights keep the exact code book: rounded, it changes an fp32 model's greedy tokens.
 BF16_CODES = True
+# The bf16 codes' lookup of a word's eight nibbles in one call, its tables in registers
+# (`_nf4_bf16_word_lookup_ptx`: 20% fewer instructions in the kernel's loop); off until measured on a GPU.
+WORD_LOOKUP = False
 
 
 def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
     """Whether the blocked kernel decodes a weight of `weight_dtype` (`quant_state.dtype`) with the code book
     rounded to bf16: only bf16 weights, only where the PTX lookup runs."""
-    return BF16_CODES and PTX_LOOKUP and weight_dtype == torch.bfloat16
+    return BF16_CODES and LOOKUP == "registers" and weight_dtype == torch.bfloat16
 
 
 _PDL_DEVICES: dict = {}
@@ -194,6 +198,23 @@ def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor
     return t
 
 
+_WORD_TABLES: dict = {}
+
+
+def word_lookup_tables(code: torch.Tensor) -> torch.Tensor:
+    """int32 `[8]`: the code book rounded to bf16 as `prmt` tables, its low bytes then its high bytes, four
+    entries a word (entries 0-3, 4-7, 8-11, 12-15; entry i in byte i % 4). Built on the code book's device
+    without a host sync (a CUDA graph may be capturing), once per code-book tensor."""
+    key = (code.data_ptr(), code.device)
+    tables = _WORD_TABLES.get(key)
+    if tables is None:
+        bits = code.float().to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+        planes = torch.stack([bits & 0xFF, bits >> 8]).view(2, 4, 4)  # [plane, word, entry in the word]
+        words = (planes << (8 * torch.arange(4, device=code.device))).sum(dim=2).view(8)
+        tables = _WORD_TABLES[key] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return tables
+
+
 _CODE_PAIRS: dict = {}
 
 
@@ -259,35 +280,78 @@ def _nf4_lookup_ptx(high_nibbles: bool, bf16_codes: bool = False) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
+def _nf4_bf16_word_lookup_ptx() -> str:
+    """PTX that maps the eight nibbles of `$8` to the fp32 bit patterns of the bf16-rounded code-book values
+    (`word_lookup_tables`, in `$9` to `$40`, every fourth one read): the high nibble of byte j (an even weight)
+    in `$j`, its low nibble (an odd weight) in `$(4 + j)`. Each half word is itself `prmt`'s selector for its
+    four nibbles (bits 3 masked off), so nothing is spread or gathered first: per half, one `prmt` marks the
+    nibbles of 8-15 (their top bits, moved to bit 7 of a byte each, sign replicated), each of the two byte
+    planes of the bf16 codes is two lookups and a `lop3` select, and two `prmt` with four shifts or masks form
+    the words. The tables come in registers loaded once before the kernel's loop (given as constants, ptxas
+    copies them from uniform registers at every lookup). Compiled for sm_90 in the 8 x 512 kernel: a loop of
+    262 instructions for each thread's 32 weights against 326 with `_nf4_lookup_ptx`, 80 registers against 94."""
+    lines = [".reg .b32 u, s, m, lo, hi, v0, v1, a, b;", "shl.b32 u, $8, 4;"]
+    # selector nibbles of half h: odd, even weight of byte 2h, then of byte 2h + 1; mask byte i: 0xFF where
+    # nibble i is 8-15 (its top bit is bit 7 of a byte of u or of $8; prmt's sign mode replicates it)
+    for shift, mark, (even0, even1) in ((None, "0xD9C8", (0, 1)), ("16", "0xFBEA", (2, 3))):
+        lines += ["and.b32 s, $8, 0x7777;"] if shift is None else [f"shr.b32 s, $8, {shift};", "and.b32 s, s, 0x7777;"]
+        lines += [f"prmt.b32 m, u, $8, {mark};"]
+        for p in (0, 1):  # table word w of plane p is operand 9 + 4 (4p + w) (each input is packed four times)
+            lines += [
+                f"prmt.b32 lo, ${9 + 16 * p}, ${13 + 16 * p}, s;", f"prmt.b32 hi, ${17 + 16 * p}, ${21 + 16 * p}, s;",
+                f"lop3.b32 v{p}, lo, hi, m, 0xD8;",  # (lo & ~m) | (hi & m)
+            ]
+        lines += [  # a: bf16 of the odd weight of byte 2h in its low half, of the even one in its high half
+            "prmt.b32 a, v0, v1, 0x5140;", "prmt.b32 b, v0, v1, 0x7362;",
+            f"and.b32 ${even0}, a, 0xFFFF0000;", f"shl.b32 ${4 + even0}, a, 16;",
+            f"and.b32 ${even1}, b, 0xFFFF0000;", f"shl.b32 ${4 + even1}, b, 16;",
+        ]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
 NF4_EVEN_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=True))
 NF4_ODD_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=False))
 NF4_EVEN_BF16_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=True, bf16_codes=True))
 NF4_ODD_BF16_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=False, bf16_codes=True))
+NF4_BF16_WORD_PTX = tl.constexpr(_nf4_bf16_word_lookup_ptx())
 
 
 @triton.jit
-def _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr):
+def _nf4_codes(packed, table_ptr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, WORD_LOOKUP: tl.constexpr):
     """fp32 code-book values of the high (even weight) and low (odd weight) nibble of each byte of `packed`
-    (rounded to bf16 with BF16_CODES, which only the PTX lookup takes)."""
-    if PTX_LOOKUP:
+    (rounded to bf16 with BF16_CODES, which only the PTX lookup takes). LOOKUP: the index of `LOOKUPS`;
+    `table_ptr` is the pair table (`code_pairs`) for "pairs", the fp32 code book for "code_book"."""
+    if LOOKUP == 0 and BF16_CODES and WORD_LOOKUP:  # table_ptr: `word_lookup_tables`
+        even, odd = tl.inline_asm_elementwise(
+            NF4_BF16_WORD_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r" + ",r" * 32,
+            [packed, tl.load(table_ptr), tl.load(table_ptr + 1), tl.load(table_ptr + 2), tl.load(table_ptr + 3),
+             tl.load(table_ptr + 4), tl.load(table_ptr + 5), tl.load(table_ptr + 6), tl.load(table_ptr + 7)],
+            dtype=(tl.int32, tl.int32), is_pure=True, pack=4,
+        )
+        return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
+    elif LOOKUP == 0:
         even = tl.inline_asm_elementwise(NF4_EVEN_BF16_PTX if BF16_CODES else NF4_EVEN_PTX, "=r,=r,=r,=r,r",
                                          [packed], dtype=tl.int32, is_pure=True, pack=4)
         odd = tl.inline_asm_elementwise(NF4_ODD_BF16_PTX if BF16_CODES else NF4_ODD_PTX, "=r,=r,=r,=r,r",
                                         [packed], dtype=tl.int32, is_pure=True, pack=4)
         return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
-    else:  # (not a fall-through: a launch with PTX_LOOKUP passes the fp32 code book here, which `>>` refuses)
-        both = tl.load(code_pairs_ptr + packed.to(tl.int32))
+    elif LOOKUP == 1:
+        both = tl.load(table_ptr + packed.to(tl.int32))
         return both.to(tl.int32).to(tl.float32, bitcast=True), (both >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        byte = packed.to(tl.int32)
+        return tl.load(table_ptr + (byte >> 4)), tl.load(table_ptr + (byte & 0xF))
 
 
 @triton.jit
 def _blocked_tile_loads(
-    b0, x_ptr, x_col_stride, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+    b0, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
     nested_blocksize: tl.constexpr, features, mask_features, blocks_per_row,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
 ):
     """The loads of the tile of quantisation blocks [b0, b0 + BLOCKS_PER_TILE): each block's absmax `[N, B, 1]`
-    and packed bytes `[N, B, HALF]` (past the row: 0), and the pointers and mask of x's element pairs."""
+    and packed bytes `[N, B, HALF]` (past the row: 0), with each byte's index in the row `[B, HALF]` and which
+    blocks lie in the row `[B]`."""
     HALF: tl.constexpr = BLOCKSIZE // 2  # bytes of one quantisation block
     blocks = b0 + tl.arange(0, BLOCKS_PER_TILE)
     mask_blocks = blocks < blocks_per_row
@@ -300,15 +364,13 @@ def _blocked_tile_loads(
     row_bytes = features.to(tl.int64) * (blocks_per_row * HALF)
     packed = tl.load(packed_ptr + row_bytes[:, None, None] + byte_in_row[None, :, :], mask=mask_nb[:, :, None],
                      other=0)
-    # x's even and odd elements from one contiguous load, split in registers
-    x_pairs_ptr = x_ptr + (2 * byte_in_row[:, :, None] + tl.arange(0, 2)[None, None, :]) * x_col_stride
-    return absmax, packed, x_pairs_ptr, mask_blocks[:, None, None]
+    return absmax, packed, byte_in_row, mask_blocks
 
 
 @triton.jit
 def _nf4_matvec_blocked_kernel(
     x_ptr, x_row_stride, x_col_stride,
-    packed_ptr, absmax_ptr, code_pairs_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+    packed_ptr, absmax_ptr, table_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
     nested_blocksize: tl.constexpr,  # a compile-time constant: no 64-bit division call per absmax (in the SASS)
     bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
     out_ptr, out_row_stride, partial_ptr, arrivals_ptr,
@@ -316,14 +378,10 @@ def _nf4_matvec_blocked_kernel(
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
-    PTX_LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr,
+    LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, WORD_LOOKUP: tl.constexpr, SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """PREFETCH: the next tile's absmax and packed bytes (and x, for one row) are loaded before the current
-    tile is decoded, so that their memory latency overlaps that work instead of stalling the program at each
-    tile (the nested absmax alone is two dependent loads).
-
-    SPLIT_K: program (i, j) takes tile j along K of feature block i (`_sum_of_splits`), so that a layer's
+    """SPLIT_K: program (i, j) takes tile j along K of feature block i (`_sum_of_splits`), so that a layer's
     programs are K / tile times as many and each reads its bytes in one step: more bytes in flight per SM, x
     converted to the tile's layout once.
 
@@ -343,39 +401,20 @@ def _nf4_matvec_blocked_kernel(
         end_block = blocks_per_row
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, BLOCKSIZE // 2], dtype=tl.float32)  # one row: reduced at the end
-    if PREFETCH:
-        next_absmax, next_packed, next_x_ptr, next_mask_x = _blocked_tile_loads(
-            first_block, x_ptr, x_col_stride, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
-            nested_blocksize, features, mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE,
+    for b0 in range(first_block, end_block, BLOCKS_PER_TILE):
+        absmax, packed, byte_in_row, mask_blocks = _blocked_tile_loads(
+            b0, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, features,
+            mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE,
         )
         if PDL:
-            gdc_wait()
+            gdc_wait()  # returns at once after the first tile
+        # masked bytes: finite, x is 0
+        code_even, code_odd = _nf4_codes(packed, table_ptr, LOOKUP, BF16_CODES, WORD_LOOKUP)
+        # x's even and odd elements from one contiguous load, split in registers
+        x_pairs_ptr = x_ptr + (2 * byte_in_row[:, :, None] + tl.arange(0, 2)[None, None, :]) * x_col_stride
+        mask_x = mask_blocks[:, None, None]
         if BLOCK_M == 1:
-            next_x = tl.load(next_x_ptr, mask=next_mask_x, other=0.0)
-    for b0 in range(first_block, end_block, BLOCKS_PER_TILE):
-        if PREFETCH:
-            absmax, packed, x_pairs_ptr, mask_x = next_absmax, next_packed, next_x_ptr, next_mask_x
-            if BLOCK_M == 1:
-                x = next_x
-            next_absmax, next_packed, next_x_ptr, next_mask_x = _blocked_tile_loads(
-                b0 + BLOCKS_PER_TILE, x_ptr, x_col_stride, packed_ptr, absmax_ptr, nested_code_ptr,
-                nested_absmax_ptr, offset_ptr, nested_blocksize, features, mask_features, blocks_per_row,
-                BLOCKSIZE, NESTED, BLOCKS_PER_TILE,
-            )
-            if BLOCK_M == 1:
-                next_x = tl.load(next_x_ptr, mask=next_mask_x, other=0.0)
-        else:
-            absmax, packed, x_pairs_ptr, mask_x = _blocked_tile_loads(
-                b0, x_ptr, x_col_stride, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
-                nested_blocksize, features, mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE,
-            )
-            if PDL:
-                gdc_wait()  # returns at once after the first tile
-            if BLOCK_M == 1:
-                x = tl.load(x_pairs_ptr, mask=mask_x, other=0.0)
-        code_even, code_odd = _nf4_codes(packed, code_pairs_ptr, PTX_LOOKUP, BF16_CODES)  # masked bytes: finite, x is 0
-        if BLOCK_M == 1:
-            x_even, x_odd = tl.split(x.to(tl.float32))
+            x_even, x_odd = tl.split(tl.load(x_pairs_ptr, mask=mask_x, other=0.0).to(tl.float32))
             partial += (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
         else:
             for m in tl.static_range(BLOCK_M):
@@ -553,10 +592,17 @@ def nf4_matvec(
     if split_k:
         partial = empty((splits, triton.next_power_of_2(n_rows), n_out), torch.float32, x.device)
         arrivals = _arrival_counters(x.device, feature_blocks)
+    bf16_codes = uses_bf16_codes(launch.dtype)
+    # what the kernel reads codes from: the blocked kernel's pair table or word tables, else the code book
+    if blocked and LOOKUP == "pairs":
+        table = code_pairs(code)
+    elif blocked and bf16_codes and WORD_LOOKUP:
+        table = word_lookup_tables(code)
+    else:
+        table = code
     args = (
         x2d, x2d.stride(0), x2d.stride(1),
-        # the blocked kernel reads the pair table only where it cannot decode in registers
-        packed, absmax, code_pairs(code) if blocked and not PTX_LOOKUP else code, nested_code, nested_absmax, offset,
+        packed, absmax, table, nested_code, nested_absmax, offset,
         nested_blocksize,
         bias if bias is not None else out, t, t.stride(0), lora_b_arg, lora_b_arg.stride(0), lora_b_arg.stride(1),
         float(scale),
@@ -572,7 +618,7 @@ def nf4_matvec(
         _nf4_matvec_blocked_kernel[(feature_blocks, splits if split_k else 1)](
             *args, *((partial, arrivals) if split_k else (out, out)), *sizes,
             BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
-            PTX_LOOKUP=PTX_LOOKUP, BF16_CODES=uses_bf16_codes(launch.dtype), PREFETCH=PREFETCH and not split_k,
+            LOOKUP=LOOKUPS.index(LOOKUP), BF16_CODES=bf16_codes, WORD_LOOKUP=WORD_LOOKUP,
             SPLIT_K=split_k, PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}), **meta,
         )
     else:
