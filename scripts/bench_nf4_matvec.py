@@ -16,7 +16,8 @@ compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), 
 `--sweep` also times the unsloth-lite kernel at each tile of `SWEEP_TILES` (features x weights along K / warps
 of a program, and whether K is split over programs, one tile each: `nf4_matvec.blocked_tile`'s choice) per
 shape, as it is and with the options of `TILE_OPTIONS` (suffix "+word lookup": a word's eight nibbles in one
-call, `nf4_matvec.WORD_LOOKUP`), to choose that table from one run; and at the chosen tile with each
+call, `nf4_matvec.WORD_LOOKUP`), and the tensor-core kernel at each tile of `TENSOR_CORE_TILES` (suffix " tc",
+`nf4_matvec.TENSOR_CORES`: bf16 weights and x), to choose those tables from one run; and at the chosen tile with each
 setting of `CHOSEN_OPTIONS`: the codes read from memory instead of looked up in registers (`nf4_matvec.LOOKUP`
 "pairs", the interpreter's lookup, and "code_book"), the exact fp32 code book instead of the one rounded to
 bf16 that bf16 weights take (`BF16_CODES` off: more instructions a weight; whether they bound the kernel).
@@ -54,6 +55,10 @@ SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (3
                (8, 512, 4, True), (8, 1024, 4, True), (16, 512, 4, True), (16, 1024, 8, True), (32, 1024, 8, True),
                (16, 2048, 8, True)]
 TINY_VARIANTS = ("unsloth_lite", FLAT_ABSMAX, "dequantize_matmul")
+# the tensor-core kernel's tiles (`nf4_matvec.tensor_core_tile`: at least 16 features a program)
+TENSOR_CORE_TILES = [(32, 512, 4, True), (64, 256, 4, True), (64, 512, 4, True), (128, 256, 8, True),
+                     (32, 512, 4, False), (64, 256, 4, False)]
+TENSOR_CORE_SUFFIX = " tc"
 # `nf4_matvec` settings the sweep times at every tile (column suffix: settings) and at the chosen tile only
 TILE_OPTIONS = {"": {}, "+word lookup": {"WORD_LOOKUP": True}}
 CHOSEN_OPTIONS = {
@@ -135,10 +140,10 @@ def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
     keys = sorted({key for s in shapes for key in projection_shapes(s, tiny)})
     rows = []
 
-    def time_us(x, weight, tile, options):
-        saved = {name: getattr(matvec, name) for name in ("blocked_tile", *options)}
+    def time_us(x, weight, tile, options, tiles="blocked_tile"):
+        saved = {name: getattr(matvec, name) for name in (tiles, *options)}
         try:
-            matvec.blocked_tile = lambda _n: tile
+            setattr(matvec, tiles, lambda _n: tile)
             for name, value in options.items():
                 setattr(matvec, name, value)
             with torch.no_grad():
@@ -157,6 +162,9 @@ def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
         for suffix, options in TILE_OPTIONS.items():
             for tile in SWEEP_TILES:
                 row[tile_name(tile) + suffix] = time_us(x, weight, tile, options)
+        for tile in TENSOR_CORE_TILES:
+            row[tile_name(tile) + TENSOR_CORE_SUFFIX] = time_us(
+                x, weight, tile, {"TENSOR_CORES": True}, tiles="tensor_core_tile")
         for name, options in CHOSEN_OPTIONS.items():
             row[f"chosen, {name}"] = time_us(x, weight, chosen, options)
         rows.append(row)
@@ -200,6 +208,7 @@ def main(argv=None) -> int:
     sweep = sweep_tiles(shapes, device, args.tiny) if args.sweep else []
     if sweep:
         tiles = [tile_name(t) + suffix for suffix in TILE_OPTIONS for t in SWEEP_TILES]
+        tiles += [tile_name(t) + TENSOR_CORE_SUFFIX for t in TENSOR_CORE_TILES]
         print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *(f"chosen, {n}" for n in CHOSEN_OPTIONS)]))
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
                               copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, sweep=sweep))

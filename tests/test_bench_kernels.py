@@ -76,7 +76,8 @@ def test_bench_nf4_matvec_tiny_mode_runs():
     assert "| unsloth_lite |" in out and "| dequantize_matmul |" in out and "| unsloth_lite_flat_absmax |" in out
     assert "| qwen3_8b | unsloth_lite |" in out
     assert "| out | in | chosen | 4x1024/4w |" in out and "| 64x256/4w |" in out
-    assert "| 4x1024/4w+word lookup |" in out and "| chosen, pairs | chosen, code_book | chosen, exact codes |" in out
+    assert "| 4x1024/4w+word lookup |" in out and "| 128x256/8w split tc |" in out
+    assert "| chosen, pairs | chosen, code_book | chosen, exact codes |" in out
 
 
 def run_compiled(*options: str) -> subprocess.CompletedProcess:

@@ -10,7 +10,8 @@ from test_dequantize_nf4 import quantize
 
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
-from unsloth_lite.kernels.nf4_matvec import lora_down_rows, nf4_matvec, nf4_matvec_reference
+from unsloth_lite.kernels.lora_down import lora_down_rows
+from unsloth_lite.kernels.nf4_matvec import nf4_matvec, nf4_matvec_reference
 
 # (out, in): 96 and 160 split 64-element blocks across rows; 515 is odd (a byte holds two rows' nibbles): the
 # general kernel. 64 and 320 hold whole blocks: the blocked one, whose tiles are part-filled along K here.
@@ -59,6 +60,19 @@ def test_nf4_matvec_wider_tiles(device):
     """N >= 2048: compiled, the blocked kernel's programs take 8 features (`blocked_tile`); 2050 part-fills the
     last program."""
     check((2050, 128), 2, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_nf4_matvec_tensor_cores(rows, split, device, monkeypatch):
+    """`TENSOR_CORES`: bf16 codes times x on the tensor cores, one product column per (quantisation block, row),
+    fp32 absmax after it: several tiles along K (37 blocks, the last tile part-filled), a part-filled last
+    feature block, bias and adapter; split along K too. fp32 weights keep the fp32 kernel."""
+    monkeypatch.setattr(nf4_matvec_module, "TENSOR_CORES", True)
+    tile = (16, 256, 4, split) if device != "cuda" else (32, 512, 4, split)
+    monkeypatch.setattr(nf4_matvec_module, "tensor_core_tile", lambda n_out: tile)
+    check((40, 64 * 37), rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
+    assert not nf4_matvec_module.uses_tensor_cores(torch.float32, torch.zeros(1, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -161,6 +175,19 @@ def test_nf4_matvec_word_lookup_cuda(shape, rows, monkeypatch):
     """`WORD_LOOKUP` (a word's eight nibbles in one PTX call, its tables in registers), compiled, bf16 weights:
     y within the bf16 tolerance of the exact product."""
     monkeypatch.setattr(nf4_matvec_module, "WORD_LOOKUP", True)
+    check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(32, 512, 4, True), (64, 256, 4, True), (128, 256, 8, True), (32, 512, 4, False)],
+                         ids=str)
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("shape", [(48, 5120), (1024, 4096), (4096, 4096), (17408, 5120), (5120, 17408)], ids=str)
+def test_nf4_matvec_tensor_cores_cuda(shape, rows, tile, monkeypatch):
+    """`TENSOR_CORES` compiled at the sweep's tiles, the real projection shapes: y within the bf16 tolerance of
+    the exact product."""
+    monkeypatch.setattr(nf4_matvec_module, "TENSOR_CORES", True)
+    monkeypatch.setattr(nf4_matvec_module, "tensor_core_tile", lambda n_out: tile)
     check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
 
 

@@ -1,4 +1,4 @@
-"""The PTX that decodes NF4 codes in registers (`nf4_matvec._nf4_lookup_ptx`), run on the CPU by a small
+"""The PTX that decodes NF4 codes in registers (`nf4_codes._nf4_lookup_ptx`), run on the CPU by a small
 interpreter of the instructions it uses: every byte value, in every byte of the word, decodes to the code
 book's fp32 bit patterns (or, with `bf16_codes`, those of the codes rounded to bf16) for its high and its low
 nibble. The GPU tests run the same PTX compiled."""
@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from unsloth_lite.kernels import nf4_matvec
+from unsloth_lite.kernels import nf4_codes
 
 MASK = 0xFFFFFFFF
 
@@ -62,8 +62,8 @@ def fp32_bits(value: float) -> int:
 @pytest.mark.parametrize("bf16_codes", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("high_nibbles", [True, False], ids=["even", "odd"])
 def test_lookup_decodes_every_byte_in_every_position(high_nibbles, bf16_codes):
-    ptx = nf4_matvec._nf4_lookup_ptx(high_nibbles, bf16_codes)
-    codes = torch.tensor(nf4_matvec.NF4_CODE, dtype=torch.float32)
+    ptx = nf4_codes._nf4_lookup_ptx(high_nibbles, bf16_codes)
+    codes = torch.tensor(nf4_codes.NF4_CODE, dtype=torch.float32)
     expected = [fp32_bits(c) for c in (codes.to(torch.bfloat16).float() if bf16_codes else codes).tolist()]
     for value in range(256):
         for position in range(4):
@@ -79,11 +79,14 @@ def test_lookup_decodes_every_byte_in_every_position(high_nibbles, bf16_codes):
 def test_word_lookup_decodes_every_byte_in_every_position():
     """The one-call lookup of a word's eight nibbles (`_nf4_bf16_word_lookup_ptx`) with its tables
     (`word_lookup_tables`) in the operands Triton gives them: even weights in $0-$3, odd ones in $4-$7, each the
-    bf16-rounded code's fp32 bit pattern."""
-    ptx = nf4_matvec._nf4_bf16_word_lookup_ptx()
-    code = torch.tensor(nf4_matvec.NF4_CODE, dtype=torch.float32)
-    tables = [t & MASK for t in nf4_matvec.word_lookup_tables(code).tolist()]
+    bf16-rounded code's fp32 bit pattern; and as bf16 pairs (even weights of bytes 0-1 and 2-3 in $0 and $1, odd
+    ones in $2 and $3, the first of each pair in the low half)."""
+    ptx = nf4_codes._nf4_bf16_word_lookup_ptx()
+    code = torch.tensor(nf4_codes.NF4_CODE, dtype=torch.float32)
+    tables = [t & MASK for t in nf4_codes.word_lookup_tables(code).tolist()]
     operands = {f"${9 + 4 * i + j}": t for i, t in enumerate(tables) for j in range(4)}  # each packed 4 times
+    pairs_ptx = nf4_codes._nf4_bf16_word_lookup_ptx(bf16_pairs=True)
+    pair_operands = {f"${5 + 4 * i + j}": t for i, t in enumerate(tables) for j in range(4)}
     expected = [fp32_bits(c) for c in code.to(torch.bfloat16).float().tolist()]
     for value in range(256):
         for position in range(4):
@@ -91,6 +94,10 @@ def test_word_lookup_decodes_every_byte_in_every_position():
             others[position] = value
             word = sum(byte << (8 * i) for i, byte in enumerate(others))
             decoded = run_ptx(ptx, word, inputs=8, outputs=8, operands=operands)
+            pairs = run_ptx(pairs_ptx, word, inputs=4, outputs=4, operands=pair_operands)
+            halves = [(pairs[r] >> (16 * h)) & 0xFFFF for r in range(4) for h in (0, 1)]  # even 0-3, odd 0-3
             for i, byte in enumerate(others):
                 assert decoded[i] == expected[byte >> 4], (hex(word), "even", i)
                 assert decoded[4 + i] == expected[byte & 0xF], (hex(word), "odd", i)
+                assert halves[i] << 16 == expected[byte >> 4], (hex(word), "even bf16", i)
+                assert halves[4 + i] << 16 == expected[byte & 0xF], (hex(word), "odd bf16", i)

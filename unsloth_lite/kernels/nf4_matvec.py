@@ -37,7 +37,9 @@ code book rounded to bf16: two of the four byte planes of the lookup (compiled o
 instead of 592 in the kernel at 8 x 512), each weight within bf16's rounding of its exact value. With `PDL`
 (Hopper's programmatic dependent launch) a projection starts loading its weight while the kernel before it
 finishes and waits for that kernel before it reads anything the kernel may write; a decoding step chains
-hundreds of them.
+hundreds of them. `TENSOR_CORES` (bf16 weights and x) multiplies the decoded bf16 codes by x on the tensor
+cores instead of with fp32 multiply-adds (`_block_products`). The code lookups are in `nf4_codes.py`, the
+adapters' first product x Aᵀ in `lora_down.py`.
 
 Inference only: no autograd (the weight is frozen and generation needs no gradient); `nf4_matvec` refuses
 inputs that require grad.
@@ -56,9 +58,10 @@ from unsloth_lite.kernels.dequantize_nf4 import (
     _launch,
     dequantize_nf4_reference,
 )
+from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
+from unsloth_lite.kernels.nf4_codes import _nf4_codes, _nf4_codes_bf16, code_pairs, word_lookup_tables
 from unsloth_lite.kernels.utils import INTERPRET, check_float, check_kernel_device, empty
 
-MAX_ROWS = 8
 # Output features per program: N / BLOCK_N programs keep every SM busy at the hidden sizes of real models.
 BLOCK_N = 16
 BLOCK_K = 256 if INTERPRET else 128  # the interpreter's cost is per operation: fewer, wider tiles
@@ -80,6 +83,9 @@ BF16_CODES = True
 # The bf16 codes' lookup of a word's eight nibbles in one call, its tables in registers
 # (`_nf4_bf16_word_lookup_ptx`: 20% fewer instructions in the kernel's loop); off until measured on a GPU.
 WORD_LOOKUP = False
+# The blocked kernel's products on the tensor cores for bf16 weights and x (`_block_products`), with its own tile
+# (`tensor_core_tile`); off until measured on a GPU.
+TENSOR_CORES = False
 
 
 def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
@@ -100,6 +106,20 @@ def uses_pdl(device: torch.device) -> bool:
     if index not in _PDL_DEVICES:
         _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _PDL_DEVICES[index]
+
+
+def tensor_core_tile(n_out: int) -> tuple[int, int, int, bool]:
+    """`blocked_tile` of the TENSOR_CORES kernel: at least 16 features a program (a product's least height),
+    K split over programs so that a projection still has hundreds of them. Not yet measured (the sweep times
+    `TENSOR_CORE_TILES`)."""
+    if INTERPRET:
+        return 16, 256, 4, False
+    return 64, 256, 4, True
+
+
+def uses_tensor_cores(weight_dtype: torch.dtype, x: torch.Tensor) -> bool:
+    """Whether the blocked kernel multiplies on the tensor cores: TENSOR_CORES, bf16 weights and x."""
+    return TENSOR_CORES and weight_dtype == torch.bfloat16 and x.dtype == torch.bfloat16
 
 
 def blocked_tile(n_out: int) -> tuple[int, int, int, bool]:
@@ -142,208 +162,6 @@ def _store_rows(
 
 
 @triton.jit
-def _lora_down_kernel(
-    x_ptr, x_row_stride, x_col_stride, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, t_ptr, t_row_stride, n_rows, n_in,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Column j of t = x [A0; A1; A2]ᵀ: one program per adapter row (the A are `[r_i, K]`, contiguous)."""
-    j = tl.program_id(0)
-    if j < rank0:
-        a_row = a0_ptr + j.to(tl.int64) * n_in
-    elif j < rank0 + rank1:
-        a_row = a1_ptr + (j - rank0).to(tl.int64) * n_in
-    else:
-        a_row = a2_ptr + (j - rank0 - rank1).to(tl.int64) * n_in
-    rows = tl.arange(0, BLOCK_M)
-    mask_rows = rows < n_rows
-    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, n_in, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask_cols = cols < n_in
-        a = tl.load(a_row + cols, mask=mask_cols, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride,
-                    mask=mask_rows[:, None] & mask_cols[None, :], other=0.0).to(tl.float32)
-        acc += x * a[None, :]
-    tl.store(t_ptr + rows * t_row_stride + j, tl.sum(acc, axis=1), mask=mask_rows)
-
-
-MAX_ADAPTERS_PER_LAUNCH = 3  # q, k, v: the most projections that share an input
-# One program walks a whole row of A (up to 17,408 weights at the 27B's down projection): wide steps.
-LORA_BLOCK_K = 256 if INTERPRET else 1024
-
-
-def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor:
-    """`x [A_1; ...; A_n]ᵀ` in fp32, `[rows, Σ r_i]`, for x `[rows, K]` (1 to MAX_ROWS rows, any float dtype)
-    and adapters A_i `[r_i, K]`: the first product of each unmerged adapter of projections that share x, in one
-    launch per MAX_ADAPTERS_PER_LAUNCH adapters (no fp32 copy of x, no launch per adapter). Inference only."""
-    rows, n_in = x.shape
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"lora_down_rows takes 1 to {MAX_ROWS} rows of x, got {rows}")
-    if not lora_as or any(a.dim() != 2 or a.shape[1] != n_in or a.shape[0] == 0 for a in lora_as):
-        raise ValueError(f"each adapter A must be [r > 0, {n_in}]; got {[tuple(a.shape) for a in lora_as]}")
-    check_kernel_device("x", x)
-    ranks = [a.shape[0] for a in lora_as]
-    t = empty((rows, sum(ranks)), torch.float32, x.device)
-    start = 0
-    for first in range(0, len(lora_as), MAX_ADAPTERS_PER_LAUNCH):
-        group = [a.contiguous() for a in lora_as[first:first + MAX_ADAPTERS_PER_LAUNCH]]
-        pointers = group + [group[-1]] * (MAX_ADAPTERS_PER_LAUNCH - len(group))
-        width = sum(a.shape[0] for a in group)
-        _lora_down_kernel[(width,)](
-            x, x.stride(0), x.stride(1), *pointers, group[0].shape[0], group[1].shape[0] if len(group) > 1 else 0,
-            t[:, start:], t.stride(0), rows, n_in,
-            BLOCK_M=triton.next_power_of_2(rows), BLOCK_K=LORA_BLOCK_K, num_warps=4,
-        )
-        start += width
-    return t
-
-
-_WORD_TABLES: dict = {}
-
-
-def word_lookup_tables(code: torch.Tensor) -> torch.Tensor:
-    """int32 `[8]`: the code book rounded to bf16 as `prmt` tables, its low bytes then its high bytes, four
-    entries a word (entries 0-3, 4-7, 8-11, 12-15; entry i in byte i % 4). Built on the code book's device
-    without a host sync (a CUDA graph may be capturing), once per code-book tensor."""
-    key = (code.data_ptr(), code.device)
-    tables = _WORD_TABLES.get(key)
-    if tables is None:
-        bits = code.float().to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
-        planes = torch.stack([bits & 0xFF, bits >> 8]).view(2, 4, 4)  # [plane, word, entry in the word]
-        words = (planes << (8 * torch.arange(4, device=code.device))).sum(dim=2).view(8)
-        tables = _WORD_TABLES[key] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return tables
-
-
-_CODE_PAIRS: dict = {}
-
-
-def code_pairs(code: torch.Tensor) -> torch.Tensor:
-    """int64 `[256]`: for each byte value, the fp32 code-book values of its high nibble (the even weight: low
-    word) and of its low nibble (high word). Built on the code book's device, without a host sync (a CUDA graph
-    may be capturing), once per code-book tensor."""
-    key = (code.data_ptr(), code.device)
-    table = _CODE_PAIRS.get(key)
-    if table is None:
-        byte = torch.arange(256, device=code.device)
-        pairs = torch.stack([code.float()[byte >> 4], code.float()[byte & 0xF]], dim=1).contiguous()
-        table = _CODE_PAIRS[key] = pairs.view(torch.int64).view(256)
-    return table
-
-
-# bitsandbytes' NF4 code book (the NormalFloat levels of QLoRA; `quant_type="nf4"` always uses it).
-NF4_CODE = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-)
-
-
-def _nf4_lookup_ptx(high_nibbles: bool, bf16_codes: bool = False) -> str:
-    """PTX that maps the four bytes of `$4` to the fp32 bit patterns of NF4_CODE[nibble] in `$0..$3` (the high
-    or the low nibble of each byte), with no memory access: `prmt` looks up four bytes at once in an 8-byte
-    table held in two registers, so each of the four byte planes of the 16 fp32 codes is two lookups (entries
-    0-7 and 8-15) and a select on the nibble's top bit; eight more `prmt` transpose the planes into words.
-    `bf16_codes`: the codes rounded to bf16 (fp32 words whose low half is zero): two planes, not four, and two
-    `prmt` with four shifts or masks to form the words: 33 PTX instructions for four weights instead of 53."""
-    codes = torch.tensor(NF4_CODE, dtype=torch.float32)
-    words = (codes.to(torch.bfloat16).float() if bf16_codes else codes).view(torch.int32).tolist()
-    plane = [[(w >> (8 * p)) & 0xFF for w in words] for p in range(4)]
-
-    def table(p, first):  # entries first..first+3 of plane p, little-endian
-        return sum(plane[p][first + i] << (8 * i) for i in range(4))
-
-    lines = [".reg .b32 n, t, s, m, lo, hi, v0, v1, v2, v3, a, b, c, d, ta, tb;"]
-    lines += ["shr.b32 n, $4, 4;" if high_nibbles else "mov.b32 n, $4;", "and.b32 n, n, 0x0F0F0F0F;"]
-    # selector: the four nibbles side by side in 16 bits, top bits cleared (prmt reads bit 3 as a sign flag)
-    lines += ["shr.b32 t, n, 4;", "or.b32 t, t, n;", "prmt.b32 s, t, t, 0x20;", "and.b32 s, s, 0x7777;"]
-    # 0xFF in each byte whose nibble is 8-15: prmt's sign mode replicates bit 7 of the byte
-    lines += ["shl.b32 m, n, 4;", "prmt.b32 m, m, m, 0xBA98;", "not.b32 t, m;"]
-    for p in (2, 3) if bf16_codes else range(4):
-        lines += [
-            f"mov.b32 ta, 0x{table(p, 0):08X};", f"mov.b32 tb, 0x{table(p, 4):08X};", "prmt.b32 lo, ta, tb, s;",
-            f"mov.b32 ta, 0x{table(p, 8):08X};", f"mov.b32 tb, 0x{table(p, 12):08X};", "prmt.b32 hi, ta, tb, s;",
-            "and.b32 hi, hi, m;", "and.b32 lo, lo, t;", f"or.b32 v{p}, lo, hi;",
-        ]
-    if bf16_codes:  # word j = the bf16 code's two bytes (planes 2 and 3 of byte j) in its high half
-        lines += [
-            "prmt.b32 a, v2, v3, 0x5140;", "prmt.b32 b, v2, v3, 0x7362;",
-            "shl.b32 $0, a, 16;", "and.b32 $1, a, 0xFFFF0000;", "shl.b32 $2, b, 16;", "and.b32 $3, b, 0xFFFF0000;",
-        ]
-        return "{\n" + "\n".join(lines) + "\n}"
-    lines += [
-        "prmt.b32 a, v0, v1, 0x5140;", "prmt.b32 b, v0, v1, 0x7362;",
-        "prmt.b32 c, v2, v3, 0x5140;", "prmt.b32 d, v2, v3, 0x7362;",
-        "prmt.b32 $0, a, c, 0x5410;", "prmt.b32 $1, a, c, 0x7632;",
-        "prmt.b32 $2, b, d, 0x5410;", "prmt.b32 $3, b, d, 0x7632;",
-    ]
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-def _nf4_bf16_word_lookup_ptx() -> str:
-    """PTX that maps the eight nibbles of `$8` to the fp32 bit patterns of the bf16-rounded code-book values
-    (`word_lookup_tables`, in `$9` to `$40`, every fourth one read): the high nibble of byte j (an even weight)
-    in `$j`, its low nibble (an odd weight) in `$(4 + j)`. Each half word is itself `prmt`'s selector for its
-    four nibbles (bits 3 masked off), so nothing is spread or gathered first: per half, one `prmt` marks the
-    nibbles of 8-15 (their top bits, moved to bit 7 of a byte each, sign replicated), each of the two byte
-    planes of the bf16 codes is two lookups and a `lop3` select, and two `prmt` with four shifts or masks form
-    the words. The tables come in registers loaded once before the kernel's loop (given as constants, ptxas
-    copies them from uniform registers at every lookup). Compiled for sm_90 in the 8 x 512 kernel: a loop of
-    262 instructions for each thread's 32 weights against 326 with `_nf4_lookup_ptx`, 80 registers against 94."""
-    lines = [".reg .b32 u, s, m, lo, hi, v0, v1, a, b;", "shl.b32 u, $8, 4;"]
-    # selector nibbles of half h: odd, even weight of byte 2h, then of byte 2h + 1; mask byte i: 0xFF where
-    # nibble i is 8-15 (its top bit is bit 7 of a byte of u or of $8; prmt's sign mode replicates it)
-    for shift, mark, (even0, even1) in ((None, "0xD9C8", (0, 1)), ("16", "0xFBEA", (2, 3))):
-        lines += ["and.b32 s, $8, 0x7777;"] if shift is None else [f"shr.b32 s, $8, {shift};", "and.b32 s, s, 0x7777;"]
-        lines += [f"prmt.b32 m, u, $8, {mark};"]
-        for p in (0, 1):  # table word w of plane p is operand 9 + 4 (4p + w) (each input is packed four times)
-            lines += [
-                f"prmt.b32 lo, ${9 + 16 * p}, ${13 + 16 * p}, s;", f"prmt.b32 hi, ${17 + 16 * p}, ${21 + 16 * p}, s;",
-                f"lop3.b32 v{p}, lo, hi, m, 0xD8;",  # (lo & ~m) | (hi & m)
-            ]
-        lines += [  # a: bf16 of the odd weight of byte 2h in its low half, of the even one in its high half
-            "prmt.b32 a, v0, v1, 0x5140;", "prmt.b32 b, v0, v1, 0x7362;",
-            f"and.b32 ${even0}, a, 0xFFFF0000;", f"shl.b32 ${4 + even0}, a, 16;",
-            f"and.b32 ${even1}, b, 0xFFFF0000;", f"shl.b32 ${4 + even1}, b, 16;",
-        ]
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-NF4_EVEN_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=True))
-NF4_ODD_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=False))
-NF4_EVEN_BF16_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=True, bf16_codes=True))
-NF4_ODD_BF16_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=False, bf16_codes=True))
-NF4_BF16_WORD_PTX = tl.constexpr(_nf4_bf16_word_lookup_ptx())
-
-
-@triton.jit
-def _nf4_codes(packed, table_ptr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, WORD_LOOKUP: tl.constexpr):
-    """fp32 code-book values of the high (even weight) and low (odd weight) nibble of each byte of `packed`
-    (rounded to bf16 with BF16_CODES, which only the PTX lookup takes). LOOKUP: the index of `LOOKUPS`;
-    `table_ptr` is the pair table (`code_pairs`) for "pairs", the fp32 code book for "code_book"."""
-    if LOOKUP == 0 and BF16_CODES and WORD_LOOKUP:  # table_ptr: `word_lookup_tables`
-        even, odd = tl.inline_asm_elementwise(
-            NF4_BF16_WORD_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r" + ",r" * 32,
-            [packed, tl.load(table_ptr), tl.load(table_ptr + 1), tl.load(table_ptr + 2), tl.load(table_ptr + 3),
-             tl.load(table_ptr + 4), tl.load(table_ptr + 5), tl.load(table_ptr + 6), tl.load(table_ptr + 7)],
-            dtype=(tl.int32, tl.int32), is_pure=True, pack=4,
-        )
-        return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
-    elif LOOKUP == 0:
-        even = tl.inline_asm_elementwise(NF4_EVEN_BF16_PTX if BF16_CODES else NF4_EVEN_PTX, "=r,=r,=r,=r,r",
-                                         [packed], dtype=tl.int32, is_pure=True, pack=4)
-        odd = tl.inline_asm_elementwise(NF4_ODD_BF16_PTX if BF16_CODES else NF4_ODD_PTX, "=r,=r,=r,=r,r",
-                                        [packed], dtype=tl.int32, is_pure=True, pack=4)
-        return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
-    elif LOOKUP == 1:
-        both = tl.load(table_ptr + packed.to(tl.int32))
-        return both.to(tl.int32).to(tl.float32, bitcast=True), (both >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    else:
-        byte = packed.to(tl.int32)
-        return tl.load(table_ptr + (byte >> 4)), tl.load(table_ptr + (byte & 0xF))
-
-
-@triton.jit
 def _blocked_tile_loads(
     b0, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
     nested_blocksize: tl.constexpr, features, mask_features, blocks_per_row,
@@ -368,6 +186,35 @@ def _blocked_tile_loads(
 
 
 @triton.jit
+def _block_products(
+    packed, absmax, b0, x_ptr, x_row_stride, x_col_stride, table_ptr, n_rows, blocks_per_row,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, HALF: tl.constexpr,
+    LOOKUP: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """`[BLOCK_N, BLOCK_M]`: Σ_b absmax[n, b] Σ_(k in block b) W[n, k] x[m, k] over the tile's blocks, the inner
+    sums on the tensor cores (`_nf4_matvec_blocked_kernel`'s TENSOR_CORES)."""
+    even, odd = _nf4_codes_bf16(packed, table_ptr, LOOKUP)  # [N, B, HALF]; masked bytes: finite, x is 0
+    k_pairs = tl.arange(0, BLOCKS_PER_TILE * HALF)  # the tile's bytes: x's element pairs
+    k_block = k_pairs // HALF
+    cols = tl.arange(0, BLOCKS_PER_TILE * BLOCK_M)  # column (b, m) = b * BLOCK_M + m
+    col_block = cols // BLOCK_M
+    col_row = cols % BLOCK_M
+    placed = ((k_block[:, None] == col_block[None, :]) & (col_row < n_rows)[None, :]
+              & (b0 + k_block < blocks_per_row)[:, None])
+    x_even_ptr = x_ptr + col_row[None, :] * x_row_stride + (2 * (b0 * HALF + k_pairs))[:, None] * x_col_stride
+    x_even = tl.load(x_even_ptr, mask=placed, other=0.0)
+    x_odd = tl.load(x_even_ptr + x_col_stride, mask=placed, other=0.0)
+    w_even = tl.reshape(even, [BLOCK_N, BLOCKS_PER_TILE * HALF])
+    w_odd = tl.reshape(odd, [BLOCK_N, BLOCKS_PER_TILE * HALF])
+    if DOT_FP32:
+        sums = tl.dot(w_even.to(tl.float32), x_even.to(tl.float32), input_precision="ieee")
+        sums = tl.dot(w_odd.to(tl.float32), x_odd.to(tl.float32), sums, input_precision="ieee")
+    else:
+        sums = tl.dot(w_odd, x_odd, tl.dot(w_even, x_even))
+    return tl.sum(tl.reshape(sums, [BLOCK_N, BLOCKS_PER_TILE, BLOCK_M]) * absmax, axis=1)
+
+
+@triton.jit
 def _nf4_matvec_blocked_kernel(
     x_ptr, x_row_stride, x_col_stride,
     packed_ptr, absmax_ptr, table_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
@@ -379,9 +226,17 @@ def _nf4_matvec_blocked_kernel(
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, WORD_LOOKUP: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, TENSOR_CORES: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
-    """SPLIT_K: program (i, j) takes tile j along K of feature block i (`_sum_of_splits`), so that a layer's
+    """TENSOR_CORES (bf16 weights and x): the tile's codes are decoded to bf16 (`_nf4_codes_bf16`) and
+    multiplied by x on the tensor cores, so the multiply-adds, the codes' conversion to fp32 and x's conversion
+    to the tile's layout leave the loop's instructions (the kernel is bound by them). The absmax stays fp32: the
+    product's columns are (quantisation block, row) pairs, x placed in block b's rows of column (b, m) only, so
+    column (b, m) of the product is block b's sum for row m, scaled by its absmax afterwards. BLOCK_M (rows
+    padded) is at least 16 / BLOCKS_PER_TILE, the product's least width. DOT_FP32 (the interpreter, whose bf16
+    products are wrong): the operands are upcast.
+
+    SPLIT_K: program (i, j) takes tile j along K of feature block i (`_sum_of_splits`), so that a layer's
     programs are K / tile times as many and each reads its bytes in one step: more bytes in flight per SM, x
     converted to the tile's layout once.
 
@@ -401,6 +256,7 @@ def _nf4_matvec_blocked_kernel(
         end_block = blocks_per_row
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, BLOCKSIZE // 2], dtype=tl.float32)  # one row: reduced at the end
+    mma_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for b0 in range(first_block, end_block, BLOCKS_PER_TILE):
         absmax, packed, byte_in_row, mask_blocks = _blocked_tile_loads(
             b0, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, features,
@@ -408,23 +264,31 @@ def _nf4_matvec_blocked_kernel(
         )
         if PDL:
             gdc_wait()  # returns at once after the first tile
-        # masked bytes: finite, x is 0
-        code_even, code_odd = _nf4_codes(packed, table_ptr, LOOKUP, BF16_CODES, WORD_LOOKUP)
-        # x's even and odd elements from one contiguous load, split in registers
-        x_pairs_ptr = x_ptr + (2 * byte_in_row[:, :, None] + tl.arange(0, 2)[None, None, :]) * x_col_stride
-        mask_x = mask_blocks[:, None, None]
-        if BLOCK_M == 1:
-            x_even, x_odd = tl.split(tl.load(x_pairs_ptr, mask=mask_x, other=0.0).to(tl.float32))
-            partial += (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
+        if TENSOR_CORES:
+            mma_acc += _block_products(
+                packed, absmax, b0, x_ptr, x_row_stride, x_col_stride, table_ptr, n_rows, blocks_per_row,
+                BLOCK_N, BLOCK_M, BLOCKS_PER_TILE, BLOCKSIZE // 2, LOOKUP, DOT_FP32,
+            )
         else:
-            for m in tl.static_range(BLOCK_M):
-                mask_row = mask_x & ((tl.arange(0, BLOCKS_PER_TILE) * 0 + m) < n_rows)[:, None, None]
-                x_even, x_odd = tl.split(
-                    tl.load(x_pairs_ptr + m * x_row_stride, mask=mask_row, other=0.0).to(tl.float32))
-                products = (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
-                row_sum = tl.sum(tl.sum(products, axis=2), axis=1)
-                acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
-    if BLOCK_M == 1:
+            # masked bytes: finite, x is 0
+            code_even, code_odd = _nf4_codes(packed, table_ptr, LOOKUP, BF16_CODES, WORD_LOOKUP)
+            # x's even and odd elements from one contiguous load, split in registers
+            x_pairs_ptr = x_ptr + (2 * byte_in_row[:, :, None] + tl.arange(0, 2)[None, None, :]) * x_col_stride
+            mask_x = mask_blocks[:, None, None]
+            if BLOCK_M == 1:
+                x_even, x_odd = tl.split(tl.load(x_pairs_ptr, mask=mask_x, other=0.0).to(tl.float32))
+                partial += (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
+            else:
+                for m in tl.static_range(BLOCK_M):
+                    mask_row = mask_x & ((tl.arange(0, BLOCKS_PER_TILE) * 0 + m) < n_rows)[:, None, None]
+                    x_even, x_odd = tl.split(
+                        tl.load(x_pairs_ptr + m * x_row_stride, mask=mask_row, other=0.0).to(tl.float32))
+                    products = (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
+                    row_sum = tl.sum(tl.sum(products, axis=2), axis=1)
+                    acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
+    if TENSOR_CORES:
+        acc = tl.trans(mma_acc)
+    elif BLOCK_M == 1:
         acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
     if PDL:
         gdc_launch_dependents()
@@ -585,18 +449,23 @@ def nf4_matvec(
     lora_b_arg = lora_b if has_lora else out
     packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize = launch.inputs
     blocksize = 2 * launch.meta["HALF_BLOCK"]
-    block_n, tile_k, warps, split_k = blocked_tile(n_out)
+    tensor_cores = uses_tensor_cores(launch.dtype, x)
+    block_n, tile_k, warps, split_k = (tensor_core_tile if tensor_cores else blocked_tile)(n_out)
     blocked = n_in % blocksize == 0 and tile_k % blocksize == 0
     feature_blocks, splits = triton.cdiv(n_out, block_n), triton.cdiv(n_in, tile_k)
     split_k = split_k and blocked and splits > 1
+    # rows of the blocked kernel: x's, padded; with tensor cores, at least the product's least width in columns
+    block_m = triton.next_power_of_2(n_rows)
+    if tensor_cores:
+        block_m = max(block_m, 16 // max(tile_k // blocksize, 1))
     if split_k:
-        partial = empty((splits, triton.next_power_of_2(n_rows), n_out), torch.float32, x.device)
+        partial = empty((splits, block_m, n_out), torch.float32, x.device)
         arrivals = _arrival_counters(x.device, feature_blocks)
     bf16_codes = uses_bf16_codes(launch.dtype)
     # what the kernel reads codes from: the blocked kernel's pair table or word tables, else the code book
     if blocked and LOOKUP == "pairs":
         table = code_pairs(code)
-    elif blocked and bf16_codes and WORD_LOOKUP:
+    elif blocked and LOOKUP == "registers" and (tensor_cores or bf16_codes and WORD_LOOKUP):
         table = word_lookup_tables(code)
     else:
         table = code
@@ -617,7 +486,8 @@ def nf4_matvec(
         pdl = uses_pdl(x.device)
         _nf4_matvec_blocked_kernel[(feature_blocks, splits if split_k else 1)](
             *args, *((partial, arrivals) if split_k else (out, out)), *sizes,
-            BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize, TENSOR_CORES=tensor_cores,
+            DOT_FP32=INTERPRET,
             LOOKUP=LOOKUPS.index(LOOKUP), BF16_CODES=bf16_codes, WORD_LOOKUP=WORD_LOOKUP,
             SPLIT_K=split_k, PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}), **meta,
         )

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from unsloth_lite.kernels.lora import LoRAProjection
-from unsloth_lite.kernels.nf4_matvec import MAX_ROWS, lora_down_rows, nf4_matvec, nf4_matvec_reference
+from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
+from unsloth_lite.kernels.nf4_matvec import nf4_matvec, nf4_matvec_reference
 from unsloth_lite.kernels.utils import INTERPRET
 
 # Attention implementations whose mask (None, or 4-D boolean or additive) SDPA reads as they do.

@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from unsloth_lite.kernels.nf4_matvec import MAX_ROWS
+from unsloth_lite.kernels.lora_down import MAX_ROWS
 from unsloth_lite.kernels.utils import INTERPRET
 
 GRAPHS_ATTRIBUTE = "_unsloth_lite_decode_graphs"

@@ -1,0 +1,74 @@
+"""The first product of unmerged LoRA adapters at decoding: t = x [A_1; ...; A_n]ᵀ for a few rows of x.
+
+At one token per sequence the rank-r product x Aᵀ is a few thousand multiply-adds per adapter; launched one by
+one, the adapters of projections that share an input (q, k and v; gate and up) would cost a launch each. One
+program per adapter row walks K once, for every row of x, and writes its fp32 column of t; `nf4_matvec` then
+adds s · t Bᵀ to its product (`lora_t`). Inference only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from unsloth_lite.kernels.utils import INTERPRET, check_kernel_device, empty
+
+MAX_ROWS = 8  # rows of x (tokens of all sequences together) the decoding kernels take
+
+
+@triton.jit
+def _lora_down_kernel(
+    x_ptr, x_row_stride, x_col_stride, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, t_ptr, t_row_stride, n_rows, n_in,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Column j of t = x [A0; A1; A2]ᵀ: one program per adapter row (the A are `[r_i, K]`, contiguous)."""
+    j = tl.program_id(0)
+    if j < rank0:
+        a_row = a0_ptr + j.to(tl.int64) * n_in
+    elif j < rank0 + rank1:
+        a_row = a1_ptr + (j - rank0).to(tl.int64) * n_in
+    else:
+        a_row = a2_ptr + (j - rank0 - rank1).to(tl.int64) * n_in
+    rows = tl.arange(0, BLOCK_M)
+    mask_rows = rows < n_rows
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask_cols = cols < n_in
+        a = tl.load(a_row + cols, mask=mask_cols, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride,
+                    mask=mask_rows[:, None] & mask_cols[None, :], other=0.0).to(tl.float32)
+        acc += x * a[None, :]
+    tl.store(t_ptr + rows * t_row_stride + j, tl.sum(acc, axis=1), mask=mask_rows)
+
+
+MAX_ADAPTERS_PER_LAUNCH = 3  # q, k, v: the most projections that share an input
+# One program walks a whole row of A (up to 17,408 weights at the 27B's down projection): wide steps.
+LORA_BLOCK_K = 256 if INTERPRET else 1024
+
+
+def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor:
+    """`x [A_1; ...; A_n]ᵀ` in fp32, `[rows, Σ r_i]`, for x `[rows, K]` (1 to MAX_ROWS rows, any float dtype)
+    and adapters A_i `[r_i, K]`: the first product of each unmerged adapter of projections that share x, in one
+    launch per MAX_ADAPTERS_PER_LAUNCH adapters (no fp32 copy of x, no launch per adapter). Inference only."""
+    rows, n_in = x.shape
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"lora_down_rows takes 1 to {MAX_ROWS} rows of x, got {rows}")
+    if not lora_as or any(a.dim() != 2 or a.shape[1] != n_in or a.shape[0] == 0 for a in lora_as):
+        raise ValueError(f"each adapter A must be [r > 0, {n_in}]; got {[tuple(a.shape) for a in lora_as]}")
+    check_kernel_device("x", x)
+    ranks = [a.shape[0] for a in lora_as]
+    t = empty((rows, sum(ranks)), torch.float32, x.device)
+    start = 0
+    for first in range(0, len(lora_as), MAX_ADAPTERS_PER_LAUNCH):
+        group = [a.contiguous() for a in lora_as[first:first + MAX_ADAPTERS_PER_LAUNCH]]
+        pointers = group + [group[-1]] * (MAX_ADAPTERS_PER_LAUNCH - len(group))
+        width = sum(a.shape[0] for a in group)
+        _lora_down_kernel[(width,)](
+            x, x.stride(0), x.stride(1), *pointers, group[0].shape[0], group[1].shape[0] if len(group) > 1 else 0,
+            t[:, start:], t.stride(0), rows, n_in,
+            BLOCK_M=triton.next_power_of_2(rows), BLOCK_K=LORA_BLOCK_K, num_warps=4,
+        )
+        start += width
+    return t
