@@ -45,6 +45,10 @@ and each DeltaNet layer's float32 state read and written (plus its convolution s
 BENCHMARKS.md's 17.7 GB per token at the 27B shape counts the whole input embedding (2.5 GB); decoding reads one
 row of it.
 
+unsloth-lite variants on CUDA also report `graph_step_ms`, the GPU time of one replay of the captured decode step
+replayed back to back (`graph_step_ms()`), and `host_gap_ms` = the time a token takes in `generate` minus it:
+what `generate`'s host loop adds to each step while the GPU waits.
+
 `--tiny`: a CPU smoke run through the same parent/worker path (2-layer models of both shapes, fp32, NF4 through
 bitsandbytes' CPU backend, kernels in Triton's interpreter; prompt 8, 4 new tokens; no memory figures).
 """
@@ -316,6 +320,28 @@ def measure(model, variant: str, c: dict, device, prompt: int, new_tokens: int, 
     return out
 
 
+def graph_step_ms(model, device, replays: int = 20) -> float | None:
+    """GPU time of one replay of the captured batch-1 decode step (`models.decode_graph`), replayed back to back
+    with no host work between: against the time a token takes in `generate`, what the host adds to each step
+    (a GPU left idle while `generate`'s loop runs on the host). None where no step was captured. The replays
+    overwrite one position of the cache: call after the measured generations."""
+    from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
+
+    steps = [step for module in model.modules() for step in module.__dict__.get(GRAPHS_ATTRIBUTE, {}).values()]
+    graph = next((step.graph for step in steps if step.graph is not None), None)
+    if graph is None:
+        return None
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / replays
+
+
 def write_profile(model, c: dict, device, prompt: int, path: Path, new_tokens: int = 16) -> None:
     """The GPU kernels of one more `new_tokens`-token generation (warm), by total time, as a table at `path`."""
     from torch.profiler import ProfilerActivity, profile
@@ -342,6 +368,11 @@ def worker_main(args) -> int:
             model = load(args.worker, shape, c, checkpoint, device, dtype, args.prompt + args.new_tokens)
             result["load_s"] = round(time.perf_counter() - start, 1)
             result.update(measure(model, args.worker, c, device, args.prompt, args.new_tokens, args.repeats))
+            if device.type == "cuda" and args.worker.startswith("unsloth_lite"):
+                step_ms = graph_step_ms(model, device)
+                if step_ms is not None:
+                    result["graph_step_ms"] = step_ms
+                    result["host_gap_ms"] = 1e3 / result["decode_tokens_per_s"] - step_ms
             if args.profile_dir:
                 write_profile(model, c, device, args.prompt, Path(args.profile_dir) / f"{args.worker}_{shape}.txt")
         except (Exception, SystemExit) as error:  # this variant's error on this shape, never a crash of the run
@@ -396,6 +427,9 @@ def summarise(rows: list[dict], bandwidth_gbps: float, prompt: int, new_tokens: 
         if "decode_tokens_per_s" in row:
             row["bound_fraction"] = float(f"{row['decode_tokens_per_s'] / row['bound_tokens_per_s']:.3g}")
             row["decode_tokens_per_s"] = round(row["decode_tokens_per_s"], 2)
+        for key in ("graph_step_ms", "host_gap_ms"):
+            if key in row:
+                row[key] = round(row[key], 3)
             row["ttft_ms"] = round(row["ttft_ms"], 1)
         if "peak_gib" in row:
             row["peak_gib"] = round(row["peak_gib"], 2)
@@ -467,7 +501,7 @@ def main(argv=None) -> int:
     summarise(rows, bandwidth, args.prompt, args.new_tokens, args.tiny)
     rows.sort(key=lambda r: (SHAPES.index(r["shape"]), variants.index(r["variant"])))
     columns = ["shape", "variant", "decode_tokens_per_s", "ttft_ms", "peak_gib", "bound_tokens_per_s",
-               "bound_fraction", "gb_per_token", "same_tokens_as_hf", "error"]
+               "bound_fraction", "gb_per_token", "graph_step_ms", "host_gap_ms", "same_tokens_as_hf", "error"]
     print(f"bandwidth {bandwidth:.0f} GB/s ({'measured' if args.measure_bandwidth else 'given'}); prompt "
           f"{args.prompt}, {args.new_tokens} new tokens, batch 1, greedy")
     print(markdown_table(rows, columns))
