@@ -45,9 +45,9 @@ and each DeltaNet layer's float32 state read and written (plus its convolution s
 BENCHMARKS.md's 17.7 GB per token at the 27B shape counts the whole input embedding (2.5 GB); decoding reads one
 row of it.
 
-unsloth-lite variants on CUDA also report `graph_step_ms`, the GPU time of one replay of the captured decode step
-replayed back to back (`graph_step_ms()`), and `host_gap_ms` = the time a token takes in `generate` minus it:
-what `generate`'s host loop adds to each step while the GPU waits.
+unsloth-lite variants on CUDA also report `graph_step_ms`, the median GPU time of one replay of the captured
+decode step in one more generation (each replay between two CUDA events: `graph_step_ms()`), and `host_gap_ms` =
+the time a token takes in `generate` minus it: what `generate`'s host loop adds to each step while the GPU waits.
 
 `--tiny`: a CPU smoke run through the same parent/worker path (2-layer models of both shapes, fp32, NF4 through
 bitsandbytes' CPU backend, kernels in Triton's interpreter; prompt 8, 4 new tokens; no memory figures).
@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -299,16 +300,19 @@ def measure(model, variant: str, c: dict, device, prompt: int, new_tokens: int, 
                     pad_token_id=c["pad_token_id"], eos_token_id=c["eos_token_id"])
     if variant == "hf_static":
         settings["cache_implementation"] = "static"
+
+    def generate(streamer=None):
+        with torch.no_grad():
+            return model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                  streamer=streamer, **settings)
+
     runs, tokens = [], None
     for i in range(1 + repeats):
         if cuda and i == 1:
             torch.cuda.reset_peak_memory_stats(device)
         streamer = TokenTimes()
         start = time.perf_counter()
-        with torch.no_grad():
-            output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                    streamer=streamer, **settings)
-        tokens = output[0, prompt:].tolist()
+        tokens = generate(streamer)[0, prompt:].tolist()
         times = streamer.times
         if i and len(times) > 1:
             runs.append(dict(ttft_ms=1e3 * (times[0] - start), decode_tokens_per_s=(len(times) - 1) /
@@ -317,29 +321,37 @@ def measure(model, variant: str, c: dict, device, prompt: int, new_tokens: int, 
     out = dict(best, new_tokens=len(tokens), tokens=tokens, all_runs=runs)
     if cuda:
         out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if variant.startswith("unsloth_lite"):
+            step_ms = graph_step_ms(generate, device)
+            if step_ms is not None:
+                out["graph_step_ms"] = step_ms
+                out["host_gap_ms"] = 1e3 / best["decode_tokens_per_s"] - step_ms
     return out
 
 
-def graph_step_ms(model, device, replays: int = 20) -> float | None:
-    """GPU time of one replay of the captured batch-1 decode step (`models.decode_graph`), replayed back to back
-    with no host work between: against the time a token takes in `generate`, what the host adds to each step
-    (a GPU left idle while `generate`'s loop runs on the host). None where no step was captured. The replays
-    overwrite one position of the cache: call after the measured generations."""
-    from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
+def graph_step_ms(generate, device) -> float | None:
+    """Median GPU time of one replay of a CUDA graph during `generate()` (the captured decode step of
+    `models.decode_graph`; each replay bracketed by two CUDA events, so the time excludes the GPU's waits for
+    the host between steps). None where nothing was replayed."""
+    events = []
+    replay = torch.cuda.CUDAGraph.replay
 
-    steps = [step for module in model.modules() for step in module.__dict__.get(GRAPHS_ATTRIBUTE, {}).values()]
-    graph = next((step.graph for step in steps if step.graph is not None), None)
-    if graph is None:
+    def timed_replay(graph):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay(graph)
+        end.record()
+        events.append((start, end))
+
+    torch.cuda.CUDAGraph.replay = timed_replay
+    try:
+        generate()
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+    if not events:
         return None
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
     torch.cuda.synchronize(device)
-    return start.elapsed_time(end) / replays
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def write_profile(model, c: dict, device, prompt: int, path: Path, new_tokens: int = 16) -> None:
@@ -368,11 +380,6 @@ def worker_main(args) -> int:
             model = load(args.worker, shape, c, checkpoint, device, dtype, args.prompt + args.new_tokens)
             result["load_s"] = round(time.perf_counter() - start, 1)
             result.update(measure(model, args.worker, c, device, args.prompt, args.new_tokens, args.repeats))
-            if device.type == "cuda" and args.worker.startswith("unsloth_lite"):
-                step_ms = graph_step_ms(model, device)
-                if step_ms is not None:
-                    result["graph_step_ms"] = step_ms
-                    result["host_gap_ms"] = 1e3 / result["decode_tokens_per_s"] - step_ms
             if args.profile_dir:
                 write_profile(model, c, device, args.prompt, Path(args.profile_dir) / f"{args.worker}_{shape}.txt")
         except (Exception, SystemExit) as error:  # this variant's error on this shape, never a crash of the run
@@ -430,6 +437,7 @@ def summarise(rows: list[dict], bandwidth_gbps: float, prompt: int, new_tokens: 
         for key in ("graph_step_ms", "host_gap_ms"):
             if key in row:
                 row[key] = round(row[key], 3)
+        if "ttft_ms" in row:
             row["ttft_ms"] = round(row["ttft_ms"], 1)
         if "peak_gib" in row:
             row["peak_gib"] = round(row["peak_gib"], 2)

@@ -463,3 +463,19 @@ def test_bench_distributed_ratios_over_merged_runs(tmp_path):
                     "fsdp_w2 tokens_vs_hf >= 1.5": (1.6, True)}
     missing = {bar["bar"]: bar["met"] for bar in bd.check_bars(rows[:1], 2)}
     assert set(missing.values()) == {None}
+
+
+def test_bench_generate_summary_keeps_error_rows_and_graph_timing_restores_replay():
+    """A variant that failed (no timings) is summarised as it is; the replay timing patches CUDA graphs' replay
+    for one generation only, and reports nothing where no graph was replayed."""
+    bg = bench_generate()
+    rows = [dict(variant="unsloth_lite", shape="qwen3_8b", error="worker: 1"),
+            dict(variant="unsloth_lite_lora", shape="qwen3_8b", decode_tokens_per_s=100.123, ttft_ms=80.04,
+                 graph_step_ms=7.12345, host_gap_ms=2.87655)]
+    bg.summarise(rows, 4270.0, 128, 128, tiny=False)
+    assert rows[0]["error"] == "worker: 1" and "decode_tokens_per_s" not in rows[0]
+    assert rows[1]["ttft_ms"] == 80.0 and rows[1]["graph_step_ms"] == 7.123 and rows[1]["host_gap_ms"] == 2.877
+    replay = torch.cuda.CUDAGraph.replay
+    calls = []
+    assert bg.graph_step_ms(lambda: calls.append(torch.cuda.CUDAGraph.replay), torch.device("cpu")) is None
+    assert calls and calls[0] is not replay and torch.cuda.CUDAGraph.replay is replay

@@ -39,13 +39,16 @@ def tiny(arch, device, dtype):
     return tiny_model(arch, device, dtype, max_position_embeddings=128)
 
 
-def dequantised_copy(model):
-    """`model` with every bitsandbytes 4-bit layer replaced by an `nn.Linear` of its dequantised weight."""
+def dequantised_copy(model, dtype: torch.dtype | None = None):
+    """`model` with every bitsandbytes 4-bit layer replaced by an `nn.Linear` of its dequantised weight (in the
+    layer's compute dtype, or `dtype`: float32 keeps the exact code x absmax values, which bf16 rounds)."""
     dense = copy.deepcopy(model)
     for name, module in list(dense.named_modules()):
         if type(module).__name__ != "Linear4bit":
             continue
-        weight = dequantize_nf4_reference(module.weight.data, module.weight.quant_state)
+        quant_state = copy.copy(module.weight.quant_state)
+        quant_state.dtype = dtype or quant_state.dtype
+        weight = dequantize_nf4_reference(module.weight.data, quant_state)
         linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None)
         linear = linear.to(device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
@@ -67,15 +70,29 @@ def with_adapter(model, seed: int):
 def model_pair(arch, variant, device="cpu", dtype=torch.float32):
     """(reference, patched): the unpatched model and a patched copy of the same weights. Variants: dense or
     `4bit` base, `+lora`."""
+    reference, patched, _ = model_trio(arch, variant, device, dtype)
+    return reference, patched
+
+
+def model_trio(arch, variant, device, dtype):
+    """`model_pair`'s (reference, patched) and the exact model in float32: the reference's weights, except that
+    a 4-bit layer's are dequantised in float32 (the reference's bf16 weights are those values rounded, the
+    patched model's kernels have their own rounding: each is measured against the exact values)."""
     base = tiny(arch, device, dtype).eval()
     if variant.startswith("4bit"):
         base = quantize_linears_nf4(base, dtype)
-        reference = dequantised_copy(base)
+        reference, exact = dequantised_copy(base), dequantised_copy(base, torch.float32)
     else:
         reference = copy.deepcopy(base)
+        exact = copy.deepcopy(base)
     if variant.endswith("+lora"):
-        base, reference = with_adapter(base, 0), with_adapter(reference, 0)
-    return reference.eval(), patch_model(base).eval()
+        base, reference, exact = with_adapter(base, 0), with_adapter(reference, 0), with_adapter(exact, 0)
+        adapters = {name: p for name, p in reference.named_parameters() if "lora_" in name}
+        with torch.no_grad():  # the reference's adapters exactly (PEFT casts them to each base layer's dtype)
+            for name, param in exact.named_parameters():
+                if "lora_" in name:
+                    param.copy_(adapters[name])
+    return reference.eval(), patch_model(base).eval(), exact.float().eval()
 
 
 def assert_same_greedy_tokens(
@@ -203,12 +220,12 @@ def assert_greedy_path_followed(arch, variant, cache_implementation, new_tokens,
     more than their rounding differences, and random weights give near-ties (leads of 1e-3 against bf16
     differences of 4e-3), so tokens alone cannot be compared. Instead the patched model decodes along the
     unpatched model's greedy path (teacher forcing, through its own cache and decode path), as does the same
-    unpatched model in float32 (the exact reference), and the patched model's logits over the whole path must
-    be as close to the exact ones as the unpatched model's own bf16 logits are (within 2x, or 1e-2)."""
+    unpatched model in float32 with 4-bit weights dequantised in float32 (the exact reference, `model_trio`),
+    and the patched model's logits over the whole path must be as close to the exact ones as the unpatched
+    model's own bf16 logits are (within 2x, or 1e-2)."""
     from helpers import relative_error
 
-    reference, patched = model_pair(arch, variant, device, dtype)
-    exact = copy.deepcopy(reference).float()
+    reference, patched, exact = model_trio(arch, variant, device, dtype)
     prompt = torch.randint(0, 151, (2, 7), device=device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                   cache_implementation=cache_implementation)
