@@ -15,12 +15,11 @@ compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), 
 
 `--sweep` also times the unsloth-lite kernel at each tile of `SWEEP_TILES` (features x weights along K / warps
 of a program, and whether K is split over programs, one tile each: `nf4_matvec.blocked_tile`'s choice) per
-shape, as it is and with the options of `TILE_OPTIONS` (suffix "+word lookup": a word's eight nibbles in one
-call, `nf4_matvec.WORD_LOOKUP`), and the tensor-core kernel at each tile of `TENSOR_CORE_TILES` (suffix " tc",
-`nf4_matvec.TENSOR_CORES`: bf16 weights and x), to choose those tables from one run; and at the chosen tile with each
-setting of `CHOSEN_OPTIONS`: the codes read from memory instead of looked up in registers (`nf4_matvec.LOOKUP`
-"pairs", the interpreter's lookup, and "code_book"), the exact fp32 code book instead of the one rounded to
-bf16 that bf16 weights take (`BF16_CODES` off: more instructions a weight; whether they bound the kernel).
+shape, to choose those tables from one run (`--sweep-chosen-tile`: each shape's chosen tile only); and at the
+chosen tile with each setting of `CHOSEN_OPTIONS`: the codes read from memory instead of looked up in registers
+(`nf4_matvec.LOOKUP` "pairs", the interpreter's lookup, and "code_book"), the exact fp32 code book instead of
+the one rounded to bf16 that bf16 weights take (`BF16_CODES` off: more instructions a weight; whether they
+bound the kernel).
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, 8-bit absmax, second-level absmax, x) and write (y) once;
@@ -55,12 +54,7 @@ SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (3
                (8, 512, 4, True), (8, 1024, 4, True), (16, 512, 4, True), (16, 1024, 8, True), (32, 1024, 8, True),
                (16, 2048, 8, True)]
 TINY_VARIANTS = ("unsloth_lite", FLAT_ABSMAX, "dequantize_matmul")
-# the tensor-core kernel's tiles (`nf4_matvec.tensor_core_tile`: at least 16 features a program)
-TENSOR_CORE_TILES = [(32, 512, 4, True), (64, 256, 4, True), (64, 512, 4, True), (128, 256, 8, True),
-                     (32, 512, 4, False), (64, 256, 4, False)]
-TENSOR_CORE_SUFFIX = " tc"
-# `nf4_matvec` settings the sweep times at every tile (column suffix: settings) and at the chosen tile only
-TILE_OPTIONS = {"": {}, "+word lookup": {"WORD_LOOKUP": True}}
+# `nf4_matvec` settings the sweep times at the chosen tile only (column "chosen, <name>")
 CHOSEN_OPTIONS = {
     "pairs": {"LOOKUP": "pairs"}, "code_book": {"LOOKUP": "code_book"}, "exact codes": {"BF16_CODES": False},
 }
@@ -130,20 +124,21 @@ def tile_name(tile: tuple[int, int, int, bool]) -> str:
     return f"{features}x{tile_k}/{warps}w" + (" split" if split_k else "")
 
 
-def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
-    """Device time of the blocked kernel at every tile of SWEEP_TILES, per projection shape, one row of x, as it
-    is and with the options of TILE_OPTIONS (column suffixes); and at the chosen tile with each setting of
-    CHOSEN_OPTIONS (columns "chosen, <name>")."""
+def sweep_tiles(shapes: list[str], device, tiny: bool, chosen_only: bool = False) -> list[dict]:
+    """Device time of the blocked kernel at every tile of SWEEP_TILES, per projection shape, one row of x
+    (columns: the tiles' names; column "chosen": the chosen tile's name); and at the chosen tile with each
+    setting of CHOSEN_OPTIONS (columns "chosen, <name>"). `chosen_only`: the chosen tile only, its time in
+    column "chosen" instead of its name, a sweep of minutes instead of a quarter of an hour of compilation."""
     from unsloth_lite.kernels import nf4_matvec as matvec
 
     dtype = torch.float32 if tiny else torch.bfloat16
     keys = sorted({key for s in shapes for key in projection_shapes(s, tiny)})
     rows = []
 
-    def time_us(x, weight, tile, options, tiles="blocked_tile"):
-        saved = {name: getattr(matvec, name) for name in (tiles, *options)}
+    def time_us(x, weight, tile, options):
+        saved = {name: getattr(matvec, name) for name in ("blocked_tile", *options)}
         try:
-            setattr(matvec, tiles, lambda _n: tile)
+            matvec.blocked_tile = lambda _n: tile
             for name, value in options.items():
                 setattr(matvec, name, value)
             with torch.no_grad():
@@ -159,12 +154,11 @@ def sweep_tiles(shapes: list[str], device, tiny: bool) -> list[dict]:
         x = torch.randn(1, n_in, device=device, dtype=dtype)
         chosen = matvec.blocked_tile(n_out)
         row = dict(out=n_out, **{"in": n_in}, chosen=tile_name(chosen))
-        for suffix, options in TILE_OPTIONS.items():
+        if chosen_only:
+            row["chosen"] = time_us(x, weight, chosen, {})
+        else:
             for tile in SWEEP_TILES:
-                row[tile_name(tile) + suffix] = time_us(x, weight, tile, options)
-        for tile in TENSOR_CORE_TILES:
-            row[tile_name(tile) + TENSOR_CORE_SUFFIX] = time_us(
-                x, weight, tile, {"TENSOR_CORES": True}, tiles="tensor_core_tile")
+                row[tile_name(tile)] = time_us(x, weight, tile, {})
         for name, options in CHOSEN_OPTIONS.items():
             row[f"chosen, {name}"] = time_us(x, weight, chosen, options)
         rows.append(row)
@@ -190,6 +184,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {','.join(SHAPES)}")
     parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--sweep", action="store_true", help="also time every tile of SWEEP_TILES (microseconds)")
+    parser.add_argument("--sweep-chosen-tile", action="store_true",
+                        help="with --sweep: each projection's chosen tile only, not every tile of SWEEP_TILES")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     device = bench_device(args.tiny)
@@ -205,10 +201,9 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bandwidth:.0f} GB/s; one row of x; device times")
     print(markdown_table(rows, ["out", "in", "variant", "us", "gb_per_s", "copy_fraction"]))
     print(markdown_table(totals, ["model", "variant", "ms_per_token"]))
-    sweep = sweep_tiles(shapes, device, args.tiny) if args.sweep else []
+    sweep = sweep_tiles(shapes, device, args.tiny, args.sweep_chosen_tile) if args.sweep else []
     if sweep:
-        tiles = [tile_name(t) + suffix for suffix in TILE_OPTIONS for t in SWEEP_TILES]
-        tiles += [tile_name(t) + TENSOR_CORE_SUFFIX for t in TENSOR_CORE_TILES]
+        tiles = [] if args.sweep_chosen_tile else [tile_name(t) for t in SWEEP_TILES]
         print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *(f"chosen, {n}" for n in CHOSEN_OPTIONS)]))
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
                               copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, sweep=sweep))

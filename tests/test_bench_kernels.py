@@ -75,9 +75,19 @@ def test_bench_nf4_matvec_tiny_mode_runs():
     out = run_tiny("bench_nf4_matvec.py", "--sweep", "--shapes", "qwen3_8b")
     assert "| unsloth_lite |" in out and "| dequantize_matmul |" in out and "| unsloth_lite_flat_absmax |" in out
     assert "| qwen3_8b | unsloth_lite |" in out
-    assert "| out | in | chosen | 4x1024/4w |" in out and "| 64x256/4w |" in out
-    assert "| 4x1024/4w+word lookup |" in out and "| 128x256/8w split tc |" in out
-    assert "| chosen, pairs | chosen, code_book | chosen, exact codes |" in out
+    assert "| out | in | chosen | 4x1024/4w | 8x512/4w |" in out
+    assert "| 16x2048/8w split | chosen, pairs | chosen, code_book | chosen, exact codes |" in out
+    assert "word lookup" not in out and " tc |" not in out
+
+
+def test_bench_nf4_matvec_sweep_of_the_chosen_tile():
+    out = run_tiny("bench_nf4_matvec.py", "--sweep", "--sweep-chosen-tile", "--shapes", "qwen3_8b",
+                   "--variants", "unsloth_lite")
+    header = "| out | in | chosen | chosen, pairs | chosen, code_book | chosen, exact codes |"
+    assert header in out
+    assert "4x1024/4w |" not in out and "word lookup" not in out and " tc |" not in out
+    rows = [line.strip("|").split("|") for line in out.split(header)[1].splitlines()[2:] if line.startswith("|")]
+    assert rows and all(float(cell) > 0 for row in rows for cell in row[2:]), out  # "chosen": the tile's time
 
 
 def run_compiled(*options: str) -> subprocess.CompletedProcess:

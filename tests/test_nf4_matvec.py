@@ -62,19 +62,6 @@ def test_nf4_matvec_wider_tiles(device):
     check((2050, 128), 2, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_nf4_matvec_tensor_cores(rows, split, device, monkeypatch):
-    """`TENSOR_CORES`: bf16 codes times x on the tensor cores, one product column per (quantisation block, row),
-    fp32 absmax after it: several tiles along K (37 blocks, the last tile part-filled), a part-filled last
-    feature block, bias and adapter; split along K too. fp32 weights keep the fp32 kernel."""
-    monkeypatch.setattr(nf4_matvec_module, "TENSOR_CORES", True)
-    tile = (16, 256, 4, split) if device != "cuda" else (32, 512, 4, split)
-    monkeypatch.setattr(nf4_matvec_module, "tensor_core_tile", lambda n_out: tile)
-    check((40, 64 * 37), rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
-    assert not nf4_matvec_module.uses_tensor_cores(torch.float32, torch.zeros(1, dtype=torch.bfloat16))
-
-
 @pytest.mark.parametrize("rows", [1, 3])
 def test_nf4_matvec_split_along_k(rows, device, monkeypatch):
     """K split over programs, one tile of 2 quantisation blocks each (19 splits, the last part-filled): the last
@@ -168,38 +155,14 @@ def test_bf16_code_book_only_for_bf16_weights(monkeypatch):
     monkeypatch.setattr(nf4_matvec_module, "LOOKUP", "pairs")
     assert not nf4_matvec_module.uses_bf16_codes(torch.bfloat16)
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("shape", [*SHAPES, (5120, 5120), (17408, 5120), (1024, 4096)], ids=str)
-def test_nf4_matvec_word_lookup_cuda(shape, rows, monkeypatch):
-    """`WORD_LOOKUP` (a word's eight nibbles in one PTX call, its tables in registers), compiled, bf16 weights:
-    y within the bf16 tolerance of the exact product."""
-    monkeypatch.setattr(nf4_matvec_module, "WORD_LOOKUP", True)
-    check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tile", [(32, 512, 4, True), (64, 256, 4, True), (128, 256, 8, True), (32, 512, 4, False)],
-                         ids=str)
-@pytest.mark.parametrize("rows", [1, 8])
-@pytest.mark.parametrize("shape", [(48, 5120), (1024, 4096), (4096, 4096), (17408, 5120), (5120, 17408)], ids=str)
-def test_nf4_matvec_tensor_cores_cuda(shape, rows, tile, monkeypatch):
-    """`TENSOR_CORES` compiled at the sweep's tiles, the real projection shapes: y within the bf16 tolerance of
-    the exact product."""
-    monkeypatch.setattr(nf4_matvec_module, "TENSOR_CORES", True)
-    monkeypatch.setattr(nf4_matvec_module, "tensor_core_tile", lambda n_out: tile)
-    check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
-@pytest.mark.parametrize("words", [False, True], ids=["", "words"])
-def test_nf4_matvec_programmatic_dependent_launch_chain(split, words, monkeypatch):
+def test_nf4_matvec_programmatic_dependent_launch_chain(split, monkeypatch):
     """`PDL`: each projection launched while the one before it finishes reads that one's output only after
     waiting for it. A chain of four (y = W4 W3 W2 W1 x, each with bias and adapter, the inputs of one the outputs
     of the one before), eager and replayed as a CUDA graph, against float64."""
     monkeypatch.setattr(nf4_matvec_module, "PDL", True)
-    monkeypatch.setattr(nf4_matvec_module, "WORD_LOOKUP", words)
     if split:
         monkeypatch.setattr(nf4_matvec_module, "blocked_tile", lambda n_out: (16, 1024, 8, True))
     sizes = [4096, 12288, 4096, 1024, 4096]

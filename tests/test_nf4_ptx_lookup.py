@@ -35,15 +35,12 @@ OPS = {
     "or.b32": lambda a, b: a | b,
     "not.b32": lambda a: ~a,
     "prmt.b32": prmt,
-    "lop3.b32": lambda a, b, c, lut: sum(  # bit i: lut's bit (a_i, b_i, c_i) read as a 3-bit index
-        ((lut >> ((((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1))) & 1) << i for i in range(32)),
 }
 
 
-def run_ptx(ptx: str, word: int, inputs: int = 4, outputs: int = 4, operands: dict | None = None) -> list[int]:
-    """The output registers $0..$(outputs - 1) of `ptx` with its input register `$inputs` holding `word` (and
-    any further input `operands`)."""
-    registers = {f"${inputs}": word, **(operands or {})}
+def run_ptx(ptx: str, word: int) -> list[int]:
+    """The output registers $0..$3 of `ptx` with its input register `$4` holding `word`."""
+    registers = {"$4": word}
     for line in ptx.strip("{}\n").splitlines():
         line = line.strip().rstrip(";")
         if line.startswith(".reg"):
@@ -52,7 +49,7 @@ def run_ptx(ptx: str, word: int, inputs: int = 4, outputs: int = 4, operands: di
         dest, *sources = (token.strip() for token in rest.split(","))
         values = [registers[s] if s in registers else int(s, 0) for s in sources]
         registers[dest] = OPS[op](*values) & MASK
-    return [registers[f"${i}"] for i in range(outputs)]
+    return [registers[f"${i}"] for i in range(4)]
 
 
 def fp32_bits(value: float) -> int:
@@ -74,30 +71,3 @@ def test_lookup_decodes_every_byte_in_every_position(high_nibbles, bf16_codes):
             for i, byte in enumerate(others):
                 nibble = byte >> 4 if high_nibbles else byte & 0xF
                 assert decoded[i] == expected[nibble], (hex(word), i)
-
-
-def test_word_lookup_decodes_every_byte_in_every_position():
-    """The one-call lookup of a word's eight nibbles (`_nf4_bf16_word_lookup_ptx`) with its tables
-    (`word_lookup_tables`) in the operands Triton gives them: even weights in $0-$3, odd ones in $4-$7, each the
-    bf16-rounded code's fp32 bit pattern; and as bf16 pairs (even weights of bytes 0-1 and 2-3 in $0 and $1, odd
-    ones in $2 and $3, the first of each pair in the low half)."""
-    ptx = nf4_codes._nf4_bf16_word_lookup_ptx()
-    code = torch.tensor(nf4_codes.NF4_CODE, dtype=torch.float32)
-    tables = [t & MASK for t in nf4_codes.word_lookup_tables(code).tolist()]
-    operands = {f"${9 + 4 * i + j}": t for i, t in enumerate(tables) for j in range(4)}  # each packed 4 times
-    pairs_ptx = nf4_codes._nf4_bf16_word_lookup_ptx(bf16_pairs=True)
-    pair_operands = {f"${5 + 4 * i + j}": t for i, t in enumerate(tables) for j in range(4)}
-    expected = [fp32_bits(c) for c in code.to(torch.bfloat16).float().tolist()]
-    for value in range(256):
-        for position in range(4):
-            others = [(value * 37 + 11 * i) & 0xFF for i in range(4)]
-            others[position] = value
-            word = sum(byte << (8 * i) for i, byte in enumerate(others))
-            decoded = run_ptx(ptx, word, inputs=8, outputs=8, operands=operands)
-            pairs = run_ptx(pairs_ptx, word, inputs=4, outputs=4, operands=pair_operands)
-            halves = [(pairs[r] >> (16 * h)) & 0xFFFF for r in range(4) for h in (0, 1)]  # even 0-3, odd 0-3
-            for i, byte in enumerate(others):
-                assert decoded[i] == expected[byte >> 4], (hex(word), "even", i)
-                assert decoded[4 + i] == expected[byte & 0xF], (hex(word), "odd", i)
-                assert halves[i] << 16 == expected[byte >> 4], (hex(word), "even bf16", i)
-                assert halves[4 + i] << 16 == expected[byte & 0xF], (hex(word), "odd bf16", i)

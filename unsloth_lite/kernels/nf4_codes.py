@@ -21,23 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-_WORD_TABLES: dict = {}
-
-
-def word_lookup_tables(code: torch.Tensor) -> torch.Tensor:
-    """int32 `[8]`: the code book rounded to bf16 as `prmt` tables, its low bytes then its high bytes, four
-    entries a word (entries 0-3, 4-7, 8-11, 12-15; entry i in byte i % 4). Built on the code book's device
-    without a host sync (a CUDA graph may be capturing), once per code-book tensor."""
-    key = (code.data_ptr(), code.device)
-    tables = _WORD_TABLES.get(key)
-    if tables is None:
-        bits = code.float().to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
-        planes = torch.stack([bits & 0xFF, bits >> 8]).view(2, 4, 4)  # [plane, word, entry in the word]
-        words = (planes << (8 * torch.arange(4, device=code.device))).sum(dim=2).view(8)
-        tables = _WORD_TABLES[key] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return tables
-
-
 _CODE_PAIRS: dict = {}
 
 
@@ -103,70 +86,18 @@ def _nf4_lookup_ptx(high_nibbles: bool, bf16_codes: bool = False) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-def _nf4_bf16_word_lookup_ptx(bf16_pairs: bool = False) -> str:
-    """PTX that maps the eight nibbles of the packed word `$in` to the code-book values rounded to bf16, with
-    the tables of `word_lookup_tables` in the 32 operands after it (each input is packed four times: every
-    fourth one is read). Outputs: the fp32 bit patterns of the high nibble of byte j (an even weight) in `$j`
-    and of its low nibble (an odd weight) in `$(4 + j)` (`$in` = `$8`); with `bf16_pairs`, bf16 pairs, even
-    weights of bytes 0-1 and 2-3 in `$0` and `$1`, odd ones in `$2` and `$3` (`$in` = `$4`), an operand of a
-    bf16 product as it is.
-
-    Each half word is itself `prmt`'s selector for its four nibbles (bits 3 masked off), so nothing is spread or
-    gathered first: per half, one `prmt` marks the nibbles of 8-15 (their top bits, moved to bit 7 of a byte
-    each, sign replicated), each of the two byte planes of the bf16 codes is two lookups and a `lop3` select,
-    and two `prmt` (with four shifts or masks for fp32 words) form the outputs. The tables come in registers
-    loaded once before the kernel's loop (given as constants, ptxas copies them from uniform registers at every
-    lookup). Compiled for sm_90 in the 8 x 512 kernel: a loop of 262 instructions for each thread's 32 weights
-    against 326 with `_nf4_lookup_ptx`, 80 registers against 94."""
-    word = 4 if bf16_pairs else 8
-    lines = [".reg .b32 u, s, m, lo, hi, v0, v1, a, b;", f"shl.b32 u, ${word}, 4;"]
-    # selector nibbles of half h: odd, even weight of byte 2h, then of byte 2h + 1; mask byte i: 0xFF where
-    # nibble i is 8-15 (its top bit is bit 7 of a byte of u or of the word; prmt's sign mode replicates it)
-    for half, (shift, mark) in enumerate(((None, "0xD9C8"), ("16", "0xFBEA"))):
-        if shift is None:
-            lines += [f"and.b32 s, ${word}, 0x7777;"]
-        else:
-            lines += [f"shr.b32 s, ${word}, {shift};", "and.b32 s, s, 0x7777;"]
-        lines += [f"prmt.b32 m, u, ${word}, {mark};"]
-        for p in (0, 1):  # table word w of plane p: operand word + 1 + 4 (4p + w)
-            t = word + 1 + 16 * p
-            lines += [
-                f"prmt.b32 lo, ${t}, ${t + 4}, s;", f"prmt.b32 hi, ${t + 8}, ${t + 12}, s;",
-                f"lop3.b32 v{p}, lo, hi, m, 0xD8;",  # (lo & ~m) | (hi & m)
-            ]
-        if bf16_pairs:  # byte j of v0 / v1: low / high byte of nibble j's bf16 (odd, even, odd, even weight)
-            lines += [f"prmt.b32 ${half}, v0, v1, 0x7351;", f"prmt.b32 ${2 + half}, v0, v1, 0x6240;"]
-            continue
-        lines += [  # a: bf16 of the odd weight of byte 2h in its low half, of the even one in its high half
-            "prmt.b32 a, v0, v1, 0x5140;", "prmt.b32 b, v0, v1, 0x7362;",
-            f"and.b32 ${2 * half}, a, 0xFFFF0000;", f"shl.b32 ${4 + 2 * half}, a, 16;",
-            f"and.b32 ${2 * half + 1}, b, 0xFFFF0000;", f"shl.b32 ${5 + 2 * half}, b, 16;",
-        ]
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
 NF4_EVEN_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=True))
 NF4_ODD_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=False))
 NF4_EVEN_BF16_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=True, bf16_codes=True))
 NF4_ODD_BF16_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=False, bf16_codes=True))
-NF4_BF16_WORD_PTX = tl.constexpr(_nf4_bf16_word_lookup_ptx())
-NF4_BF16_PAIRS_PTX = tl.constexpr(_nf4_bf16_word_lookup_ptx(bf16_pairs=True))
 
 
 @triton.jit
-def _nf4_codes(packed, table_ptr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, WORD_LOOKUP: tl.constexpr):
+def _nf4_codes(packed, table_ptr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr):
     """fp32 code-book values of the high (even weight) and low (odd weight) nibble of each byte of `packed`
     (rounded to bf16 with BF16_CODES, which only the PTX lookup takes). LOOKUP: the index of `LOOKUPS`;
     `table_ptr` is the pair table (`code_pairs`) for "pairs", the fp32 code book for "code_book"."""
-    if LOOKUP == 0 and BF16_CODES and WORD_LOOKUP:  # table_ptr: `word_lookup_tables`
-        even, odd = tl.inline_asm_elementwise(
-            NF4_BF16_WORD_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r" + ",r" * 32,
-            [packed, tl.load(table_ptr), tl.load(table_ptr + 1), tl.load(table_ptr + 2), tl.load(table_ptr + 3),
-             tl.load(table_ptr + 4), tl.load(table_ptr + 5), tl.load(table_ptr + 6), tl.load(table_ptr + 7)],
-            dtype=(tl.int32, tl.int32), is_pure=True, pack=4,
-        )
-        return even.to(tl.float32, bitcast=True), odd.to(tl.float32, bitcast=True)
-    elif LOOKUP == 0:
+    if LOOKUP == 0:
         even = tl.inline_asm_elementwise(NF4_EVEN_BF16_PTX if BF16_CODES else NF4_EVEN_PTX, "=r,=r,=r,=r,r",
                                          [packed], dtype=tl.int32, is_pure=True, pack=4)
         odd = tl.inline_asm_elementwise(NF4_ODD_BF16_PTX if BF16_CODES else NF4_ODD_PTX, "=r,=r,=r,=r,r",
@@ -178,20 +109,3 @@ def _nf4_codes(packed, table_ptr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr
     else:
         byte = packed.to(tl.int32)
         return tl.load(table_ptr + (byte >> 4)), tl.load(table_ptr + (byte & 0xF))
-
-
-@triton.jit
-def _nf4_codes_bf16(packed, table_ptr, LOOKUP: tl.constexpr):
-    """bf16 code-book values (rounded) of the high (even weight) and low (odd weight) nibble of each byte of
-    `packed`: an operand of a bf16 product. `table_ptr` as for `_nf4_codes` (`word_lookup_tables` for the
-    registers)."""
-    if LOOKUP == 0:
-        return tl.inline_asm_elementwise(
-            NF4_BF16_PAIRS_PTX, "=r,=r,=r,=r,r" + ",r" * 32,
-            [packed, tl.load(table_ptr), tl.load(table_ptr + 1), tl.load(table_ptr + 2), tl.load(table_ptr + 3),
-             tl.load(table_ptr + 4), tl.load(table_ptr + 5), tl.load(table_ptr + 6), tl.load(table_ptr + 7)],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
-        )
-    else:
-        even, odd = _nf4_codes(packed, table_ptr, LOOKUP, False, False)
-        return even.to(tl.bfloat16), odd.to(tl.bfloat16)

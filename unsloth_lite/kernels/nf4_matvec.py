@@ -37,9 +37,7 @@ code book rounded to bf16: two of the four byte planes of the lookup (compiled o
 instead of 592 in the kernel at 8 x 512), each weight within bf16's rounding of its exact value. With `PDL`
 (Hopper's programmatic dependent launch) a projection starts loading its weight while the kernel before it
 finishes and waits for that kernel before it reads anything the kernel may write; a decoding step chains
-hundreds of them. `TENSOR_CORES` (bf16 weights and x) multiplies the decoded bf16 codes by x on the tensor
-cores instead of with fp32 multiply-adds (`_block_products`). The code lookups are in `nf4_codes.py`, the
-adapters' first product x Aᵀ in `lora_down.py`.
+hundreds of them. The code lookups are in `nf4_codes.py`, the adapters' first product x Aᵀ in `lora_down.py`.
 
 Inference only: no autograd (the weight is frozen and generation needs no gradient); `nf4_matvec` refuses
 inputs that require grad.
@@ -59,7 +57,7 @@ from unsloth_lite.kernels.dequantize_nf4 import (
     dequantize_nf4_reference,
 )
 from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
-from unsloth_lite.kernels.nf4_codes import _nf4_codes, _nf4_codes_bf16, code_pairs, word_lookup_tables
+from unsloth_lite.kernels.nf4_codes import _nf4_codes, code_pairs
 from unsloth_lite.kernels.utils import INTERPRET, check_float, check_kernel_device, empty
 
 # Output features per program: N / BLOCK_N programs keep every SM busy at the hidden sizes of real models.
@@ -80,12 +78,6 @@ PDL = True
 # or more); each weight within bf16's rounding of its exact value, as the bf16 weight that `dequantize_nf4` writes
 # is. fp32 and fp16 weights keep the exact code book: rounded, it changes an fp32 model's greedy tokens.
 BF16_CODES = True
-# The bf16 codes' lookup of a word's eight nibbles in one call, its tables in registers
-# (`_nf4_bf16_word_lookup_ptx`: 20% fewer instructions in the kernel's loop); off until measured on a GPU.
-WORD_LOOKUP = False
-# The blocked kernel's products on the tensor cores for bf16 weights and x (`_block_products`), with its own tile
-# (`tensor_core_tile`); off until measured on a GPU.
-TENSOR_CORES = False
 
 
 def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
@@ -106,20 +98,6 @@ def uses_pdl(device: torch.device) -> bool:
     if index not in _PDL_DEVICES:
         _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _PDL_DEVICES[index]
-
-
-def tensor_core_tile(n_out: int) -> tuple[int, int, int, bool]:
-    """`blocked_tile` of the TENSOR_CORES kernel: at least 16 features a program (a product's least height),
-    K split over programs so that a projection still has hundreds of them. Not yet measured (the sweep times
-    `TENSOR_CORE_TILES`)."""
-    if INTERPRET:
-        return 16, 256, 4, False
-    return 64, 256, 4, True
-
-
-def uses_tensor_cores(weight_dtype: torch.dtype, x: torch.Tensor) -> bool:
-    """Whether the blocked kernel multiplies on the tensor cores: TENSOR_CORES, bf16 weights and x."""
-    return TENSOR_CORES and weight_dtype == torch.bfloat16 and x.dtype == torch.bfloat16
 
 
 def blocked_tile(n_out: int) -> tuple[int, int, int, bool]:
@@ -186,35 +164,6 @@ def _blocked_tile_loads(
 
 
 @triton.jit
-def _block_products(
-    packed, absmax, b0, x_ptr, x_row_stride, x_col_stride, table_ptr, n_rows, blocks_per_row,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, HALF: tl.constexpr,
-    LOOKUP: tl.constexpr, DOT_FP32: tl.constexpr,
-):
-    """`[BLOCK_N, BLOCK_M]`: Σ_b absmax[n, b] Σ_(k in block b) W[n, k] x[m, k] over the tile's blocks, the inner
-    sums on the tensor cores (`_nf4_matvec_blocked_kernel`'s TENSOR_CORES)."""
-    even, odd = _nf4_codes_bf16(packed, table_ptr, LOOKUP)  # [N, B, HALF]; masked bytes: finite, x is 0
-    k_pairs = tl.arange(0, BLOCKS_PER_TILE * HALF)  # the tile's bytes: x's element pairs
-    k_block = k_pairs // HALF
-    cols = tl.arange(0, BLOCKS_PER_TILE * BLOCK_M)  # column (b, m) = b * BLOCK_M + m
-    col_block = cols // BLOCK_M
-    col_row = cols % BLOCK_M
-    placed = ((k_block[:, None] == col_block[None, :]) & (col_row < n_rows)[None, :]
-              & (b0 + k_block < blocks_per_row)[:, None])
-    x_even_ptr = x_ptr + col_row[None, :] * x_row_stride + (2 * (b0 * HALF + k_pairs))[:, None] * x_col_stride
-    x_even = tl.load(x_even_ptr, mask=placed, other=0.0)
-    x_odd = tl.load(x_even_ptr + x_col_stride, mask=placed, other=0.0)
-    w_even = tl.reshape(even, [BLOCK_N, BLOCKS_PER_TILE * HALF])
-    w_odd = tl.reshape(odd, [BLOCK_N, BLOCKS_PER_TILE * HALF])
-    if DOT_FP32:
-        sums = tl.dot(w_even.to(tl.float32), x_even.to(tl.float32), input_precision="ieee")
-        sums = tl.dot(w_odd.to(tl.float32), x_odd.to(tl.float32), sums, input_precision="ieee")
-    else:
-        sums = tl.dot(w_odd, x_odd, tl.dot(w_even, x_even))
-    return tl.sum(tl.reshape(sums, [BLOCK_N, BLOCKS_PER_TILE, BLOCK_M]) * absmax, axis=1)
-
-
-@triton.jit
 def _nf4_matvec_blocked_kernel(
     x_ptr, x_row_stride, x_col_stride,
     packed_ptr, absmax_ptr, table_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
@@ -225,18 +174,9 @@ def _nf4_matvec_blocked_kernel(
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
-    LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, WORD_LOOKUP: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr, TENSOR_CORES: tl.constexpr, DOT_FP32: tl.constexpr,
+    LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """TENSOR_CORES (bf16 weights and x): the tile's codes are decoded to bf16 (`_nf4_codes_bf16`) and
-    multiplied by x on the tensor cores, so the multiply-adds, the codes' conversion to fp32 and x's conversion
-    to the tile's layout leave the loop's instructions (the kernel is bound by them). The absmax stays fp32: the
-    product's columns are (quantisation block, row) pairs, x placed in block b's rows of column (b, m) only, so
-    column (b, m) of the product is block b's sum for row m, scaled by its absmax afterwards. BLOCK_M (rows
-    padded) is at least 16 / BLOCKS_PER_TILE, the product's least width. DOT_FP32 (the interpreter, whose bf16
-    products are wrong): the operands are upcast.
-
-    SPLIT_K: program (i, j) takes tile j along K of feature block i (`_sum_of_splits`), so that a layer's
+    """SPLIT_K: program (i, j) takes tile j along K of feature block i (`_sum_of_splits`), so that a layer's
     programs are K / tile times as many and each reads its bytes in one step: more bytes in flight per SM, x
     converted to the tile's layout once.
 
@@ -256,7 +196,6 @@ def _nf4_matvec_blocked_kernel(
         end_block = blocks_per_row
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, BLOCKSIZE // 2], dtype=tl.float32)  # one row: reduced at the end
-    mma_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for b0 in range(first_block, end_block, BLOCKS_PER_TILE):
         absmax, packed, byte_in_row, mask_blocks = _blocked_tile_loads(
             b0, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, features,
@@ -264,31 +203,23 @@ def _nf4_matvec_blocked_kernel(
         )
         if PDL:
             gdc_wait()  # returns at once after the first tile
-        if TENSOR_CORES:
-            mma_acc += _block_products(
-                packed, absmax, b0, x_ptr, x_row_stride, x_col_stride, table_ptr, n_rows, blocks_per_row,
-                BLOCK_N, BLOCK_M, BLOCKS_PER_TILE, BLOCKSIZE // 2, LOOKUP, DOT_FP32,
-            )
+        # masked bytes: finite, x is 0
+        code_even, code_odd = _nf4_codes(packed, table_ptr, LOOKUP, BF16_CODES)
+        # x's even and odd elements from one contiguous load, split in registers
+        x_pairs_ptr = x_ptr + (2 * byte_in_row[:, :, None] + tl.arange(0, 2)[None, None, :]) * x_col_stride
+        mask_x = mask_blocks[:, None, None]
+        if BLOCK_M == 1:
+            x_even, x_odd = tl.split(tl.load(x_pairs_ptr, mask=mask_x, other=0.0).to(tl.float32))
+            partial += (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
         else:
-            # masked bytes: finite, x is 0
-            code_even, code_odd = _nf4_codes(packed, table_ptr, LOOKUP, BF16_CODES, WORD_LOOKUP)
-            # x's even and odd elements from one contiguous load, split in registers
-            x_pairs_ptr = x_ptr + (2 * byte_in_row[:, :, None] + tl.arange(0, 2)[None, None, :]) * x_col_stride
-            mask_x = mask_blocks[:, None, None]
-            if BLOCK_M == 1:
-                x_even, x_odd = tl.split(tl.load(x_pairs_ptr, mask=mask_x, other=0.0).to(tl.float32))
-                partial += (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
-            else:
-                for m in tl.static_range(BLOCK_M):
-                    mask_row = mask_x & ((tl.arange(0, BLOCKS_PER_TILE) * 0 + m) < n_rows)[:, None, None]
-                    x_even, x_odd = tl.split(
-                        tl.load(x_pairs_ptr + m * x_row_stride, mask=mask_row, other=0.0).to(tl.float32))
-                    products = (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
-                    row_sum = tl.sum(tl.sum(products, axis=2), axis=1)
-                    acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
-    if TENSOR_CORES:
-        acc = tl.trans(mma_acc)
-    elif BLOCK_M == 1:
+            for m in tl.static_range(BLOCK_M):
+                mask_row = mask_x & ((tl.arange(0, BLOCKS_PER_TILE) * 0 + m) < n_rows)[:, None, None]
+                x_even, x_odd = tl.split(
+                    tl.load(x_pairs_ptr + m * x_row_stride, mask=mask_row, other=0.0).to(tl.float32))
+                products = (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
+                row_sum = tl.sum(tl.sum(products, axis=2), axis=1)
+                acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
+    if BLOCK_M == 1:
         acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
     if PDL:
         gdc_launch_dependents()
@@ -449,26 +380,17 @@ def nf4_matvec(
     lora_b_arg = lora_b if has_lora else out
     packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize = launch.inputs
     blocksize = 2 * launch.meta["HALF_BLOCK"]
-    tensor_cores = uses_tensor_cores(launch.dtype, x)
-    block_n, tile_k, warps, split_k = (tensor_core_tile if tensor_cores else blocked_tile)(n_out)
+    block_n, tile_k, warps, split_k = blocked_tile(n_out)
     blocked = n_in % blocksize == 0 and tile_k % blocksize == 0
     feature_blocks, splits = triton.cdiv(n_out, block_n), triton.cdiv(n_in, tile_k)
     split_k = split_k and blocked and splits > 1
-    # rows of the blocked kernel: x's, padded; with tensor cores, at least the product's least width in columns
-    block_m = triton.next_power_of_2(n_rows)
-    if tensor_cores:
-        block_m = max(block_m, 16 // max(tile_k // blocksize, 1))
+    block_m = triton.next_power_of_2(n_rows)  # rows of the blocked kernel: x's, padded
     if split_k:
         partial = empty((splits, block_m, n_out), torch.float32, x.device)
         arrivals = _arrival_counters(x.device, feature_blocks)
     bf16_codes = uses_bf16_codes(launch.dtype)
-    # what the kernel reads codes from: the blocked kernel's pair table or word tables, else the code book
-    if blocked and LOOKUP == "pairs":
-        table = code_pairs(code)
-    elif blocked and LOOKUP == "registers" and (tensor_cores or bf16_codes and WORD_LOOKUP):
-        table = word_lookup_tables(code)
-    else:
-        table = code
+    # what the kernel reads codes from: the blocked kernel's pair table, else the code book
+    table = code_pairs(code) if blocked and LOOKUP == "pairs" else code
     args = (
         x2d, x2d.stride(0), x2d.stride(1),
         packed, absmax, table, nested_code, nested_absmax, offset,
@@ -486,9 +408,8 @@ def nf4_matvec(
         pdl = uses_pdl(x.device)
         _nf4_matvec_blocked_kernel[(feature_blocks, splits if split_k else 1)](
             *args, *((partial, arrivals) if split_k else (out, out)), *sizes,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize, TENSOR_CORES=tensor_cores,
-            DOT_FP32=INTERPRET,
-            LOOKUP=LOOKUPS.index(LOOKUP), BF16_CODES=bf16_codes, WORD_LOOKUP=WORD_LOOKUP,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
+            LOOKUP=LOOKUPS.index(LOOKUP), BF16_CODES=bf16_codes,
             SPLIT_K=split_k, PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}), **meta,
         )
     else:
