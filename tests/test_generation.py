@@ -70,7 +70,7 @@ def with_adapter(model, seed: int):
 def model_pair(arch, variant, device="cpu", dtype=torch.float32):
     """(reference, patched): the unpatched model and a patched copy of the same weights. Variants: dense or
     `4bit` base, `+lora`."""
-    reference, patched, _ = model_trio(arch, variant, device, dtype)
+    reference, patched, _ = _models(arch, variant, device, dtype, with_exact=False)
     return reference, patched
 
 
@@ -78,21 +78,30 @@ def model_trio(arch, variant, device, dtype):
     """`model_pair`'s (reference, patched) and the exact model in float32: the reference's weights, except that
     a 4-bit layer's are dequantised in float32 (the reference's bf16 weights are those values rounded, the
     patched model's kernels have their own rounding: each is measured against the exact values)."""
+    return _models(arch, variant, device, dtype, with_exact=True)
+
+
+def _models(arch, variant, device, dtype, with_exact: bool):
     base = tiny(arch, device, dtype).eval()
+    exact = None
     if variant.startswith("4bit"):
         base = quantize_linears_nf4(base, dtype)
-        reference, exact = dequantised_copy(base), dequantised_copy(base, torch.float32)
+        reference = dequantised_copy(base)
+        exact = dequantised_copy(base, torch.float32) if with_exact else None
     else:
         reference = copy.deepcopy(base)
-        exact = copy.deepcopy(base)
     if variant.endswith("+lora"):
-        base, reference, exact = with_adapter(base, 0), with_adapter(reference, 0), with_adapter(exact, 0)
-        adapters = {name: p for name, p in reference.named_parameters() if "lora_" in name}
+        base, reference = with_adapter(base, 0), with_adapter(reference, 0)
+    if with_exact and exact is None:
+        exact = copy.deepcopy(reference)
+    elif exact is not None and variant.endswith("+lora"):
+        exact = with_adapter(exact, 0)
+        adapters = dict(reference.named_parameters())
         with torch.no_grad():  # the reference's adapters exactly (PEFT casts them to each base layer's dtype)
             for name, param in exact.named_parameters():
                 if "lora_" in name:
                     param.copy_(adapters[name])
-    return reference.eval(), patch_model(base).eval(), exact.float().eval()
+    return reference.eval(), patch_model(base).eval(), None if exact is None else exact.float().eval()
 
 
 def assert_same_greedy_tokens(
