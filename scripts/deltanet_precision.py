@@ -3,8 +3,9 @@
     TRITON_INTERPRET=1 python scripts/deltanet_precision.py                # T = 2048, 1 key / 3 value heads of 128
     TRITON_INTERPRET=1 python scripts/deltanet_precision.py --tiny         # seconds: the test's run
 
-On a GPU the kernels take 16-bit inputs' products in tf32 (`input_precision="tf32"`); the H200's errors are
-those of fp32 operands cut to tf32 by dropping their 13 low mantissa bits (truncation, not rounding). Triton's
+With 16-bit inputs' products in tf32 (`input_precision="tf32"`), the H200's errors are those of fp32 operands
+cut to tf32 by dropping their 13 low mantissa bits (truncation, not rounding). The last rows run the kernels'
+own precisions: operands rounded to tf32 first, and the default's three bf16 products of the operands' halves. Triton's
 interpreter multiplies in fp32; this script runs the kernels there with the operands of every tf32 product
 first truncated (`truncate`) or rounded to nearest (`round`) to tf32, optionally keeping the products of some
 launchers in fp32, on the bf16 inputs' values upcast to fp32 so that the outputs are not rounded to bf16.
@@ -103,6 +104,7 @@ def main(argv=None) -> int:
     wide = [x.float() for x in inputs]
     cases = [("truncate", ()), *(("truncate", (name,)) for name in LAUNCHERS), ("round", ()), ("truncate", LAUNCHERS)]
     cases.append(("truncate", (), "tf32_rounded"))  # the kernels' own rounding: as `round` above if it is right
+    cases.append(("truncate", (), "bf16x3"))  # the default's bf16 halves: no tf32 product left to truncate
     for mode, exact, *precision in cases:
         emulation.mode, emulation.exact = mode, set(exact)
         gated_delta_rule.LAUNCH["precision"] = precision[0] if precision else "tf32"

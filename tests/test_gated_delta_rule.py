@@ -122,7 +122,8 @@ def test_gated_delta_rule_16bit(dtype, device):
 BY_KERNEL = dict(prepare="tf32", states="tf32x3", output="tf32", free="tf32x3", reverse="tf32", values="tf32x3")
 
 
-@pytest.mark.parametrize("precision", ["tf32", "tf32x3", BY_KERNEL], ids=["tf32", "tf32x3", "by_kernel"])
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3", "tf32_rounded", "bf16x3", BY_KERNEL],
+                         ids=["tf32", "tf32x3", "tf32_rounded", "bf16x3", "by_kernel"])
 def test_gated_delta_rule_16bit_product_precisions(precision, device, monkeypatch):
     # The other precisions of 16-bit inputs' products, for every kernel or by kernel.
     monkeypatch.setitem(gated_delta_rule.LAUNCH, "precision", precision)
@@ -379,9 +380,10 @@ def test_gated_delta_rule_w2_shapes(dtype, seq, varlen):
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("_free_gpu_memory")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
 def test_gated_delta_rule_odd_shapes_gpu(dtype):
-    # Head dims that are not powers of two, 1000 tokens, conv-output views, GVA 2.
+    # Head dims that are not powers of two, 1000 tokens, conv-output views, GVA 2. fp16: the bf16 products of
+    # inputs that are not exact in bf16 (their low halves' products kept).
     inputs = make_inputs(2, 1000, 3, 2, 96, 80, l2=True, n_states=2, layout="conv")
     run_and_compare(
         inputs, dtype, "cuda", l2=True, reference=chunk_gated_delta_rule_reference, reference_dtype=torch.float64

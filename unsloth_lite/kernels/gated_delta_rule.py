@@ -101,13 +101,20 @@ MAX_HEAD_DIM = 128
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Warps of each kernel's launch (and the value-gradient kernel's value block), chosen on an H200 at W2's shapes
 # (`scripts/bench_deltanet.py`); every combination shipped is the one the GPU tests run.
-LAUNCH = dict(prepare_warps=4, states_warps=4, output_warps=4, free_warps=4, reverse_warps=8, values_warps=8,
-              values_bv=32, keys_warps=8, precision="tf32_rounded")
+LAUNCH = dict(prepare_warps=4, states_warps=4, output_warps=4, free_warps=4, reverse_warps=8, values_warps=4,
+              values_bv=64, keys_warps=8,
+              precision=dict(prepare="bf16x3", states="tf32_rounded", output="bf16x3", free="bf16x3",
+                             reverse="bf16x3", values="bf16x3"))
 # `precision`, the products' for 16-bit inputs, one for every kernel or a dict by kernel (prepare, states,
-# output, free, reverse, values): "tf32_rounded" (operands rounded to nearest, then tf32 products: every error
-# within 4% of bf16's own rounding on an H200 at W2's shape), "tf32" (the operands truncated as Hopper's tensor
-# cores read fp32: about 1.4x that error, 5% faster) or "tf32x3" (Triton's three-product split: the PyTorch
-# path's fp32 errors at 2.4x the time).
+# output, free, reverse, values). Measured on an H200 at W2's shape (K2, 2026-12-03; errors against the float64
+# recurrence, the bf16 floor being 1.64-1.66e-3):
+# - "bf16x3": three bf16 products of the operands' bf16 halves (`_dot_bf16x3`), fewer where an operand is a bf16
+#   input's values (q, k and v as stored, their L2 norms and decays applied to the other operand or the result):
+#   every error at the floor, equal to transformers' fp32 PyTorch path's. The default, but in the forward's
+#   sequential pass, where "tf32_rounded" is 0.03 ms faster with the same errors: 2.01 ms a K2 call.
+# - "tf32_rounded" (operands rounded to nearest, then tf32 products): 1.84 ms, errors 1.67-1.69e-3.
+# - "tf32" (operands truncated as Hopper's tensor cores read fp32): about 1.4x that error, 5% faster.
+# - "tf32x3" (Triton's three tf32 products): the floor at 2.4x the time.
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -131,6 +138,12 @@ def _dot_precision(dtype: torch.dtype, kernel: str) -> str:
         return "ieee"
     precision = LAUNCH["precision"]
     return precision if isinstance(precision, str) else precision[kernel]
+
+
+def _products(dtype: torch.dtype, kernel: str) -> dict:
+    """A launch's product settings: PREC (`_dot_precision`) and EXACT, whether the inputs' values are exact bf16
+    operands (bf16 inputs: "bf16x3" then skips their low halves' products)."""
+    return dict(PREC=_dot_precision(dtype, kernel), EXACT=dtype == torch.bfloat16)
 
 
 class _Layout:
@@ -177,7 +190,7 @@ def _prepare(q, k, v, g, beta, lay: _Layout, use_l2: bool, store_t: bool):
         w, u, scratch, scratch_row, lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, group, dk, dv,
         C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), DV=max(16, triton.next_power_of_2(dv)),
-        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype, "prepare"),
+        L2=use_l2, VARLEN=lay.varlen, **_products(q.dtype, "prepare"),
         num_warps=LAUNCH["prepare_warps"],
     )
     return w, u, (tm if store_t else None)
@@ -202,7 +215,7 @@ def _forward_states(q, k, g, w, u, h0, lay, scale, use_l2, *, compute_o, store_f
         lay.T, lay.NC, lay.NCH, hv, group, dk, dv, scale,
         C=CHUNK, DK=max(16, triton.next_power_of_2(dk)), BV=bv,
         L2=use_l2, VARLEN=lay.varlen, HAS_H0=h0 is not None, STORE_HT=store_final,
-        COMPUTE_O=compute_o, STORE_STATES=store_states, PREC=_dot_precision(q.dtype, "states"),
+        COMPUTE_O=compute_o, STORE_STATES=store_states, **_products(q.dtype, "states"),
         num_warps=LAUNCH["states_warps"], num_stages=2,
     )
     return (o if compute_o else None), (ht if store_final else None), (hs if store_states else None), (
@@ -219,7 +232,7 @@ def _output(q, k, g, hs, vn, lay, scale, use_l2, v_dtype, batch, dv):
         lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, hv, hv // k.shape[2], k.shape[3], dv, scale,
         C=CHUNK, DK=max(16, triton.next_power_of_2(k.shape[3])), BV=bv,
-        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype, "output"),
+        L2=use_l2, VARLEN=lay.varlen, **_products(q.dtype, "output"),
         num_warps=LAUNCH["output_warps"], num_stages=1,
     )
     return o
@@ -238,7 +251,7 @@ def _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, store_dh0):
         q, *_strides(q), k, *_strides(k), g, *_strides(g), do, *_strides(do),
         dhs, dvn, lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, hv, group, dk, dv, scale,
-        C=CHUNK, DK=DK, BV=free_bv, L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype, "free"),
+        C=CHUNK, DK=DK, BV=free_bv, L2=use_l2, VARLEN=lay.varlen, **_products(q.dtype, "free"),
         num_warps=LAUNCH["free_warps"], num_stages=1,
     )
     bv = _value_block(dv)
@@ -251,7 +264,7 @@ def _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, store_dh0):
         lay.T, lay.NC, lay.NCH, hv, group, dk, dv,
         C=CHUNK, DK=DK, BV=bv,
         L2=use_l2, VARLEN=lay.varlen, HAS_DHT=dht is not None, STORE_DH0=store_dh0,
-        PREC=_dot_precision(q.dtype, "reverse"), num_warps=LAUNCH["reverse_warps"], num_stages=1,
+        **_products(q.dtype, "reverse"), num_warps=LAUNCH["reverse_warps"], num_stages=1,
     )
     return dhs, dvn, (dh0 if store_dh0 else None)
 
@@ -277,7 +290,7 @@ def _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use
     _backward_key_products_kernel[(lay.NCH, hk)](
         q, *_strides(q), k, *_strides(k), key_products, lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, dk, scale,
-        C=CHUNK, DK=DK, L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype, "values"), num_warps=4,
+        C=CHUNK, DK=DK, L2=use_l2, VARLEN=lay.varlen, **_products(q.dtype, "values"), num_warps=4,
     )
     _backward_values_kernel[(lay.NCH, hv)](
         q, *_strides(q), k, *_strides(k), v, *_strides(v), g, *_strides(g), beta, *_strides(beta),
@@ -287,7 +300,7 @@ def _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use
         lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, hv, hv // hk, dk, dv, scale,
         C=CHUNK, DK=DK, BV=LAUNCH["values_bv"],
-        L2=use_l2, VARLEN=lay.varlen, PREC=_dot_precision(q.dtype, "values"),
+        L2=use_l2, VARLEN=lay.varlen, **_products(q.dtype, "values"),
         num_warps=LAUNCH["values_warps"], num_stages=1,
     )
     _backward_keys_kernel[(lay.NCH, hk)](

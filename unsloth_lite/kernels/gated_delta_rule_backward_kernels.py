@@ -11,8 +11,9 @@ from unsloth_lite.kernels.gated_delta_rule_kernels import (
     _chunk_of_program,
     _dot,
     _dot_operands,
-    _load_cols,
-    _load_rows,
+    _input_operand,
+    _load_raw_cols,
+    _load_raw_rows,
     _load_state_block,
     _load_vec,
     _operand,
@@ -30,7 +31,7 @@ def _backward_state_free_kernel(
     cu_ptr, chunk_seq_ptr, chunk_first_ptr,
     T, NC, NCH, Hv, G, Dk, Dv, scale,
     C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
-    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """Chunk-parallel, the reverse pass's terms that do not depend on the state, for the Dv columns
     [pid_v*BV, +BV) of one chunk of one value head: Mᵀ dO into dV_new's slot and scale (Q⊙Γ)ᵀ dO into
@@ -45,21 +46,22 @@ def _backward_state_free_kernel(
     e = pid_v * BV + tl.arange(0, BV)
     mask_e = e < Dv
     gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
-    k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
-    qT = _load_cols(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2) * scale
+    k, r_k = _load_raw_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    qT, r_q = _load_raw_cols(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+    r_q = r_q * scale
     # mT[j, i] = M[i, j] = scale (q_i·k_j) exp(γ_i - γ_j) for i >= j.
     upper_incl = rows[None, :] >= rows[:, None]
-    mT = _dot(k, qT, PREC)
+    mT = _dot(k, qT, PREC, EXACT, EXACT) * (r_k[:, None] * r_q[None, :])
     mT = tl.where(upper_incl, mT * tl.exp(tl.where(upper_incl, gam[None, :] - gam[:, None], 0.0)), 0.0)
     do = tl.load(
         do_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + e[None, :] * s_oe,
         mask=mask_t[:, None] & mask_e[None, :], other=0.0,
     ).to(tl.float32)
     base = h * NCH + pid_c
-    tl.store(dvn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], _dot(mT, do, PREC),
+    tl.store(dvn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], _dot(mT, do, PREC, False, EXACT),
              mask=mask_e[None, :])
     tl.store(dhs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :],
-             _dot(qT * tl.exp(gam)[None, :], do, PREC),
+             _dot(qT * (r_q * tl.exp(gam))[None, :], do, PREC, False, EXACT),
              mask=(d[:, None] < Dk) & mask_e[None, :])
 
 
@@ -74,7 +76,7 @@ def _backward_states_kernel(
     T, NC, NCH, Hv, G, Dk, Dv,
     C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """The reverse sequential pass: for each chunk from the last, store dS_C (the gradient of its end state),
     dV_new = Mᵀ dO + K̃ dS_C, and dS <- exp(γ_C) dS_C + scale (Q⊙Γ)ᵀ dO - Wᵀ dV_new, the state-free terms
@@ -106,9 +108,8 @@ def _backward_states_kernel(
         tl.store(state_slot, dS, mask=mask_de)
         gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
         gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
-        k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
-        k = k * tl.exp(gam_last - gam)[:, None]
-        dvn = m_do + _dot(k, dS, PREC)
+        k, r_k = _load_raw_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+        dvn = m_do + _dot(k, dS, PREC, EXACT, False) * (r_k * tl.exp(gam_last - gam))[:, None]  # K̃ dS_C
         tl.store(value_slot, dvn, mask=mask_e[None, :])
         wT = tl.load(w_ptr + (base * C + rows[None, :]) * Dk + d[:, None], mask=mask_d[:, None], other=0.0)
         dS = dS * tl.exp(gam_last) + q_do - _dot(wT, dvn, PREC)
@@ -124,6 +125,7 @@ def _backward_key_products_kernel(
     cu_ptr, chunk_seq_ptr, chunk_first_ptr,
     T, NC, NCH, Dk, scale,
     C: tl.constexpr, DK: tl.constexpr, L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     """Chunk-parallel, one program per (chunk, key head): scale·Q Kᵀ and K Kᵀ of the chunk (`[2, C, C]`, fp32),
     which every value head of the key head reads in `_backward_values_kernel` (its products over Dk cost that
@@ -132,12 +134,12 @@ def _backward_key_products_kernel(
     hk = tl.program_id(1).to(tl.int64)
     b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
     rows = tl.arange(0, C)
-    q, _ = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
-    k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
-    kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    q, r_q = _load_raw_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+    k, r_k = _load_raw_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    kT, r_cols = _load_raw_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
     out = out_ptr + (hk * NCH + pid_c) * 2 * C * C + rows[:, None] * C + rows[None, :]
-    tl.store(out, _dot(q * scale, kT, PREC))
-    tl.store(out + C * C, _dot(k, kT, PREC))
+    tl.store(out, _dot(q, kT, PREC, EXACT, EXACT) * ((r_q * scale)[:, None] * r_cols[None, :]))
+    tl.store(out + C * C, _dot(k, kT, PREC, EXACT, EXACT) * (r_k[:, None] * r_cols[None, :]))
 
 
 @triton.jit
@@ -154,7 +156,7 @@ def _backward_values_kernel(
     cu_ptr, chunk_seq_ptr, chunk_first_ptr,
     T, NC, NCH, Hv, G, Dk, Dv, scale,
     C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
-    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """Chunk-parallel, one program per (chunk, value head): dv, dg, dβ, and this value head's share of the
     gradients of scale·q̂ and k̂ (fp32, `[2, C, Dk]` at `part_ptr + program * part_slot`; `_backward_keys_kernel`
@@ -177,7 +179,7 @@ def _backward_values_kernel(
     gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
     decay_q = tl.exp(gam)
     decay_k = tl.exp(gam_last - gam)
-    # Tiles that enter products are made operands once as loaded (dO, a 16-bit input, is exact in tf32).
+    # Tiles that enter products are made operands once as loaded (dO, a 16-bit input's values, by `_input_operand`).
     tm_T = _operand(tl.load(tm_ptr + (base * C + rows[None, :]) * C + rows[:, None]), PREC)  # Tᵀ
     # The three products over Dv, summed whole before their row sums with q and k (which are loaded after the
     # loop: fewer tiles live through it)
@@ -199,9 +201,9 @@ def _backward_values_kernel(
         vn = _operand(tl.load(vn_ptr + rows_ce, mask=mask_e[None, :], other=0.0), PREC)
         vn_T = _operand(tl.load(vn_ptr + cols_ce, mask=mask_e[:, None], other=0.0), PREC)
         dvn = _operand(tl.load(dvn_ptr + rows_ce, mask=mask_e[None, :], other=0.0), PREC)
-        do = tl.load(
+        do = _input_operand(tl.load(
             do_ptr + b * s_ob + t[:, None] * s_ot + h * s_oh + e[None, :] * s_oe, mask=mask_te, other=0.0
-        ).to(tl.float32)
+        ).to(tl.float32), PREC)
         state = base * Dk * Dv + d[None, :] * Dv + e[:, None]
         mask_ed = mask_e[:, None] & mask_d[None, :]
         s0_T = tl.load(hs_ptr + state, mask=mask_ed, other=0.0)  # S0ᵀ [BV, DK]
@@ -222,14 +224,17 @@ def _backward_values_kernel(
         dbeta += tl.sum(v * du, 1)
         du_operand = _operand(du, PREC)
         dA -= _dot_operands(du_operand, vn_T, PREC)
-        dM += _dot_operands(do, vn_T, PREC)
-        do_s0 += _dot_operands(do, s0_T, PREC)
+        dM += _dot_operands(do, vn_T, PREC, EXACT, False)
+        do_s0 += _dot_operands(do, s0_T, PREC, EXACT, False)
         vn_dsc += _dot_operands(vn, dsc_T, PREC)
         du_s0 += _dot_operands(du_operand, s0_T, PREC)
 
-    q, _ = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
-    k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
-    q = q * scale
+    # q and k as stored (the products' exact operands) and normalised (the row sums')
+    q_raw, r_q = _load_raw_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+    k_raw, r_k = _load_raw_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    r_q = r_q * scale
+    q = q_raw * r_q[:, None]
+    k = k_raw * r_k[:, None]
     # inter-chunk read of the state: O += scale (Q⊙Γ) S0
     dq = do_s0 * decay_q[:, None]  # gradient of scale·q̂
     dgam += decay_q * tl.sum(q * do_s0, 1)
@@ -245,7 +250,7 @@ def _backward_values_kernel(
     # intra-chunk attention M = tril(scale Q Kᵀ ⊙ D)
     decay = tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0))
     dM = tl.where(lower_incl, dM * decay, 0.0)
-    dq += _dot(dM, k, PREC)
+    dq += _dot(dM * r_k[None, :], k_raw, PREC, False, EXACT)
     square = rows[:, None] * C + rows[None, :]
     key_products = key_products_ptr + (hk * NCH + pid_c) * 2 * C * C
     pairs = dM * tl.load(key_products + square)  # dM ⊙ M: terms of D_ij = exp(γ_i - γ_j)
@@ -264,8 +269,8 @@ def _backward_values_kernel(
     tl.debug_barrier()  # every thread's stores visible to every thread of the program
     dM_T = tl.load(flip + square_T, cache_modifier=".cg")
     dA_T = tl.load(flip + C * C + square_T, cache_modifier=".cg")
-    dk += _dot(dM_T, q, PREC)
-    dk += _dot(dA + dA_T, k, PREC)  # (G + Gᵀ) K
+    dk += _dot(dM_T * r_q[None, :], q_raw, PREC, False, EXACT)
+    dk += _dot((dA + dA_T) * r_k[None, :], k_raw, PREC, False, EXACT)  # (G + Gᵀ) K
     # dg_t = Σ_{s>=t} dγ_s + dγ_C, summed by what each term depends on (module docstring): a D_ij term reaches
     # g_t for j < t <= i only, so the pairs are summed over that range directly rather than as row and column
     # sums that cancel in the reverse cumulative sum.
@@ -306,8 +311,10 @@ def _backward_keys_kernel(
         dk += tl.load(share + C * Dk + at, mask=mask_d[None, :], other=0.0)
     dq = dq * scale
     if L2:
-        q, r_q = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
-        k, r_k = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+        q, r_q = _load_raw_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+        k, r_k = _load_raw_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+        q = q * r_q[:, None]
+        k = k * r_k[:, None]
         dq = r_q[:, None] * (dq - q * tl.sum(q * dq, 1)[:, None])
         dk = r_k[:, None] * (dk - k * tl.sum(k * dk, 1)[:, None])
     out = ((b * T + t[:, None]) * Hk + hk) * Dk + d[None, :]

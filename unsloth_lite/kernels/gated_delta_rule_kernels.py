@@ -10,9 +10,11 @@ Layout conventions shared by every kernel:
   globally: n * NC + i for fixed length, `chunk_first[n] + i` for varlen (`chunk_seq[c]` = its document).
 * Scratch buffers are chunk-major per value head, fp32, rows of a whole chunk (padding rows hold zeros):
   W `[Hv, NCH, C, Dk]`, U / V_new / dV_new `[Hv, NCH, C, Dv]`, T `[Hv, NCH, C, C]`, states `[Hv, NCH, Dk, Dv]`.
-* Math is fp32. Every product takes fp32 operands (the interpreter mishandles 16-bit ones) at an explicit
-  precision, PREC of `_dot`: "ieee" for fp32 inputs; for 16-bit ones "tf32", "tf32_rounded" or "tf32x3"
-  (`LAUNCH["precision"]` of `gated_delta_rule.py`).
+* Math is fp32. Every product takes fp32 tiles at an explicit precision, PREC of `_dot`: "ieee" for fp32 inputs;
+  for 16-bit ones "bf16x3", "tf32", "tf32_rounded" or "tf32x3" (`LAUNCH["precision"]` of `gated_delta_rule.py`).
+  Under "bf16x3" a product of bf16 inputs' values as stored (EXACT: q, k, v, dO) skips their low halves, so q and
+  k enter products as stored and their L2 norms (`_load_raw_rows`), like the decays, scale the other operand or
+  the result. Only bf16 products see 16-bit operands (the interpreter's are wrong: `_dot_bf16x3` upcasts there).
 * No `tl.trans` anywhere: a transposed operand is loaded transposed through pointer arithmetic (Triton on Hopper
   miscompiles a transposed dot result fed to another dot); computed tiles, dot results included, enter
   products untransposed.
@@ -23,6 +25,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from unsloth_lite.kernels.utils import INTERPRET
+
+_INTERPRET = tl.constexpr(INTERPRET)
+
 
 @triton.jit
 def _round_to_tf32(x):
@@ -32,30 +38,79 @@ def _round_to_tf32(x):
 
 
 @triton.jit
-def _dot(a, b, PREC: tl.constexpr):
+def _dot(a, b, PREC: tl.constexpr, A_EXACT: tl.constexpr = False, B_EXACT: tl.constexpr = False):
     """`tl.dot(a, b)` at PREC. "tf32_rounded": tf32 products of operands rounded to nearest first (the H200's
     errors are those of operands truncated to tf32, which about doubles a bf16 run's error over bf16's own
-    rounding: `scripts/deltanet_precision.py`)."""
-    return _dot_operands(_operand(a, PREC), _operand(b, PREC), PREC)
+    rounding: `scripts/deltanet_precision.py`). "bf16x3": `_dot_bf16x3`; A_EXACT / B_EXACT say that an
+    operand's values are exact in bf16 (a bf16 input's), so that its low half's product is skipped."""
+    return _dot_operands(_operand(a, PREC), _operand(b, PREC), PREC, A_EXACT, B_EXACT)
 
 
 @triton.jit
 def _operand(x, PREC: tl.constexpr):
-    """x made a product operand once, for `_dot_operands`: rounded to tf32 under "tf32_rounded" (a tile that
-    enters several products is rounded once, not at each), else as it is."""
+    """x made a product operand once, for `_dot_operands` (a tile that enters several products is made once, not
+    at each): rounded to tf32 under "tf32_rounded", split into its bf16 halves (hi, lo) under "bf16x3", else as
+    it is."""
     if PREC == "tf32_rounded":
         return _round_to_tf32(x)
+    elif PREC == "bf16x3":
+        return _split_bf16(x)
     else:
         return x
 
 
 @triton.jit
-def _dot_operands(a, b, PREC: tl.constexpr):
-    """`_dot` of operands `_operand` made (16-bit inputs' values, exact in tf32, need no making)."""
+def _input_operand(x, PREC: tl.constexpr):
+    """A 16-bit input's values (exact in tf32) made a product operand: as they are but split under "bf16x3"
+    (fp16 values are not all exact in bf16)."""
+    if PREC == "bf16x3":
+        return _split_bf16(x)
+    else:
+        return x
+
+
+@triton.jit
+def _dot_operands(a, b, PREC: tl.constexpr, A_EXACT: tl.constexpr = False, B_EXACT: tl.constexpr = False):
+    """`_dot` of operands `_operand` made."""
     if PREC == "tf32_rounded":
         return tl.dot(a, b, input_precision="tf32")
+    elif PREC == "bf16x3":
+        return _dot_bf16x3(a[0], a[1], b[0], b[1], A_EXACT, B_EXACT)
     else:
         return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _split_bf16(x):
+    """(hi, lo), x = hi + lo to about 2^-17 of x: hi x rounded to bf16, lo the remainder (exact in fp32) rounded
+    to bf16."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_bf16x3(a_hi, a_lo, b_hi, b_lo, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr):
+    """fp32 a b from bf16 tensor-core products of the operands' halves: a_hi b_hi + a_hi b_lo + a_lo b_hi, with
+    a_lo b_lo (2^-17 of a product) left out, and the product of an exact operand's (zero) low half skipped.
+    About fp32's error at 1.5 tf32 products' cost (bf16 products run at twice tf32's rate), 1 where one operand
+    is a bf16 input's, 0.5 where both are. The interpreter's bf16 products are wrong: there the halves are
+    multiplied in fp32, exactly as bf16 products with fp32 sums are."""
+    if _INTERPRET:
+        a_hi, a_lo, b_hi, b_lo = a_hi.to(tl.float32), a_lo.to(tl.float32), b_hi.to(tl.float32), b_lo.to(tl.float32)
+    acc = _dot_halves(a_hi, b_hi)
+    if not B_EXACT:
+        acc = _dot_halves(a_hi, b_lo, acc)
+    if not A_EXACT:
+        acc = _dot_halves(a_lo, b_hi, acc)
+    return acc
+
+
+@triton.jit
+def _dot_halves(a, b, acc=None):
+    if _INTERPRET:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -95,8 +150,10 @@ def _sequence_of_program(n, cu_ptr, chunk_first_ptr, T, NC, VARLEN: tl.constexpr
 
 
 @triton.jit
-def _load_rows(ptr, b, t, h, s_b, s_t, s_h, s_d, mask_t, Dk, DK: tl.constexpr, L2: tl.constexpr):
-    """A `[C, DK]` tile of q or k (rows = tokens `t`), fp32, L2-normalised per token when asked; and 1/norm."""
+def _load_raw_rows(ptr, b, t, h, s_b, s_t, s_h, s_d, mask_t, Dk, DK: tl.constexpr, L2: tl.constexpr):
+    """A `[C, DK]` tile of q or k (rows = tokens `t`) as stored (fp32 of the input's values: a bf16 input's are
+    exact bf16 operands), and each row's 1/norm when L2-normalised (else ones): the normalised tile is
+    x * r[:, None], which a product takes as a scale of its result or of its other operand."""
     d = tl.arange(0, DK)
     x = tl.load(
         ptr + b * s_b + t[:, None] * s_t + h * s_h + d[None, :] * s_d,
@@ -106,20 +163,22 @@ def _load_rows(ptr, b, t, h, s_b, s_t, s_h, s_d, mask_t, Dk, DK: tl.constexpr, L
         r = 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6)
     else:
         r = tl.full(t.shape, 1.0, tl.float32)
-    return x * r[:, None], r
+    return x, r
 
 
 @triton.jit
-def _load_cols(ptr, b, t, h, s_b, s_t, s_h, s_d, mask_t, Dk, DK: tl.constexpr, L2: tl.constexpr):
-    """The same tile loaded transposed, `[DK, C]`."""
+def _load_raw_cols(ptr, b, t, h, s_b, s_t, s_h, s_d, mask_t, Dk, DK: tl.constexpr, L2: tl.constexpr):
+    """The tile of `_load_raw_rows` loaded transposed, `[DK, C]`, with each column's 1/norm."""
     d = tl.arange(0, DK)
     x = tl.load(
         ptr + b * s_b + t[None, :] * s_t + h * s_h + d[:, None] * s_d,
         mask=mask_t[None, :] & (d[:, None] < Dk), other=0.0,
     ).to(tl.float32)
     if L2:
-        x = x * (1.0 / tl.sqrt(tl.sum(x * x, 0) + 1e-6))[None, :]
-    return x
+        r = 1.0 / tl.sqrt(tl.sum(x * x, 0) + 1e-6)
+    else:
+        r = tl.full(t.shape, 1.0, tl.float32)
+    return x, r
 
 
 @triton.jit
@@ -170,7 +229,7 @@ def _prepare_kernel(
     cu_ptr, chunk_seq_ptr, chunk_first_ptr,
     T, NC, NCH, G, Dk, Dv,
     C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """Per chunk and value head: T = (I + A)^-1, W = T(βΓ⊙K), U = T(β⊙V).
 
@@ -184,15 +243,16 @@ def _prepare_kernel(
     hk = h // G
     b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
     rows = tl.arange(0, C)
-    k, _ = _load_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
-    kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    # k as stored (exact operands when EXACT), its L2 norm as scales r of the products' results or other operands
+    k, r_k = _load_raw_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    kT, r_cols = _load_raw_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
     beta = _load_vec(beta_ptr, b, t, h, s_bb, s_bt, s_bh, mask_t)
     gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
 
     # A[i, j] = β_i (k_i·k_j) exp(γ_i − γ_j) for i > j
     lower = rows[None, :] < rows[:, None]
-    a = tl.where(lower, beta[:, None] * _dot(k, kT, PREC)
-                 * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    kk = _dot(k, kT, PREC, EXACT, EXACT) * (r_k[:, None] * r_cols[None, :])
+    a = tl.where(lower, beta[:, None] * kk * tl.exp(tl.where(lower, gam[:, None] - gam[None, :], 0.0)), 0.0)
     base = h * NCH + pid_c
     scratch = scratch_ptr + base * C * s_row
     tl.store(scratch + rows[:, None] * s_row + rows[None, :], a)
@@ -242,14 +302,15 @@ def _prepare_kernel(
     tm = tl.load(scratch + rows[:, None] * s_row + rows[None, :], cache_modifier=".cg")
 
     d = tl.arange(0, DK)
-    w = _dot(tm, k * (beta * tl.exp(gam))[:, None], PREC)
+    # T's columns take the scales of K's rows: K stays an exact operand
+    w = _dot(tm * (beta * tl.exp(gam) * r_k)[None, :], k, PREC, False, EXACT)
     e = tl.arange(0, DV)
     mask_e = e < Dv
     v = tl.load(
         v_ptr + b * s_vb + t[:, None] * s_vt + h * s_vh + e[None, :] * s_vd,
         mask=mask_t[:, None] & mask_e[None, :], other=0.0,
     ).to(tl.float32)
-    u = _dot(tm, v * beta[:, None], PREC)
+    u = _dot(tm * beta[None, :], v, PREC, False, EXACT)
     tl.debug_barrier()  # every thread has read T before W (where W's slot is the scratch) overwrites it
     tl.store(w_ptr + (base * C + rows[:, None]) * Dk + d[None, :], w, mask=d[None, :] < Dk)
     tl.store(u_ptr + (base * C + rows[:, None]) * Dv + e[None, :], u, mask=mask_e[None, :])
@@ -267,7 +328,7 @@ def _forward_states_kernel(
     T, NC, NCH, Hv, G, Dk, Dv, scale,
     C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    COMPUTE_O: tl.constexpr, STORE_STATES: tl.constexpr, PREC: tl.constexpr,
+    COMPUTE_O: tl.constexpr, STORE_STATES: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """The sequential pass over chunks for Dv columns [pid_v*BV, +BV) of one value head of one sequence:
     V_new = U - W S; O = scale(Q⊙Γ)S + M V_new; S <- exp(γ_C) S + K̃ᵀ V_new."""
@@ -284,7 +345,6 @@ def _forward_states_kernel(
     mask_e = e < Dv
     mask_de = mask_d[:, None] & mask_e[None, :]
     S = _load_state_block(h0_ptr, n, h, s_h0n, s_h0h, s_h0d, s_h0e, d, e, mask_de, HAS_H0, DK, BV)
-    lower_incl = rows[None, :] <= rows[:, None]
     for i in range(0, count):
         c = first + i
         t = bos + i * C + rows
@@ -298,21 +358,33 @@ def _forward_states_kernel(
         if STORE_STATES:
             tl.store(hs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :], S, mask=mask_de)
             tl.store(vn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], vn, mask=mask_e[None, :])
-        kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+        kT, r_k = _load_raw_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
         if COMPUTE_O:
-            q, _ = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
-            q = q * scale
-            qk = _dot(q, kT, PREC)
-            m = tl.where(lower_incl, qk * tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-            o = _dot(q * tl.exp(gam)[:, None], S, PREC) + _dot(m, vn, PREC)
+            o = _chunk_output(q_ptr, s_qb, s_qt, s_qh, s_qd, b, t, hk, mask_t, Dk, kT, r_k, gam, S, vn, scale,
+                              C, DK, L2, PREC, EXACT)
             tl.store(
                 o_ptr + ((b * T + t[:, None]) * Hv + h) * Dv + e[None, :],
                 o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :],
             )
-        kT = kT * tl.exp(gam_last - gam)[None, :]
-        S = S * tl.exp(gam_last) + _dot(kT, vn, PREC)
+        # K̃ᵀ V_new with K̃'s scales on V_new's rows
+        S = S * tl.exp(gam_last) + _dot(kT, vn * (r_k * tl.exp(gam_last - gam))[:, None], PREC, EXACT, False)
     if STORE_HT:
         tl.store(ht_ptr + ((n * Hv + h) * Dk + d[:, None]) * Dv + e[None, :], S, mask=mask_de)
+
+
+@triton.jit
+def _chunk_output(q_ptr, s_qb, s_qt, s_qh, s_qd, b, t, hk, mask_t, Dk, kT, r_k, gam, s0, vn, scale,
+                  C: tl.constexpr, DK: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr):
+    """O = scale (Q⊙Γ) S0 + M V_new of one chunk, M = tril(scale Q Kᵀ ⊙ D), from the chunk's keys as stored
+    (`kT`, `[DK, C]`, with their 1/norms `r_k`): q and k enter the products as stored, their scales applied to
+    the results."""
+    rows = tl.arange(0, C)
+    q, r_q = _load_raw_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+    r_q = r_q * scale
+    lower_incl = rows[None, :] <= rows[:, None]
+    m = _dot(q, kT, PREC, EXACT, EXACT) * (r_q[:, None] * r_k[None, :])
+    m = tl.where(lower_incl, m * tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
+    return _dot(q, s0, PREC, EXACT, False) * (r_q * tl.exp(gam))[:, None] + _dot(m, vn, PREC)
 
 
 @triton.jit
@@ -324,7 +396,7 @@ def _output_kernel(
     cu_ptr, chunk_seq_ptr, chunk_first_ptr,
     T, NC, NCH, Hv, G, Dk, Dv, scale,
     C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
-    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+    L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
     """Chunk-parallel, from the stored chunk-start states S0 and V_new: O = scale (Q⊙Γ) S0 + M V_new for the Dv
     columns [pid_v*BV, +BV) of one chunk of one value head."""
@@ -337,18 +409,14 @@ def _output_kernel(
     d = tl.arange(0, DK)
     e = pid_v * BV + tl.arange(0, BV)
     mask_e = e < Dv
-    q, _ = _load_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
-    q = q * scale
-    kT = _load_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
+    kT, r_k = _load_raw_cols(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
     gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
-    lower_incl = rows[None, :] <= rows[:, None]
-    m = _dot(q, kT, PREC)
-    m = tl.where(lower_incl, m * tl.exp(tl.where(lower_incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
     base = h * NCH + pid_c
     s0 = tl.load(hs_ptr + base * Dk * Dv + d[:, None] * Dv + e[None, :], mask=(d[:, None] < Dk) & mask_e[None, :],
                  other=0.0)
     vn = tl.load(vn_ptr + (base * C + rows[:, None]) * Dv + e[None, :], mask=mask_e[None, :], other=0.0)
-    o = _dot(q * tl.exp(gam)[:, None], s0, PREC) + _dot(m, vn, PREC)
+    o = _chunk_output(q_ptr, s_qb, s_qt, s_qh, s_qd, b, t, hk, mask_t, Dk, kT, r_k, gam, s0, vn, scale,
+                      C, DK, L2, PREC, EXACT)
     tl.store(
         o_ptr + ((b * T + t[:, None]) * Hv + h) * Dv + e[None, :],
         o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :],
