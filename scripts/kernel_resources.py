@@ -1,7 +1,7 @@
 """Registers, spilled bytes and shared memory of the Gated DeltaNet's kernels, compiled for a GPU without one.
 
     python scripts/kernel_resources.py                                  # W2's shape, sm_90, LAUNCH as shipped
-    python scripts/kernel_resources.py --precision tf32,tf32_rounded --launch '{"values_warps": 4}'
+    python scripts/kernel_resources.py --precision bf16x3,tf32_rounded --launch '{"values_warps": 8}'
     python scripts/kernel_resources.py --tiny                           # seconds: the test's run
 
 The library's launchers run on CPU tensors with every Triton launch captured instead of run; each captured launch
@@ -134,7 +134,7 @@ def parse_args(argv=None):
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: Hopper)")
     parser.add_argument("--precision", default=None,
                         help="comma-separated LAUNCH['precision'] values for bf16 inputs (default: as shipped)")
-    parser.add_argument("--launch", default="{}", help="JSON of LAUNCH overrides, e.g. '{\"values_warps\": 4}'")
+    parser.add_argument("--launch", default="{}", help="JSON of LAUNCH overrides, e.g. '{\"values_warps\": 8}'")
     parser.add_argument("--out", default=None, help="JSON file for the rows")
     return parser.parse_args(argv)
 
@@ -161,7 +161,8 @@ def main(argv=None) -> int:
             for kernel, kernel_args, kernel_kwargs in deltanet_launches(*shape, torch.bfloat16):
                 compiled = compile_launch(kernel, kernel_args, kernel_kwargs, args.arch)
                 registers, stack = resource_usage(compiled)
-                rows.append(dict(precision=str(precision), kernel=kernel.__name__, registers=registers,
+                label = precision if isinstance(precision, str) else "as shipped (by kernel)"
+                rows.append(dict(precision=label, kernel=kernel.__name__, registers=registers,
                                  stack_bytes=stack, shared_bytes=compiled.metadata.shared,
                                  warps=compiled.metadata.num_warps))
     finally:

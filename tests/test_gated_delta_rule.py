@@ -147,6 +147,15 @@ def test_gated_delta_rule_value_blocks(dv, device):
     run_and_compare(inputs, torch.float32, device, l2=True)
 
 
+def test_compiled_launches_take_the_gpu_tested_value_block(monkeypatch):
+    # Compiled, every Dv runs 64-column blocks (the width the GPU tests run; narrower ones faulted on an H200),
+    # a small Dv masked; only the interpreter narrows them to Dv.
+    monkeypatch.setattr(gated_delta_rule, "INTERPRET", False)
+    assert [_value_block(dv) for dv in (16, 32, 80, 128)] == [64, 64, 64, 64]
+    monkeypatch.setattr(gated_delta_rule, "INTERPRET", True)
+    assert [_value_block(dv) for dv in (16, 32, 80, 128)] == [16, 32, 64, 64]
+
+
 @pytest.mark.parametrize("dk", [64, 80], ids=["64", "80_masked"])
 def test_gated_delta_rule_key_dims_of_a_chunk_or_more(dk, device):
     # From Dk = 64 on, the inverse's blocks pass through each chunk's W slot instead of a buffer of their own;

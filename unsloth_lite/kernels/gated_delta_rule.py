@@ -86,6 +86,7 @@ from unsloth_lite.kernels.gated_delta_rule_backward_kernels import (
 )
 from unsloth_lite.kernels.gated_delta_rule_kernels import _forward_states_kernel, _output_kernel, _prepare_kernel
 from unsloth_lite.kernels.utils import (
+    INTERPRET,
     check_float,
     check_kernel_device,
     check_same_device,
@@ -122,13 +123,19 @@ LAUNCH = dict(prepare_warps=4, states_warps=4, output_warps=4, free_warps=4, rev
 
 
 def _value_block(dv: int) -> int:
-    """State columns per program of the sequential passes: 64 (fewer where Dv is smaller).
+    """State columns per program of the sequential passes, the output and the state-free products: 64, the
+    width every GPU test runs (a smaller Dv masks the block's columns past it); under the interpreter, whose cost
+    is per element, no wider than Dv needs (down to 16).
 
     Measured on an H200 at W2's shape (B=1, Hv=48, Dk=Dv=128, T=8192, bf16): 64 columns (96 programs) ran the
     forward pass in 1.10 ms and the reverse pass in 2.17 ms; 32 columns (192 programs, more of the GPU busy) in
     1.34 / 3.20 ms and 128 columns (48 programs) in 1.94 / 2.97 ms. Each program reloads the chunk's q, k, W and
-    recomputes Q Kᵀ, so splitting Dv finer costs more than the parallelism it buys."""
-    return min(64, max(16, triton.next_power_of_2(dv)))
+    recomputes Q Kᵀ, so splitting Dv finer costs more than the parallelism it buys. With bf16 products in every
+    kernel, 32 columns in the sequential passes stopped on an H200 with an illegal memory access (2026-12-03, not
+    explained): no launch narrower than 64 columns runs compiled."""
+    if INTERPRET:
+        return min(64, max(16, triton.next_power_of_2(dv)))
+    return 64
 
 
 def _dot_precision(dtype: torch.dtype, kernel: str) -> str:
@@ -226,7 +233,7 @@ def _forward_states(q, k, g, w, u, h0, lay, scale, use_l2, *, compute_o, store_f
 def _output(q, k, g, hs, vn, lay, scale, use_l2, v_dtype, batch, dv):
     hv = hs.shape[0]
     o = empty((batch, lay.T, hv, dv), v_dtype, q.device)
-    bv = min(64, max(16, triton.next_power_of_2(dv)))  # 64: no spills in the sm_90 SASS (128: 76 a thread)
+    bv = _value_block(dv)  # 64: no spills in the sm_90 SASS (128: 76 a thread)
     _output_kernel[(lay.NCH, hv, triton.cdiv(dv, bv))](
         q, *_strides(q), k, *_strides(k), g, *_strides(g), hs, vn, o,
         lay.cu, lay.chunk_seq, lay.chunk_first,
@@ -246,7 +253,7 @@ def _backward_states(q, k, g, do, w, dht, lay, scale, use_l2, store_dh0):
     dhs = empty((hv, lay.NCH, dk, dv), torch.float32, dev)
     dvn = empty((hv, lay.NCH, CHUNK, dv), torch.float32, dev)
     dh0 = empty((lay.n_seq, hv, dk, dv), torch.float32, dev) if store_dh0 else dhs
-    free_bv = min(64, max(16, triton.next_power_of_2(dv)))
+    free_bv = _value_block(dv)
     _backward_state_free_kernel[(lay.NCH, hv, triton.cdiv(dv, free_bv))](
         q, *_strides(q), k, *_strides(k), g, *_strides(g), do, *_strides(do),
         dhs, dvn, lay.cu, lay.chunk_seq, lay.chunk_first,
