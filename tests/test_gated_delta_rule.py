@@ -389,6 +389,18 @@ def test_gated_delta_rule_w2_shapes(dtype, seq, varlen):
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("_free_gpu_memory")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize(("dk", "dv"), [(32, 16), (16, 32)], ids=["dk32_dv16", "dk16_dv32"])
+def test_gated_delta_rule_small_heads_gpu(dtype, dk, dv):
+    # Head dims of tiny models: one 64-column value block, mostly masked (`_value_block`); 200 tokens, GVA 2.
+    inputs = make_inputs(1, 200, 2, 2, dk, dv, l2=True, n_states=1)
+    run_and_compare(
+        inputs, dtype, "cuda", l2=True, reference=chunk_gated_delta_rule_reference, reference_dtype=torch.float64
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("_free_gpu_memory")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
 def test_gated_delta_rule_odd_shapes_gpu(dtype):
     # Head dims that are not powers of two, 1000 tokens, conv-output views, GVA 2. fp16: the bf16 products of
