@@ -93,10 +93,7 @@ def _dot_bf16x3(a_hi, a_lo, b_hi, b_lo, A_EXACT: tl.constexpr, B_EXACT: tl.const
     """fp32 a b from bf16 tensor-core products of the operands' halves: a_hi b_hi + a_hi b_lo + a_lo b_hi, with
     a_lo b_lo (2^-17 of a product) left out, and the product of an exact operand's (zero) low half skipped.
     About fp32's error at 1.5 tf32 products' cost (bf16 products run at twice tf32's rate), 1 where one operand
-    is a bf16 input's, 0.5 where both are. The interpreter's bf16 products are wrong: there the halves are
-    multiplied in fp32, exactly as bf16 products with fp32 sums are."""
-    if _INTERPRET:
-        a_hi, a_lo, b_hi, b_lo = a_hi.to(tl.float32), a_lo.to(tl.float32), b_hi.to(tl.float32), b_lo.to(tl.float32)
+    is a bf16 input's, 0.5 where both are."""
     acc = _dot_halves(a_hi, b_hi)
     if not B_EXACT:
         acc = _dot_halves(a_hi, b_lo, acc)
@@ -107,8 +104,10 @@ def _dot_bf16x3(a_hi, a_lo, b_hi, b_lo, A_EXACT: tl.constexpr, B_EXACT: tl.const
 
 @triton.jit
 def _dot_halves(a, b, acc=None):
+    """acc + a b of bf16 halves, fp32 sums. The interpreter's bf16 products are wrong: there the halves are
+    multiplied in fp32, exactly as bf16 products with fp32 sums are."""
     if _INTERPRET:
-        return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
 
