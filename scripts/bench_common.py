@@ -97,6 +97,18 @@ def matmul_tflops(device: torch.device, size: int = 8192) -> float:
     return 2 * size**3 / ms / 1e9
 
 
+def host_link_gbps(device: torch.device, mib: int = 128) -> dict:
+    """Copy rates between pinned host memory and the GPU, GB/s each way (`mib` MiB a copy, median time)."""
+    gpu = torch.randn(mib * 2**19, device=device, dtype=torch.bfloat16)
+    host = torch.empty(gpu.shape, dtype=gpu.dtype, pin_memory=True)
+    rates = {}
+    for name, copy in (("device_to_host", lambda: host.copy_(gpu, non_blocking=True)),
+                       ("host_to_device", lambda: gpu.copy_(host, non_blocking=True))):
+        ms = bench_ms(copy, device)
+        rates[name] = round(gpu.numel() * gpu.element_size() / ms / 1e6, 1)
+    return rates
+
+
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)

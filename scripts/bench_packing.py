@@ -43,9 +43,11 @@ Variants, each in its own worker process, and their micro-batches:
 - `unsloth_lite_w1`: the same model on W1's workload, `bench_train.measure` on `--w1-batch` (4) random rows
   of 2048 tokens, labels = ids: every token real; `--warmup` then `--steps` timed steps, with `--epoch` too.
   Its tokens/s is the ">= 0.95x its own W1" reference.
-- `unsloth_lite:N`, `unsloth_lite_w1:N`: the same with the last N decoder layers not checkpointed (their
-  activations kept, their recomputation skipped), so that one run compares several N against the peers;
-  `--uncheckpointed-layers N` sets it for the unsuffixed unsloth-lite variants.
+- `unsloth_lite_kept_mlp`: `unsloth_lite` with `keep_mlp_preactivations=True` (each checkpoint keeps its MLP's
+  gate and up outputs in CPU memory with its input: the recomputation skips their products).
+- `unsloth_lite:N`, `unsloth_lite_kept_mlp:N`, `unsloth_lite_w1:N`: the same with the last N decoder layers not
+  checkpointed (their activations kept, their recomputation skipped), so that one run compares several N
+  against the peers; `--uncheckpointed-layers N` sets it for the unsuffixed unsloth-lite variants.
 
 One step, as in `bench_train.py`: forward with the micro-batch (labels included: the loss), backward,
 `optimizer.step()`, `zero_grad(set_to_none=True)`. Micro-batches are collated on the host before timing and
@@ -100,9 +102,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_PACKING_RESULT "
 IGNORE_INDEX = -100
 PEERS = ("hf_padded", "hf_flatten", "unsloth")
-VARIANTS = (*PEERS, "unsloth_lite", "unsloth_lite_w1")
+VARIANTS = (*PEERS, "unsloth_lite", "unsloth_lite_kept_mlp", "unsloth_lite_w1")
 BENCH_TRAIN_LOADER = {"hf_padded": "hf", "hf_flatten": "hf", "unsloth": "unsloth", "unsloth_lite": "unsloth_lite",
-                      "unsloth_lite_w1": "unsloth_lite"}
+                      "unsloth_lite_kept_mlp": "unsloth_lite_kept_mlp", "unsloth_lite_w1": "unsloth_lite"}
 W4_RECORDS = dict(count=4096, median=220, sigma=0.8, shortest=32, longest=2048)
 TINY_RECORDS = dict(count=8, median=6, sigma=0.8, shortest=3, longest=16)
 SPECIAL_IDS = 3  # the last ids of the vocabulary: bench_train_setup.py's stand-in tokenizer's special tokens
@@ -246,7 +248,7 @@ def load_variant(args, device: torch.device, dtype: torch.dtype) -> tuple:
     import bench_train_27b
 
     hf_loader = "hf_fla" if importlib.util.find_spec("fla") else "hf"
-    loader = hf_loader if args.worker.startswith("hf") else "unsloth_lite"
+    loader = hf_loader if args.worker.startswith("hf") else BENCH_TRAIN_LOADER[args.worker]
     start = time.perf_counter()
     model = bench_train_27b.load(loader, model_config(args), device, dtype, all_linear=False,
                                  uncheckpointed_layers=args.uncheckpointed_layers)
@@ -485,7 +487,7 @@ def main(argv=None) -> int:
     bad = next((v for v, name, layers in named if ":" in v and (layers is None or not name.startswith("unsloth_lite"))),
                None)
     if bad:
-        print(f"bench_packing.py: --variants {bad}: only unsloth_lite and unsloth_lite_w1 take ':N', N the decoder "
+        print(f"bench_packing.py: --variants {bad}: only the unsloth_lite variants take ':N', N the decoder "
               "layers left uncheckpointed", file=sys.stderr)
         return 2
     c = model_config(args)

@@ -87,7 +87,7 @@ RESULT_PREFIX = "BENCH_TRAIN_RESULT "
 DEFAULT_VARIANTS = ("hf", "hf_liger", "unsloth", "unsloth_lite")
 ALL_VARIANTS = (
     *DEFAULT_VARIANTS, "unsloth_lite_hf_ckpt", "unsloth_lite_ckpt", "unsloth_lite_offload", "unsloth_lite_graphs",
-    "unsloth_lite_inputs_only",
+    "unsloth_lite_inputs_only", "unsloth_lite_kept_mlp",
 )
 TINY_VARIANTS = ("hf", "unsloth_lite")
 MAX_SEQ_VARIANTS = ("hf", "unsloth_lite")

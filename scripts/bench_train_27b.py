@@ -30,6 +30,9 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
 - `unsloth_lite_host_embeddings`: the same with the bf16 input embedding in host memory
   (`offload_embeddings_to_host`: a batch's rows gathered on the host and copied over).
 - `unsloth_lite_graphs`: the same with `cuda_graphs=True`.
+- `unsloth_lite_kept_mlp`, `unsloth_lite_graphs_kept_mlp`, `unsloth_lite_host_embeddings_graphs_kept_mlp`,
+  `unsloth_lite_nf4_embeddings_graphs_kept_mlp`: with `keep_mlp_preactivations=True` (each checkpoint keeps its
+  MLP's gate and up outputs, offloaded with its input: the recomputation skips their products).
 - `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same
   targets, `use_gradient_checkpointing="unsloth"`), only where unsloth imports (from `--unsloth-site`). Unsloth
   loads from disk: the parent writes the random-weight checkpoint under `--workdir` first (reused when
@@ -62,6 +65,7 @@ from bench_common import (
     bench_device,
     drop_missing_unsloth,
     environment,
+    host_link_gbps,
     markdown_table,
     matmul_tflops,
     memory_peak_report,
@@ -76,7 +80,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_TRAIN_27B_RESULT "
 VARIANTS = (
     "hf_fla", "hf", "unsloth", "unsloth_lite", "unsloth_lite_nf4_embeddings", "unsloth_lite_host_embeddings",
-    "unsloth_lite_graphs",
+    "unsloth_lite_graphs", "unsloth_lite_kept_mlp", "unsloth_lite_graphs_kept_mlp",
+    "unsloth_lite_host_embeddings_graphs_kept_mlp", "unsloth_lite_nf4_embeddings_graphs_kept_mlp",
 )
 TINY_VARIANTS = ("hf", "unsloth_lite")
 ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -130,10 +135,12 @@ def linear_params(c: dict) -> dict[str, int]:
 def recompute_skipped(variant: str, all_linear: bool, offload: bool) -> tuple[str, ...]:
     """Projections whose product a variant's recomputation leaves out: ours always the MLP's down projection;
     with the offload (which keeps the residual after attention) the output projections that go through the
-    fused LoRA path too (o_proj; out_proj only with an adapter)."""
+    fused LoRA path too (o_proj; out_proj only with an adapter); with the MLP's pre-activations kept, gate and up
+    (at W2's 2,048 tokens the MLP's backward runs as one row block, so they are kept)."""
     if not variant.startswith("unsloth_lite"):
         return ()
-    return ("down_proj",) + (("o_proj",) + ("out_proj",) * all_linear) * offload
+    kept_mlp = ("gate_proj", "up_proj") * ("kept_mlp" in variant)
+    return ("down_proj",) + kept_mlp + (("o_proj",) + ("out_proj",) * all_linear) * offload
 
 
 def flops_per_token(c: dict, seq: int, skipped: tuple[str, ...] = (), params: dict[str, int] | None = None) -> dict:
@@ -206,7 +213,8 @@ def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_li
     model = unsloth_lite.add_lora(unsloth_lite.patch_model(model), r=LORA_R, lora_alpha=LORA_ALPHA,
                                   target_modules=targets)
     enable_gradient_checkpointing(model, offload_to_cpu=device.type == "cuda", cuda_graphs="graphs" in variant,
-                                  uncheckpointed_layers=uncheckpointed_layers or 0)
+                                  uncheckpointed_layers=uncheckpointed_layers or 0,
+                                  keep_mlp_preactivations="kept_mlp" in variant)
     return model
 
 
@@ -436,6 +444,9 @@ def main(argv=None) -> int:
         peak_tflops = matmul_tflops(device)
     if peak_tflops:
         print(f"bf16 matmul rate (8192^3, measured in this run): {peak_tflops:.1f} TFLOP/s", flush=True)
+    if device.type == "cuda" and "host_link_GBps" not in env:
+        env["host_link_GBps"] = host_link_gbps(device)  # what the kept MLP pre-activations travel over
+        print(f"host link (pinned, 128 MiB copies): {env['host_link_GBps']} GB/s", flush=True)
 
     def summary():
         return summarise(rows, args.seq, c, args.all_linear, device.type == "cuda", peak_tflops)

@@ -80,6 +80,8 @@ def test_w2_flop_accounting():
     assert b27.recompute_skipped("unsloth", False, True) == ()
     assert b27.recompute_skipped("unsloth_lite", True, True) == ("down_proj", "o_proj", "out_proj")
     assert b27.recompute_skipped("unsloth_lite", True, False) == ("down_proj",)
+    assert b27.recompute_skipped("unsloth_lite_graphs_kept_mlp", False, True) == (
+        "down_proj", "gate_proj", "up_proj", "o_proj")
     full = b27.flops_per_token(c, 2048)
     ours = b27.flops_per_token(c, 2048, ("down_proj", "o_proj"))
     assert full["total"] == pytest.approx(153.0e9, rel=1e-3) and ours["total"] == pytest.approx(140.6e9, rel=1e-3)
@@ -335,17 +337,18 @@ def test_bench_packing_tiny_mode_runs(tmp_path):
     result = subprocess.run(
         [sys.executable, "scripts/bench_packing.py", "--tiny", "--jobs", "4", "--workdir", str(tmp_path),
          "--uncheckpointed-layers", "1", "--out", str(out),
-         "--variants", "hf_padded,hf_flatten,unsloth_lite,unsloth_lite_w1,unsloth_lite:0"],
+         "--variants", "hf_padded,hf_flatten,unsloth_lite,unsloth_lite_w1,unsloth_lite:0,unsloth_lite_kept_mlp"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"hf_padded", "hf_flatten", "unsloth_lite", "unsloth_lite_w1", "unsloth_lite:0"}
+    assert set(rows) == {"hf_padded", "hf_flatten", "unsloth_lite", "unsloth_lite_w1", "unsloth_lite:0",
+                         "unsloth_lite_kept_mlp"}
     for variant, row in rows.items():
         assert "error" not in row, f"{variant}: {row['error']}\n{result.stdout}"
         assert row["real_tokens_per_s"] > 0
     lengths = bp.record_lengths(**bp.TINY_RECORDS)
-    for variant in ("hf_padded", "hf_flatten", "unsloth_lite", "unsloth_lite:0"):
+    for variant in ("hf_padded", "hf_flatten", "unsloth_lite", "unsloth_lite:0", "unsloth_lite_kept_mlp"):
         assert rows[variant]["real_tokens"] == lengths.sum(), variant
         assert rows[variant]["target_tokens"] == (lengths - lengths // 3).sum(), variant
     assert rows["hf_padded"]["tokens"] > rows["hf_padded"]["real_tokens"]

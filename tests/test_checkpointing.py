@@ -40,14 +40,14 @@ def _assert_same_step(step, got, expected, tol, loss_tol=None):
 
 
 def _compare(model, device, offload_to_cpu=False, cuda_graphs=False, tol=1e-5, steps=3, keep_residual=None,
-             uncheckpointed_layers=0):
+             uncheckpointed_layers=0, keep_mlp_preactivations=False):
     reference = copy.deepcopy(model)
     hf_checkpointed = copy.deepcopy(model)
     hf_checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_checkpointed.enable_input_require_grads()
     enable_gradient_checkpointing(
         model, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, keep_residual=keep_residual,
-        uncheckpointed_layers=uncheckpointed_layers,
+        uncheckpointed_layers=uncheckpointed_layers, keep_mlp_preactivations=keep_mlp_preactivations,
     )
     # Several steps on fresh batches: state left by one (offloaded buffers, a graph's static inputs) must not
     # leak into the next; with cuda_graphs the first step runs eagerly, the second captures, the third replays.
@@ -264,6 +264,11 @@ class _HostGroup:
         return self.tensors
 
 
+def _every_grad_input_and_kept_tensor(inputs, kept, offload):
+    """`_offload_flags` off CUDA: what it marks on a GPU."""
+    return [offload and t.requires_grad for t in inputs] + [offload] * len(kept)
+
+
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
 def test_offloaded_groups_keep_order(cuda_graphs, device, monkeypatch):
     """The offload's bookkeeping off CUDA (copies stand in for the pinned host memory): a checkpoint's input
@@ -273,10 +278,7 @@ def test_offloaded_groups_keep_order(cuda_graphs, device, monkeypatch):
 
     monkeypatch.setattr(checkpointing, "_OffloadedTensors", _HostGroup)
 
-    def every_grad_input_and_the_residual(inputs, residual, offload):
-        return [offload and t.requires_grad for t in inputs] + [offload] * (residual is not None)
-
-    monkeypatch.setattr(checkpointing, "_offload_flags", every_grad_input_and_the_residual)
+    monkeypatch.setattr(checkpointing, "_offload_flags", _every_grad_input_and_kept_tensor)
     _HostGroup.fetches = []
     model = _lora_model(device)
     _compare(model, device, offload_to_cpu=True, cuda_graphs=cuda_graphs, tol=1e-4)
@@ -291,8 +293,7 @@ def test_uncheckpointed_layers(cuda_graphs, device, monkeypatch):
     import unsloth_lite.training.checkpointing as checkpointing
 
     monkeypatch.setattr(checkpointing, "_OffloadedTensors", _HostGroup)
-    monkeypatch.setattr(checkpointing, "_offload_flags", lambda inputs, residual, offload: (
-        [offload and t.requires_grad for t in inputs] + [offload] * (residual is not None)))
+    monkeypatch.setattr(checkpointing, "_offload_flags", _every_grad_input_and_kept_tensor)
     runs = []
     real_checkpoint_layer = checkpointing.checkpoint_layer
     monkeypatch.setattr(checkpointing, "checkpoint_layer", lambda run, *args, **kwargs: (
@@ -349,3 +350,106 @@ def test_graphed_shapes_are_capped(device, monkeypatch):
     for layer in model.model.layers:
         graphed = [sig for sig, g in layer.__dict__["_unsloth_lite_graphs"].items() if not isinstance(g, str)]
         assert [sig[0][1] for sig in graphed] == [(2, 5, 48), (2, 7, 48)]  # hidden states' shapes
+
+
+def _qwen3_5_lora_model(device):
+    from test_patch_model import tiny_qwen3_5
+
+    model = patch_model(tiny_qwen3_5(device))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj",
+                                                                                   "q_proj", "in_proj_qkv"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["kept", "offloaded"])
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_kept_mlp_preactivations(cuda_graphs, offload, device, monkeypatch):
+    """Each checkpoint keeps its MLP's gate and up outputs (with its input: on the device, or in the offloaded
+    group, stood in for off CUDA): the same losses and gradients, and the recomputation runs no gate/up
+    product (each layer's forward runs one; the backward none either, it reads the kept ones)."""
+    import unsloth_lite.kernels.lora as lora_module
+    import unsloth_lite.training.checkpointing as checkpointing
+
+    if offload:
+        monkeypatch.setattr(checkpointing, "_OffloadedTensors", _HostGroup)
+        monkeypatch.setattr(checkpointing, "_offload_flags", _every_grad_input_and_kept_tensor)
+        _HostGroup.fetches = []
+    gate_up_products = []
+    project_all = lora_module._project_all
+
+    def counting(x2d, projections, adapters, output_needed=True):
+        if output_needed and len(projections) == 2 and projections[0].out_features == intermediate:
+            gate_up_products.append(x2d.shape[0])
+        return project_all(x2d, projections, adapters, output_needed)
+
+    monkeypatch.setattr(lora_module, "_project_all", counting)
+    # Qwen3.5 (its DeltaNet layers slow under the interpreter) in the combination that takes every path once
+    models = [_lora_model(device)] + [_qwen3_5_lora_model(device)] * (cuda_graphs and offload)
+    for model in models:
+        intermediate = model.config.intermediate_size
+        layers = model.config.num_hidden_layers
+        gate_up_products.clear()
+        _compare(model, device, offload_to_cpu=offload, cuda_graphs=cuda_graphs, tol=1e-4,
+                 keep_mlp_preactivations=True)
+        # 3 steps; the reference models (unpatched or not checkpointed) run theirs through other paths or
+        # without recomputation: one product a layer a forward, HF's checkpointed copy two (first step only).
+        checkpointed = 3 * layers
+        assert len(gate_up_products) == 3 * layers + 2 * layers + checkpointed, gate_up_products
+    if offload:
+        assert _HostGroup.fetches[: 2] == [False, True]
+
+
+def test_kept_mlp_preactivations_are_what_the_recomputation_reads(device, monkeypatch):
+    """The recomputation's MLP takes the kept (gate, up): changed ones change the gradients."""
+    import unsloth_lite.models.layers as layers_module
+
+    model = _lora_model(device)
+    enable_gradient_checkpointing(model, keep_mlp_preactivations=True)
+    input_ids, labels = batch(device)
+    _, expected = _loss_and_grads(model, _language_model_loss(input_ids, labels))
+    real = layers_module.lora_mlp
+    kept = []
+
+    def doubling(x, *projections, preactivations=None, **kwargs):
+        if preactivations is not None:
+            kept.append(preactivations[0].shape)
+            preactivations = tuple(2 * t for t in preactivations)
+        return real(x, *projections, preactivations=preactivations, **kwargs)
+
+    monkeypatch.setattr(layers_module, "lora_mlp", doubling)
+    _, grads = _loss_and_grads(model, _language_model_loss(input_ids, labels))
+    assert kept == [(22, model.config.intermediate_size)] * model.config.num_hidden_layers
+    changed = [name for name, grad in grads.items() if not torch.allclose(grad, expected[name])]
+    assert any("gate_proj" in name for name in changed) and any("down_proj" in name for name in changed)
+
+
+def test_mlp_preactivations_not_kept_over_several_row_blocks(device, monkeypatch):
+    """Where the MLP's backward runs over several row blocks (long sequences), nothing is kept: the
+    recomputation runs the blocks as without the option."""
+    import unsloth_lite.kernels.lora as lora_module
+
+    monkeypatch.setattr(lora_module, "mlp_row_blocks", lambda rows, intermediate: [slice(0, 8), slice(8, rows)])
+    model = _lora_model(device)
+    recorded = []
+    real = lora_module.LoRAMLPFunction.forward
+
+    def forward(ctx, x, projections, output_needed, preactivations, record, *weights):
+        out = real(ctx, x, projections, output_needed, preactivations, record, *weights)
+        recorded.append(None if record is None else len(record))
+        return out
+
+    monkeypatch.setattr(lora_module.LoRAMLPFunction, "forward", staticmethod(forward))
+    _compare(model, device, tol=1e-4, keep_mlp_preactivations=True, steps=1)
+    assert recorded and set(recorded) <= {None, 0}
+
+
+@pytest.mark.gpu
+def test_kept_mlp_preactivations_offloaded_with_graphs_on_gpu():
+    for model in (_lora_model("cuda"), _qwen3_5_lora_model("cuda")):
+        _compare(model, "cuda", cuda_graphs=True, offload_to_cpu=True, tol=1e-4, steps=4,
+                 keep_mlp_preactivations=True)
+        assert _graphed_layer_count(model) == model.config.num_hidden_layers

@@ -154,8 +154,12 @@ def test_checkpointing_section(tmp_path):
     raw = {**BASE, "training": {**BASE["training"], "gradient_checkpointing": True},
            "checkpointing": {"offload_to_cpu": True}}
     recipe = load_recipe(write(tmp_path, raw),
-                         ["checkpointing.cuda_graphs=true", "checkpointing.uncheckpointed_layers=4"])
-    assert recipe.checkpointing == CheckpointingSection(offload_to_cpu=True, cuda_graphs=True, uncheckpointed_layers=4)
+                         ["checkpointing.cuda_graphs=true", "checkpointing.uncheckpointed_layers=4",
+                          "checkpointing.keep_mlp_preactivations=true"])
+    assert recipe.checkpointing == CheckpointingSection(offload_to_cpu=True, cuda_graphs=True, uncheckpointed_layers=4,
+                                                        keep_mlp_preactivations=True)
+    with pytest.raises(RecipeError, match=r"^checkpointing\.keep_mlp_preactivations: "):
+        load_recipe(write(tmp_path, raw), ["checkpointing.keep_mlp_preactivations=often"])
 
 
 def test_resume_from_checkpoint_bool_or_path(tmp_path):

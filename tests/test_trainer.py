@@ -85,8 +85,9 @@ def test_trainer_evaluates_without_logits(tokenizer, tmp_path):
 
 @pytest.mark.parametrize(
     "checkpointing",
-    [None, {"offload_to_cpu": True, "cuda_graphs": True}, {"offload_to_cpu": True, "uncheckpointed_layers": 1}],
-    ids=["default", "offload-graphs", "offload-last-layer-kept"],
+    [None, {"offload_to_cpu": True, "cuda_graphs": True, "keep_mlp_preactivations": True},
+     {"offload_to_cpu": True, "uncheckpointed_layers": 1}],
+    ids=["default", "offload-graphs-kept-mlp", "offload-last-layer-kept"],
 )
 def test_trainer_with_gradient_checkpointing_and_lora(checkpointing, tokenizer, tmp_path):
     """LoRA on a frozen base with gradient checkpointing: the layers go through unsloth-lite's checkpointing

@@ -104,11 +104,13 @@ class CheckpointingSection:
     where batch shapes repeat, as `data.pad_to_multiple_of` makes them; a new shape is captured on its second
     use, up to `unsloth_lite.training.layer_graphs.MAX_GRAPHED_SHAPES` shapes); the last
     `uncheckpointed_layers` decoder layers not checkpointed (their activations kept on the GPU, no
-    recomputation: faster, for their memory)."""
+    recomputation: faster, for their memory); each checkpoint keeping its MLP's gate and up outputs
+    (`keep_mlp_preactivations`, in CPU memory with `offload_to_cpu`: the recomputation skips their products)."""
 
     offload_to_cpu: bool = False
     cuda_graphs: bool = False
     uncheckpointed_layers: int = 0
+    keep_mlp_preactivations: bool = False
 
 
 @dataclass

@@ -226,10 +226,12 @@ def mlp_row_blocks(n_rows: int, intermediate: int) -> list[slice]:
 
 def _mlp_backward(dout2d, x2d, g, u, t_gate_up, t_down, projections, adapters, dx=None):
     """dx (accumulated into `dx` when given) and the adapters' gradients of the MLP on rows x2d, from its
-    pre-activations g and u (overwritten) and rank-r products."""
+    pre-activations g and u (overwritten) and rank-r products (t_down formed here from h where None)."""
     gate, up, down = projections
     gate_up, down_adapters = adapters
     h = _swiglu(g, u)
+    if t_down is None:
+        t_down = torch.matmul(h, down_adapters.a.t())
     dh, down_grads = _project_all_backward([dout2d], h, t_down, (down,), down_adapters)
     del h
     dg, du = _swiglu_grads(dh, g, u, out=(g, u))  # g and u are dead from here on
@@ -263,18 +265,27 @@ class LoRAMLPFunction(torch.autograd.Function):
     """down(silu(gate(x)) ⊙ up(x)), each projection with its adapter."""
 
     @staticmethod
-    def forward(ctx, x, projections, output_needed, *adapter_weights):
+    def forward(ctx, x, projections, output_needed, preactivations, record, *adapter_weights):
         gate, up, down = projections
         x2d = x.reshape(-1, x.shape[-1])
         adapters = (_Adapters((gate, up), x2d.dtype), _Adapters((down,), x2d.dtype))
         ctx.projections, ctx.adapters, ctx.input_shape = projections, adapters, x.shape
-        ctx.by_row_blocks = not output_needed
-        if not output_needed:
+        ctx.by_row_blocks = not output_needed and preactivations is None
+        if ctx.by_row_blocks:
             ctx.save_for_backward(x2d)
             return x2d.new_empty((*x.shape[:-1], down.out_features))
-        (g, u), t_gate_up = _project_all(x2d, (gate, up), adapters[0])
-        (out,), t_down = _project_all(_swiglu(g, u), (down,), adapters[1])
+        if preactivations is not None:
+            g, u = preactivations
+            t_gate_up = torch.matmul(x2d, adapters[0].a.t())
+        else:
+            (g, u), t_gate_up = _project_all(x2d, (gate, up), adapters[0])
+        if output_needed:
+            (out,), t_down = _project_all(_swiglu(g, u), (down,), adapters[1])
+        else:
+            out, t_down = x2d.new_empty((x2d.shape[0], down.out_features)), None  # t_down formed in the backward
         ctx.save_for_backward(x2d, g, u, t_gate_up, t_down)
+        if record is not None and preactivations is None and len(mlp_row_blocks(x2d.shape[0], gate.out_features)) == 1:
+            record.append((g, u))
         return out.view(*x.shape[:-1], down.out_features)
 
     @staticmethod
@@ -288,7 +299,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             dx, grads = _mlp_backward_by_row_blocks(dout2d, x2d, ctx.projections, ctx.adapters)
         else:
             dx, grads = _mlp_backward(dout2d, *ctx.saved_tensors, ctx.projections, ctx.adapters)
-        return (dx.view(ctx.input_shape), None, None, *grads)
+        return (dx.view(ctx.input_shape), None, None, None, None, *grads)
 
 
 class FrozenLinearFunction(torch.autograd.Function):
@@ -341,10 +352,17 @@ def lora_projections(
 
 
 def lora_mlp(
-    x: torch.Tensor, gate: LoRAProjection, up: LoRAProjection, down: LoRAProjection, output_needed: bool = True
+    x: torch.Tensor, gate: LoRAProjection, up: LoRAProjection, down: LoRAProjection, output_needed: bool = True,
+    record: list | None = None, preactivations: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The SwiGLU MLP with LoRA on all three projections; gradients for x and every A, B.
     `output_needed=False` (for a caller that back-propagates into the result but never reads it, as a
-    checkpoint's recomputation) skips the down projection and returns uninitialised memory of its shape."""
+    checkpoint's recomputation) skips the down projection and returns uninitialised memory of its shape.
+
+    A checkpoint may keep the pre-activations instead of recomputing them: `record`, a list, receives
+    (gate(x), up(x)) `[tokens, intermediate]` of this forward where its backward would run as one row block
+    (`mlp_row_blocks`, so keeping them costs the backward no memory it would not allocate anyway); a later
+    call on the same x with them as `preactivations` skips the gate and up products (and their
+    dequantisation) and forms only the rank-r products; its backward writes the gradients over them."""
     projections = (gate, up, down)
-    return LoRAMLPFunction.apply(x, projections, output_needed, *_adapter_args(projections))
+    return LoRAMLPFunction.apply(x, projections, output_needed, preactivations, record, *_adapter_args(projections))

@@ -70,6 +70,25 @@ def recomputation_for_backward(attention_output_unused: bool = False):
         _RECOMPUTATION.active, _RECOMPUTATION.attention_output_unused = previous
 
 
+_MLP_PREACTIVATIONS = threading.local()  # `sink`: the forward records into it; `kept`: the recomputation takes these
+
+
+@contextlib.contextmanager
+def mlp_preactivations(record: bool = False, kept: list | None = None):
+    """Lets a checkpoint keep its MLPs' pre-activations rather than recompute them (in this thread). With
+    `record=True`, yields the list into which each fused SwiGLU MLP that runs inside appends (gate, up)
+    (`lora_mlp`'s `record`: where its backward runs as one row block); with `kept` (such a list, of the same
+    layer's forward), the MLPs that run inside take those in order as their pre-activations, so the
+    recomputation leaves the gate and up products out."""
+    previous = getattr(_MLP_PREACTIVATIONS, "sink", None), getattr(_MLP_PREACTIVATIONS, "kept", None)
+    sink = [] if record else None
+    _MLP_PREACTIVATIONS.sink, _MLP_PREACTIVATIONS.kept = sink, list(kept) if kept else None
+    try:
+        yield sink if record else []
+    finally:
+        _MLP_PREACTIVATIONS.sink, _MLP_PREACTIVATIONS.kept = previous
+
+
 _WARNED: set[str] = set()
 
 
@@ -216,7 +235,11 @@ def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project_rows(projections[:2], x)
         return project_rows(projections[2:], (swiglu if use_kernels(gate) else swiglu_reference)(gate, up))[0]
     if projections is not None:
-        return lora_mlp(x, *projections, output_needed=not getattr(_RECOMPUTATION, "active", False))
+        kept = getattr(_MLP_PREACTIVATIONS, "kept", None)
+        return lora_mlp(
+            x, *projections, output_needed=not getattr(_RECOMPUTATION, "active", False),
+            record=getattr(_MLP_PREACTIVATIONS, "sink", None), preactivations=kept.pop(0) if kept else None,
+        )
     gate, up = self.gate_proj(x), self.up_proj(x)
     return self.down_proj((swiglu if use_kernels(gate) else swiglu_reference)(gate, up))
 

@@ -26,6 +26,14 @@ stream: device to host right after each layer's forward, host to device one laye
 safety: the GPU input is marked as used by the side stream until its copy is done, and the side stream's
 copy back is awaited (an event) before the layer uses it.
 
+`keep_mlp_preactivations=True` also keeps each layer's MLP pre-activations, gate(x) and up(x) (`[tokens,
+intermediate]` each, recorded by the fused MLP in the forward, in CPU memory with the offload), where the MLP's
+backward runs as one row block (it would allocate them anyway then). The recomputation's MLP takes them
+(`mlp_preactivations`) and computes only its rank-r products: the gate and up projections, the largest of a
+layer's recomputed products, and their dequantisation, leave the recomputation. The price is their copies: at
+Qwen3.5-27B's 2,048 tokens 142 MB a layer each way, which the H200's 55 GB/s host link carries in about the
+time of a layer's forward.
+
 `cuda_graphs=True` replays each layer's forward, and its recomputation with the backward, as CUDA graphs
 (`layer_graphs.py`), which removes the host's launch cost that bounds small batches.
 
@@ -40,6 +48,7 @@ form.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -47,7 +56,7 @@ import threading
 import torch
 import torch.utils.checkpoint
 
-from unsloth_lite.models.layers import recomputation_for_backward
+from unsloth_lite.models.layers import mlp_preactivations, recomputation_for_backward
 from unsloth_lite.training.layer_context import (
     _autocast,
     _autocast_states,
@@ -59,7 +68,35 @@ from unsloth_lite.training.layer_context import (
 from unsloth_lite.training.layer_graphs import _LayerGraphs
 
 # The keyword options of `enable_gradient_checkpointing` that a Trainer and a recipe pass on.
-CHECKPOINTING_OPTIONS = ("offload_to_cpu", "cuda_graphs", "uncheckpointed_layers")
+CHECKPOINTING_OPTIONS = ("offload_to_cpu", "cuda_graphs", "uncheckpointed_layers", "keep_mlp_preactivations")
+
+# Offloaded checkpoints whose copies may still be running (to the host in the forward, back in the backward)
+# while the host queues more work. The device memory a copy reads or writes is freed when the host drops it but
+# reused only once the GPU has passed it: a host that ran the whole pass ahead of the GPU would leave every
+# layer's copies reserved at once. So the host waits for the copies (forward) or the layers' use (backward)
+# of MAX_PENDING_OFFLOADS checkpoints back before it queues another.
+MAX_PENDING_OFFLOADS = 2
+
+
+class _BoundedLead:
+    """Events of the last MAX_PENDING_OFFLOADS offloads of a pass; the host waits for the oldest before a new one."""
+
+    def __init__(self):
+        self.events = collections.deque()
+
+    def push(self, event: torch.cuda.Event) -> None:
+        if len(self.events) == MAX_PENDING_OFFLOADS:
+            self.events.popleft().synchronize()
+        self.events.append(event)
+
+
+_LEAD = threading.local()
+
+
+def _lead(direction: str) -> _BoundedLead:
+    if not hasattr(_LEAD, direction):
+        setattr(_LEAD, direction, _BoundedLead())
+    return getattr(_LEAD, direction)
 
 _LAST_OFFLOADED = threading.local()  # the previous offloaded layer of the forward pass being recorded
 
@@ -78,6 +115,9 @@ class _OffloadedTensors:
                 host.copy_(tensor, non_blocking=True)
         for tensor in tensors:
             tensor.record_stream(self.stream)  # its memory is not reused before the copy has read it
+        copied = torch.cuda.Event()
+        copied.record(self.stream)
+        _lead("forward").push(copied)
         self.previous = previous  # the checkpoint before, whose tensors the backward fetches next
         self.fetched: list[torch.Tensor] | None = None
         self.ready: torch.cuda.Event | None = None
@@ -99,6 +139,9 @@ class _OffloadedTensors:
         tensors = self.fetched
         for tensor in tensors:
             tensor.record_stream(current)
+        taken = torch.cuda.Event()
+        taken.record(current)  # the layer's backward, queued next, is what the host must not run far ahead of
+        _lead("backward").push(taken)
         self.fetched = self.host = self.ready = None
         if self.previous is not None:
             self.previous.prefetch()
@@ -125,42 +168,61 @@ def _saved_inputs(ctx) -> list[torch.Tensor]:
     return [next(fetched) if flag else next(kept) for flag in ctx.offloaded]
 
 
-def _offload_flags(inputs, residual, offload_to_cpu: bool) -> list[bool]:
+def _offload_flags(inputs, kept, offload_to_cpu: bool) -> list[bool]:
     """Which of a checkpoint's saved tensors go to CPU memory: the inputs that need gradients (others, like
-    masks, are small or shared) and the kept residual."""
-    flags = [offload_to_cpu and t.is_cuda and t.requires_grad for t in inputs]
-    return flags + ([offload_to_cpu and residual.is_cuda] if residual is not None else [])
+    masks, are small or shared) and every `kept` tensor (the residual, the MLP's pre-activations)."""
+    return [offload_to_cpu and t.is_cuda and t.requires_grad for t in inputs] + [
+        offload_to_cpu and t.is_cuda for t in kept
+    ]
+
+
+def _kept_tensors(residual, preactivations) -> list[torch.Tensor]:
+    """What a checkpoint keeps beside its inputs: the residual (or nothing), then the MLPs' (gate, up) pairs."""
+    return ([] if residual is None else [residual]) + [t for pair in preactivations for t in pair]
+
+
+def _split_kept(saved: list[torch.Tensor], has_residual: bool, mlp_pairs: int):
+    """(inputs, residual or None, [(gate, up), ...]) from `_saved_inputs` of what `_kept_tensors` appended."""
+    flat = saved[len(saved) - 2 * mlp_pairs:]
+    inputs = saved[: len(saved) - 2 * mlp_pairs - has_residual]
+    residual = saved[len(inputs)] if has_residual else None
+    return inputs, residual, list(zip(flat[0::2], flat[1::2], strict=True))
 
 
 class _CheckpointedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, options, *args):
-        offload_to_cpu, preserve_rng_state, keep_residual = options
+        offload_to_cpu, preserve_rng_state, keep_residual, keep_mlp = options
         ctx.run = run
         ctx.rng = None
         if preserve_rng_state:
             ctx.rng = torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in _cuda_devices(args)]
         ctx.autocast = _autocast_states()
-        with torch.no_grad(), _recording_residual(keep_residual) as residuals:
+        with (
+            torch.no_grad(),
+            _recording_residual(keep_residual) as residuals,
+            mlp_preactivations(record=keep_mlp) as preactivations,
+        ):
             outputs = run(*args)
         ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
         inputs = [args[i] for i in ctx.tensor_positions]
         residual = residuals[0] if len(residuals) == 1 else None
-        ctx.has_residual = residual is not None
-        _save_inputs(ctx, inputs + [residual] * ctx.has_residual, _offload_flags(inputs, residual, offload_to_cpu))
+        ctx.has_residual, ctx.mlp_pairs = residual is not None, len(preactivations)
+        kept = _kept_tensors(residual, preactivations)
+        _save_inputs(ctx, inputs + kept, _offload_flags(inputs, kept, offload_to_cpu))
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         args = list(ctx.others)
-        saved = _saved_inputs(ctx)
-        residual = saved.pop() if ctx.has_residual else None
+        saved, residual, preactivations = _split_kept(_saved_inputs(ctx), ctx.has_residual, ctx.mlp_pairs)
         for i, tensor in zip(ctx.tensor_positions, saved, strict=True):
             args[i] = tensor.detach().requires_grad_(ctx.needs_input_grad[2 + i])
         with contextlib.ExitStack() as stack:
             stack.enter_context(recomputation_for_backward(attention_output_unused=ctx.has_residual))
             stack.enter_context(_substituting_residual(residual))
+            stack.enter_context(mlp_preactivations(kept=preactivations))
             stack.enter_context(torch.enable_grad())
             stack.enter_context(_autocast(ctx.autocast))  # the backward runs outside autocast
             if ctx.rng is not None:
@@ -187,35 +249,37 @@ def _cuda_devices(args) -> list[int]:
 
 def checkpoint_layer(
     run, *args, offload_to_cpu: bool = False, cuda_graphs: bool = False, preserve_rng_state: bool = True,
-    keep_residual: bool = False,
+    keep_residual: bool = False, keep_mlp_preactivations: bool = False,
 ):
     """`run(*args)` checkpointed (module docstring): the signature of Hugging Face's
     `_gradient_checkpointing_func(function, *args)`. `preserve_rng_state=False` skips saving and restoring
     the random states, for layers that draw no random numbers. `keep_residual=True` also keeps what the
-    layer's post-attention norm receives, where `enable_gradient_checkpointing` hooked it."""
+    layer's post-attention norm receives, where `enable_gradient_checkpointing` hooked it;
+    `keep_mlp_preactivations=True` the layer's MLP pre-activations (module docstring)."""
     if not any(torch.is_tensor(a) and a.requires_grad for a in args):
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
     if cuda_graphs:
-        graphs = _LayerGraphs.for_call(run, args, keep_residual)
+        graphs = _LayerGraphs.for_call(run, args, keep_residual, keep_mlp_preactivations)
         if graphs is not None:
             return _GraphedLayer.apply(graphs, run, offload_to_cpu, args[0], *graphs.params)
-    return _CheckpointedLayer.apply(run, (offload_to_cpu, preserve_rng_state, keep_residual), *args)
+    options = (offload_to_cpu, preserve_rng_state, keep_residual, keep_mlp_preactivations)
+    return _CheckpointedLayer.apply(run, options, *args)
 
 
 class _GraphedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graphs, run, offload_to_cpu, hidden, *params):
         ctx.graphs = graphs
-        output, residual = graphs.forward(run, hidden)
-        ctx.has_residual = residual is not None
-        flags = _offload_flags([hidden], residual, offload_to_cpu)
-        _save_inputs(ctx, [hidden] + [residual] * ctx.has_residual, flags)
+        output, residual, preactivations = graphs.forward(run, hidden)
+        ctx.has_residual, ctx.mlp_pairs = residual is not None, len(preactivations)
+        kept = _kept_tensors(residual, preactivations)
+        _save_inputs(ctx, [hidden] + kept, _offload_flags([hidden], kept, offload_to_cpu))
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        hidden, *rest = _saved_inputs(ctx)
-        grad_hidden, *grad_params = ctx.graphs.backward(hidden, rest[0] if rest else None, grad_output)
+        (hidden,), residual, preactivations = _split_kept(_saved_inputs(ctx), ctx.has_residual, ctx.mlp_pairs)
+        grad_hidden, *grad_params = ctx.graphs.backward(hidden, residual, preactivations, grad_output)
         return (None, None, None, grad_hidden, *grad_params)
 
 
@@ -262,7 +326,7 @@ def check_checkpointing_options(model, cuda_graphs: bool = False, uncheckpointed
 
 def enable_gradient_checkpointing(
     model, offload_to_cpu: bool = False, cuda_graphs: bool = False, keep_residual: bool | None = None,
-    uncheckpointed_layers: int = 0,
+    uncheckpointed_layers: int = 0, keep_mlp_preactivations: bool = False,
 ):
     """Turns on gradient checkpointing of the decoder layers of a Hugging Face model (PEFT-wrapped or not)
     through `checkpoint_layer`; returns the model. Frozen embeddings get an output that requires grad, so
@@ -272,14 +336,16 @@ def enable_gradient_checkpointing(
     input (module docstring). `uncheckpointed_layers`: the last that many layers are not checkpointed: they
     keep their activations on the GPU and their backward runs without recomputing their forward (the products
     of a recomputation are most of a third of a layer's training cost), for the memory of those activations;
-    where a run has memory to spare, it buys speed."""
+    where a run has memory to spare, it buys speed. `keep_mlp_preactivations`: each checkpoint also keeps its
+    MLP's gate and up outputs (offloaded with the input where `offload_to_cpu`), and the recomputation skips
+    their products (module docstring)."""
     random = check_checkpointing_options(model, cuda_graphs=cuda_graphs, uncheckpointed_layers=uncheckpointed_layers)
     layers = checkpointing_layers(model)
     keep_residual = offload_to_cpu if keep_residual is None else keep_residual
     base = _base_model(model)
     function = functools.partial(
         checkpoint_layer, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, preserve_rng_state=bool(random),
-        keep_residual=keep_residual,
+        keep_residual=keep_residual, keep_mlp_preactivations=keep_mlp_preactivations,
     )
     for index, layer in enumerate(layers):
         checkpointed = index < len(layers) - uncheckpointed_layers

@@ -2,17 +2,17 @@
 
 `cuda_graphs=True` removes the host's launch cost, which bounds small batches: each layer's forward and its
 recompute-and-backward are captured once per input shape and autocast setting as two CUDA graphs (both in the
-forward of the second call with that shape; the first runs eagerly and compiles every kernel), then replayed. The graphs
-read and write static buffers that all layers share: the input (copied in before each replay, from the
-forward's argument or from the checkpoint, which is kept as without graphs, offloaded or not), the kept
-residual (copied out after the forward's replay, back in before the backward's), the output and the
-gradients (copied out right after). Tensors among the layer's keyword arguments (cos/sin, position
-ids) are copied into the layer's static buffers before each forward replay. Graphs of all layers share one
-memory pool: each graph's temporaries are dead once it has run, and what a graph returns is copied out
-before the next replay, so any order of replays is safe. It needs layers without dropout (a replayed
-recomputation could not repeat the forward's masks), shapes that repeat (a pair of graphs per shape is
-kept, for the first MAX_GRAPHED_SHAPES shapes seen twice), and each forward's backward before the layer's
-next forward (otherwise that call runs eagerly). Off CUDA the same code runs the functions eagerly.
+forward of the second call with that shape; the first runs eagerly and compiles every kernel), then replayed.
+The graphs read and write static buffers that all layers share: the input (copied in before each replay, from
+the forward's argument or from the checkpoint, which is kept as without graphs, offloaded or not), the kept
+residual and MLP pre-activations (copied out after the forward's replay, back in before the backward's), the
+output and the gradients (copied out right after). Tensors among the layer's keyword arguments (cos/sin,
+position ids) are copied into the layer's static buffers before each forward replay. Graphs of all layers
+share one memory pool: each graph's temporaries are dead once it has run, and what a graph returns is copied
+out before the next replay, so any order of replays is safe. It needs layers without dropout (a replayed
+recomputation could not repeat the forward's masks), shapes that repeat (a pair of graphs per shape is kept,
+for the first MAX_GRAPHED_SHAPES shapes seen twice), and each forward's backward before the layer's next
+forward (otherwise that call runs eagerly). Off CUDA the same code runs the functions eagerly.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from unsloth_lite.models.layers import recomputation_for_backward
+from unsloth_lite.models.layers import mlp_preactivations, recomputation_for_backward
 from unsloth_lite.training.layer_context import (
     _autocast,
     _autocast_states,
@@ -85,7 +85,7 @@ class _LayerGraphs:
     _SHARED: dict = {}
 
     @classmethod
-    def for_call(cls, run, args, keep_residual: bool) -> _LayerGraphs | None:
+    def for_call(cls, run, args, keep_residual: bool, keep_mlp: bool = False) -> _LayerGraphs | None:
         """The graphs of this call's layer and signature; None where the call must run eagerly (the first
         call of a signature, an unsupported argument, or a backward still pending)."""
         layer = _layer_of(run)
@@ -98,7 +98,7 @@ class _LayerGraphs:
                 return None
         signature = (
             _describe(args[0]), tuple(sorted((k, _describe(v)) for k, v in kwargs.items())), keep_residual,
-            tuple(_autocast_states()),
+            keep_mlp, tuple(_autocast_states()),
         )
         store = layer.__dict__.setdefault("_unsloth_lite_graphs", {})
         graphs = store.get(signature)
@@ -108,12 +108,13 @@ class _LayerGraphs:
         if graphs == "seen":
             if sum(isinstance(g, _LayerGraphs) for g in store.values()) >= MAX_GRAPHED_SHAPES:
                 return None
-            graphs = store[signature] = cls(layer, run, args[0], keep_residual)
+            graphs = store[signature] = cls(layer, run, args[0], keep_residual, keep_mlp)
         return None if graphs.pending_backward else graphs
 
-    def __init__(self, layer, run, hidden, keep_residual: bool):
+    def __init__(self, layer, run, hidden, keep_residual: bool, keep_mlp: bool = False):
         self.device = hidden.device
-        self.keep_residual = keep_residual
+        self.keep_residual, self.keep_mlp = keep_residual, keep_mlp
+        self.preactivations = []  # static (gate, up) buffers of the MLPs whose pre-activations the forward kept
         self.autocast = _autocast_states()  # the forward's, part of the signature: both graphs run under it
         self.has_residual = False  # whether the layer's forward recorded the residual (known at capture)
         # (module, name) of each trainable parameter, in `layer.parameters()` order
@@ -134,8 +135,8 @@ class _LayerGraphs:
         if self.device.type == "cuda":
             self.pool, self.stream = _graph_pool(self.device.index or 0), _side_stream(self.device.index or 0)
 
-    def forward(self, run, hidden) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(output, the residual the layer's post-attention norm received or None)."""
+    def forward(self, run, hidden) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+        """(output, the residual the layer's post-attention norm received or None, the MLPs' kept (gate, up))."""
         self.hidden.copy_(hidden)
         for name, value in run.keywords.items():
             _copy_static(self.static_kwargs[name], value)
@@ -143,12 +144,16 @@ class _LayerGraphs:
             self._capture()
         self.forward_graph()
         self.pending_backward = True
-        return self.output.clone(), self.residual.clone() if self.has_residual else None
+        preactivations = [tuple(t.clone() for t in pair) for pair in self.preactivations]
+        return self.output.clone(), self.residual.clone() if self.has_residual else None, preactivations
 
-    def backward(self, hidden, residual, grad_output):
+    def backward(self, hidden, residual, preactivations, grad_output):
         self.hidden.copy_(hidden)
         if residual is not None:
             self.residual.copy_(residual)
+        for static, kept in zip(self.preactivations, preactivations, strict=True):
+            for buffer, tensor in zip(static, kept, strict=True):
+                buffer.copy_(tensor)
         self.grad_output.copy_(grad_output)
         grad_params = self.backward_graph()
         self.pending_backward = False
@@ -164,11 +169,17 @@ class _LayerGraphs:
                 torch.no_grad(),
                 _autocast(self.autocast, cache_enabled=False),
                 _recording_residual(self.keep_residual) as residuals,
+                mlp_preactivations(record=self.keep_mlp) as preactivations,
             ):
                 self.output.copy_(self.function(self.hidden))
                 self.has_residual = len(residuals) == 1
                 if self.has_residual:
                     self.residual.copy_(residuals[0])
+                if len(self.preactivations) != len(preactivations):  # the warm-up call, before the capture
+                    self.preactivations = _static_preactivations(preactivations)
+                for static, pair in zip(self.preactivations, preactivations, strict=True):
+                    for buffer, tensor in zip(static, pair, strict=True):
+                        buffer.copy_(tensor)
 
         def recompute_and_backward():
             # The recomputation differentiates with respect to fresh leaves that alias the parameters: the
@@ -181,6 +192,7 @@ class _LayerGraphs:
                 _swapped_parameters(self.owners, aliases),
                 recomputation_for_backward(attention_output_unused=self.has_residual),
                 _substituting_residual(residual),
+                mlp_preactivations(kept=self.preactivations),
                 torch.enable_grad(),
                 _autocast(self.autocast, cache_enabled=False),
             ):
@@ -193,6 +205,21 @@ class _LayerGraphs:
         self.forward_graph = _Replayable(layer_forward, self.device, self.pool, self.stream)
         self.grad_output.zero_()  # what the capture's warm-up back-propagates; its results are discarded
         self.backward_graph = _Replayable(recompute_and_backward, self.device, self.pool, self.stream)
+
+
+def _static_preactivations(pairs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Static buffers for kept MLP pre-activations shaped as `pairs`, shared by every layer's graphs: the forward
+    writes them (cloned right after its replay), the backward reads them (copied in right before)."""
+    static = []
+    for i, pair in enumerate(pairs):
+        buffers = []
+        for j, like in enumerate(pair):
+            key = ("preactivation", i, j, tuple(like.shape), like.dtype, like.device)
+            if key not in _LayerGraphs._SHARED:
+                _LayerGraphs._SHARED[key] = torch.empty_like(like)
+            buffers.append(_LayerGraphs._SHARED[key])
+        static.append(tuple(buffers))
+    return static
 
 
 @contextlib.contextmanager
