@@ -68,14 +68,15 @@ def test_tiny_recipe_contents():
 
 def test_large_recipes_use_explicit_projections():
     projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    for name, batch, accum in [("qlora_qwen3_8b", 4, 4), ("qlora_qwen27b", 1, 16)]:
+    for name, batch, accum, kept_mlp in [("qlora_qwen3_8b", 4, 4, False), ("qlora_qwen27b", 1, 16, True)]:
         recipe = load_recipe(name)
         assert recipe.model.load_in_4bit and recipe.model.dtype == "bfloat16"
         assert recipe.lora.target_modules == projections
         assert recipe.training["per_device_train_batch_size"] == batch
         assert recipe.training["gradient_accumulation_steps"] == accum
         assert recipe.training["gradient_checkpointing"] is True
-        assert recipe.checkpointing == CheckpointingSection(offload_to_cpu=True, cuda_graphs=False)
+        assert recipe.checkpointing == CheckpointingSection(offload_to_cpu=True, cuda_graphs=False,
+                                                            keep_mlp_preactivations=kept_mlp)
 
 
 @pytest.mark.parametrize("name", ["tiny_qwen", "tiny_qwen.yaml", "recipes/tiny_qwen.yaml"])
