@@ -92,10 +92,12 @@ def test_lora_on_patched_model(device):
 
 
 def _lora_model(device):
-    model = patch_model(tiny_model("qwen3", device))
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                           "up_proj", "down_proj"])
-    model = get_peft_model(model, config)
+    return _with_lora(patch_model(tiny_model("qwen3", device)),
+                      ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def _with_lora(model, targets):
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     with torch.no_grad():  # LoRA B starts at zero: give it values so every adapter gradient is exercised
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -355,14 +357,7 @@ def test_graphed_shapes_are_capped(device, monkeypatch):
 def _qwen3_5_lora_model(device):
     from test_patch_model import tiny_qwen3_5
 
-    model = patch_model(tiny_qwen3_5(device))
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj",
-                                                                                   "q_proj", "in_proj_qkv"]))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
-    return model
+    return _with_lora(patch_model(tiny_qwen3_5(device)), ["gate_proj", "up_proj", "down_proj", "q_proj", "in_proj_qkv"])
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["kept", "offloaded"])

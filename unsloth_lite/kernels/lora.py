@@ -143,12 +143,16 @@ class _Adapters:
         ends = itertools.accumulate(t.shape[0] for t in a)
         self.slices = [slice(end - t.shape[0], end) for t, end in zip(a, ends, strict=True)]
 
+    def rank_products(self, x2d: torch.Tensor) -> torch.Tensor:
+        """t = x Aᵀ of every adapter, `[N, Σr]`."""
+        return torch.matmul(x2d, self.a.t())
+
 
 def _project_all(x2d: torch.Tensor, projections, adapters: _Adapters, output_needed: bool = True):
     """(outputs, t): the projections of rows `x2d`, and the rank-r products t = x Aᵀ of all of them `[N, Σr]`.
     The adapters run in the input's dtype (PEFT keeps fp32 adapters; autograd casts their gradients back).
     Without `output_needed` the outputs are uninitialised: the backward only needs t (module docstring)."""
-    t = torch.matmul(x2d, adapters.a.t())
+    t = adapters.rank_products(x2d)
     if not output_needed:
         return [x2d.new_empty((x2d.shape[0], p.out_features)) for p in projections], t
     outputs = []
@@ -231,7 +235,7 @@ def _mlp_backward(dout2d, x2d, g, u, t_gate_up, t_down, projections, adapters, d
     gate_up, down_adapters = adapters
     h = _swiglu(g, u)
     if t_down is None:
-        t_down = torch.matmul(h, down_adapters.a.t())
+        t_down = down_adapters.rank_products(h)
     dh, down_grads = _project_all_backward([dout2d], h, t_down, (down,), down_adapters)
     del h
     dg, du = _swiglu_grads(dh, g, u, out=(g, u))  # g and u are dead from here on
@@ -276,7 +280,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             return x2d.new_empty((*x.shape[:-1], down.out_features))
         if preactivations is not None:
             g, u = preactivations
-            t_gate_up = torch.matmul(x2d, adapters[0].a.t())
+            t_gate_up = adapters[0].rank_products(x2d)
         else:
             (g, u), t_gate_up = _project_all(x2d, (gate, up), adapters[0])
         if output_needed:

@@ -152,8 +152,7 @@ class _LayerGraphs:
         if residual is not None:
             self.residual.copy_(residual)
         for static, kept in zip(self.preactivations, preactivations, strict=True):
-            for buffer, tensor in zip(static, kept, strict=True):
-                buffer.copy_(tensor)
+            _copy_static(static, kept)
         self.grad_output.copy_(grad_output)
         grad_params = self.backward_graph()
         self.pending_backward = False
@@ -178,8 +177,7 @@ class _LayerGraphs:
                 if len(self.preactivations) != len(preactivations):  # the warm-up call, before the capture
                     self.preactivations = _static_preactivations(preactivations)
                 for static, pair in zip(self.preactivations, preactivations, strict=True):
-                    for buffer, tensor in zip(static, pair, strict=True):
-                        buffer.copy_(tensor)
+                    _copy_static(static, pair)
 
         def recompute_and_backward():
             # The recomputation differentiates with respect to fresh leaves that alias the parameters: the
