@@ -227,7 +227,8 @@ def worker_main(args) -> int:
         try:
             from w2_gradients import check_gradients  # it imports this module: not at the top
 
-            result.update(check_gradients(c, device, dtype, args.seq))
+            check_dtype = getattr(torch, args.check_dtype) if args.check_dtype else dtype
+            result.update(check_gradients(c, device, check_dtype, args.seq))
         except (Exception, SystemExit) as error:
             traceback.print_exc()
             result.update(_error(error))
@@ -298,6 +299,7 @@ def run_worker(args, variant: str, checkpoint: str | None = None) -> dict:
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--tiny"] * args.tiny + ["--all-linear"] * args.all_linear + ["--memory-report"] * args.memory_report
     cmd += ["--profile"] * args.profile
+    cmd += ["--check-dtype", args.check_dtype] if args.check_dtype else []
     if args.max_seq:
         cmd += ["--max-seq", "--memory-cap-gib", str(args.memory_cap_gib), "--max-probes", str(args.max_probes)]
     cmd += ["--layers", str(args.layers)] if args.layers else []
@@ -383,6 +385,9 @@ def parse_args(argv=None):
     parser.add_argument("--check-gradients", action="store_true",
                         help="instead of timing: first-step loss and LoRA gradients, patched vs Hugging Face's "
                              "PyTorch path, on one model")
+    parser.add_argument("--check-dtype", choices=("bfloat16", "float32"), default=None,
+                        help="--check-gradients: the compute dtype (default bfloat16, float32 with --tiny); float32 "
+                             "compares the patched path with Hugging Face's without bf16's rounding noise")
     parser.add_argument("--memory-report", action="store_true",
                         help="one more step with the allocator's history: live blocks at its peak, by site")
     parser.add_argument("--profile", action="store_true",

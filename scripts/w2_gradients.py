@@ -57,6 +57,22 @@ def in_precision(model, dtype: torch.dtype):
             t.data = t.data.to(original)
 
 
+def compute_in(model, dtype: torch.dtype):
+    """`model` (built in bf16, its decoder linears NF4) made to compute in `dtype` on the same 4-bit weights: its
+    floating parameters and buffers cast, every 4-bit linear computing and dequantising in `dtype`. Building in
+    bf16 keeps a float32 27B from holding 108 GB of dense weights before they are quantised."""
+    import bitsandbytes as bnb
+
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            t.data = t.data.to(dtype)
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.compute_dtype = dtype
+            m.weight.quant_state.dtype = dtype
+    return model
+
+
 def _relative_errors(grads: dict, reference: dict) -> dict:
     """Each gradient's ||g - ref|| / ||ref||, the whole set's (all gradients as one vector) and the worst one."""
     errors = {n: float((grads[n].double() - g.double()).norm() / g.double().norm()) for n, g in reference.items()}
@@ -68,7 +84,8 @@ def _relative_errors(grads: dict, reference: dict) -> dict:
 
 def check_gradients(c: dict, device: torch.device, dtype: torch.dtype, seq: int) -> dict:
     """One model, one batch: the loss and every LoRA gradient of Hugging Face's forwards (its PyTorch delta
-    rule) against the same model patched, both in `dtype`; and both against the same model computing in a
+    rule) against the same model patched, both in `dtype` (the model built in bf16 and its 4-bit weights kept:
+    `compute_in`); and both against the same model computing in a
     higher precision (float32 for bf16, float64 for float32), which tells the rounding noise of `dtype` apart
     from a difference of the patched path. The adapters' B start random (PEFT's zeros would leave every A
     gradient zero)."""
@@ -78,7 +95,7 @@ def check_gradients(c: dict, device: torch.device, dtype: torch.dtype, seq: int)
     import unsloth_lite
 
     torch.manual_seed(SEED)
-    model = get_peft_model(build_model(c, device, dtype), LoraConfig(
+    model = get_peft_model(compute_in(build_model(c, device, torch.bfloat16), dtype), LoraConfig(
         r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=ATTENTION_MLP, bias="none",
         task_type="CAUSAL_LM",
     ))

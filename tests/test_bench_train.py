@@ -206,12 +206,13 @@ def test_bench_train_27b_resumes_a_run_on_the_same_machine_only(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
 def test_bench_train_27b_checks_gradients(tmp_path):
     """--check-gradients on the tiny Qwen3.5: the patched model's first-step loss and LoRA gradients equal
-    Hugging Face's on the same 4-bit weights (fp32, every linear's rows whole quantisation blocks), and both equal
-    the same model's in float64."""
+    Hugging Face's on the same 4-bit weights (built in bf16, computing in fp32: `--check-dtype float32`, as on the
+    GPU; every linear's rows whole quantisation blocks), and both equal the same model's in float64."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
     out = tmp_path / "out.json"
     result = subprocess.run(
-        [sys.executable, "scripts/bench_train_27b.py", "--tiny", "--check-gradients", "--out", str(out)],
+        [sys.executable, "scripts/bench_train_27b.py", "--tiny", "--check-gradients", "--check-dtype", "float32",
+         "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
