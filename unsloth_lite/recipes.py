@@ -21,12 +21,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import enum
 import functools
 import os
 import pathlib
 import re
-import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,13 +51,10 @@ from unsloth_lite.recipe_checks import (  # noqa: F401  (constants re-exported)
     check_report_to,
     check_training_values,
 )
+from unsloth_lite.recipe_types import TypeMismatch, check_type, describe_value, typed
 
 RECIPE_DIR = pathlib.Path(__file__).resolve().parent / "recipe_files"
 TOP_LEVEL_KEYS = ("model", "lora", "data", "training", "checkpointing", "seed")
-
-# YAML 1.1 (PyYAML) reads `2e-5` as a string; float-typed keys accept such numeric strings.
-_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
 
 @dataclass
 class ModelSection:
@@ -126,121 +121,6 @@ class Recipe:
 SECTIONS = {"model": ModelSection, "lora": LoRASection, "data": DataSection, "checkpointing": CheckpointingSection}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Type checking against annotations
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class _Mismatch(Exception):
-    pass
-
-
-def _describe(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{type(value).__name__} {text}" if value is not None else "null"
-
-
-def _type_name(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is type(None):
-        return "null"
-    if tp is Any:
-        return "any"
-    if origin in (typing.Union, types.UnionType):
-        names = []
-        for arg in args:  # SomeEnum | str reads as plain "str"
-            name = "str" if isinstance(arg, type) and issubclass(arg, enum.Enum) else _type_name(arg)
-            if name not in names:
-                names.append(name)
-        return " or ".join(names)
-    if origin is typing.Literal:
-        return " or ".join(repr(a) for a in args)
-    if origin in (list, tuple, Sequence):
-        return f"list of {_type_name(args[0])}" if args else "list"
-    if origin is dict or tp is dict:
-        return "mapping"
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return "str"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _check(value: Any, tp: Any) -> Any:
-    """Returns `value` (a numeric string converted for float types) if it fits annotation `tp`; raises
-    `_Mismatch` otherwise. Annotations it does not understand accept anything (TrainingArguments checks later)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any or isinstance(tp, (str, typing.ForwardRef, typing.TypeVar)):
-        return value
-    if tp is type(None) or tp is None:
-        if value is None:
-            return value
-        raise _Mismatch
-    if origin in (typing.Union, types.UnionType):
-        # An exact fit first (so `str | float` keeps '1e-3' a string), then conversions.
-        for arg in args:
-            try:
-                if _check_strict(value, arg):
-                    return value
-            except _Mismatch:
-                pass
-        for arg in args:
-            try:
-                return _check(value, arg)
-            except _Mismatch:
-                pass
-        raise _Mismatch
-    if origin is typing.Literal:
-        if any(type(value) is type(a) and value == a for a in args):
-            return value
-        raise _Mismatch
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _Mismatch
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _Mismatch
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
-            return float(value)
-        raise _Mismatch
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise _Mismatch
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        if isinstance(value, str):
-            return value
-        raise _Mismatch
-    if origin in (list, tuple, Sequence) or tp in (list, tuple):
-        if not isinstance(value, list):
-            raise _Mismatch
-        return [_check(v, args[0]) for v in value] if args else value
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise _Mismatch
-        if len(args) == 2:
-            return {_check(k, args[0]): _check(v, args[1]) for k, v in value.items()}
-        return value
-    return value  # a class we do not know how to check (e.g. accelerate's ParallelismConfig): TrainingArguments will
-
-
-def _check_strict(value: Any, tp: Any) -> bool:
-    """Whether `value` fits `tp` without any conversion."""
-    return _check(value, tp) is value
-
-
-def _typed(key: str, value: Any, tp: Any) -> Any:
-    try:
-        return _check(value, tp)
-    except _Mismatch:
-        raise RecipeError(f"{key}: expected {_type_name(tp)}, got {_describe(value)}") from None
-
-
 def _unknown_key(known: Sequence[str], dotted: str) -> RecipeError:
     return RecipeError(f"unknown key '{dotted}' (expected one of: {', '.join(known)})")
 
@@ -281,7 +161,7 @@ def _unknown_training_key(key: Any) -> RecipeError:
 
 def _validate_training(raw: Any) -> dict:
     if not isinstance(raw, dict):
-        raise RecipeError(f"training: expected a mapping of TrainingArguments fields, got {_describe(raw)}")
+        raise RecipeError(f"training: expected a mapping of TrainingArguments fields, got {describe_value(raw)}")
     fields = _training_fields()
     out = {}
     for key, value in raw.items():
@@ -290,7 +170,7 @@ def _validate_training(raw: Any) -> dict:
             raise RecipeError(f"{dotted}: {_TRAINING_FORBIDDEN[key]}")
         if key not in fields:
             raise _unknown_training_key(key)
-        out[key] = _typed(dotted, value, fields[key])
+        out[key] = typed(dotted, value, fields[key])
         check_choice(dotted, out[key], fields[key])
     if "report_to" in out:
         check_report_to(out["report_to"])
@@ -309,7 +189,7 @@ def _build_section(name: str, raw: Any):
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise RecipeError(f"{name}: expected a mapping, got {_describe(raw)}")
+        raise RecipeError(f"{name}: expected a mapping, got {describe_value(raw)}")
     fields = dataclasses.fields(cls)
     hints = typing.get_type_hints(cls)
     known = [f.name for f in fields]
@@ -323,16 +203,20 @@ def _build_section(name: str, raw: Any):
     ]
     if missing:
         raise RecipeError(f"missing required key(s): {', '.join(missing)}")
-    values = {key: _typed(f"{name}.{key}", value, hints[key]) for key, value in raw.items()}
+    values = {key: typed(f"{name}.{key}", value, hints[key]) for key, value in raw.items()}
     for f in fields:
         if hints[f.name] is float and f.name in values:
             values[f.name] = float(values[f.name])
     return cls(**values)
 
 
+def _not_a_recipe(source, raw: Any) -> RecipeError:
+    return RecipeError(f"{source}: expected a mapping with keys {', '.join(TOP_LEVEL_KEYS)}, got {describe_value(raw)}")
+
+
 def _build_recipe(raw: Any, source: str) -> Recipe:
     if not isinstance(raw, dict):
-        raise RecipeError(f"{source}: expected a mapping with keys {', '.join(TOP_LEVEL_KEYS)}, got {_describe(raw)}")
+        raise _not_a_recipe(source, raw)
     for key in raw:
         if key not in TOP_LEVEL_KEYS:
             raise _unknown_key(TOP_LEVEL_KEYS, str(key))
@@ -342,7 +226,7 @@ def _build_recipe(raw: Any, source: str) -> Recipe:
     model = _build_section("model", raw["model"])
     lora = _build_section("lora", raw.get("lora"))
     data = _build_section("data", raw["data"])
-    seed = _typed("seed", raw.get("seed", 42), int)
+    seed = typed("seed", raw.get("seed", 42), int)
     if not 0 <= seed < 2**32:
         raise RecipeError(f"seed: must be in [0, 2**32), got {seed}")
     check_model(model)
@@ -424,14 +308,14 @@ def _as_text_where_expected(value: Any, text: str, tp: Any) -> Any:
     if isinstance(value, str) or value is None:
         return value
     try:
-        _check(value, tp)
+        check_type(value, tp)
         return value
-    except _Mismatch:
+    except TypeMismatch:
         pass
     try:
-        _check(text, tp)
+        check_type(text, tp)
         return text
-    except _Mismatch:
+    except TypeMismatch:
         return value  # reported, with the key and the expected type, when the section is checked
 
 
@@ -479,7 +363,7 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Recip
     if isinstance(overrides, str):
         overrides = [overrides]
     if overrides and not isinstance(raw, dict):
-        raise RecipeError(f"{resolved}: expected a mapping with keys {', '.join(TOP_LEVEL_KEYS)}, got {_describe(raw)}")
+        raise _not_a_recipe(resolved, raw)
     raw = copy.deepcopy(raw)
     for override in overrides:
         _apply_override(raw, override)
