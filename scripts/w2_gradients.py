@@ -115,6 +115,10 @@ def check_gradients(c: dict, device: torch.device, dtype: torch.dtype, seq: int)
 
     with in_precision(model, torch.float64 if dtype == torch.float32 else torch.float32):
         precise_loss, precise = loss_and_grads()
+    # Hugging Face's non-reentrant checkpointing for both compared passes too: the same values, and a float32
+    # 27B's activations of 64 layers would not fit the GPU
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
     reference_loss, reference = loss_and_grads()
     unsloth_lite.patch_model(model)
     loss, grads = loss_and_grads()
