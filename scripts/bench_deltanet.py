@@ -9,6 +9,7 @@ Inputs as Qwen3.5-27B's DeltaNet layer feeds them: q, k `[1, T, 16, 128]` and v 
 (sigmoid of a normal draw), bf16; q and k L2-normalised in the kernel; fp32 state. One timed call is the
 forward and the backward of all five inputs from a random output gradient. Variants:
 - `unsloth_lite`: `unsloth_lite.kernels.chunk_gated_delta_rule`.
+- `unsloth_lite_split_values`: the same with `LAUNCH["values_split"]` (the backward's value sums in two kernels).
 - `fla`: flash-linear-attention's `chunk_gated_delta_rule`, where installed, with its Hopper guard bypassed
   (triton < 3.7.1 miscompiles its gated backward on Hopper for some block configurations): timing only, its
   errors are reported but not to be trusted.
@@ -22,12 +23,14 @@ reference is computed: its autograd graph keeps every state).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
 import torch.nn.functional as F
 from bench_common import bench_device, bench_ms, environment, kernel_profile, markdown_table, write_json
 
+from unsloth_lite.kernels import gated_delta_rule
 from unsloth_lite.kernels.gated_delta_rule import chunk_gated_delta_rule
 from unsloth_lite.kernels.gated_delta_rule_reference import chunk_gated_delta_rule_reference
 
@@ -51,6 +54,20 @@ def make_inputs(seq: int, key_heads: int, value_heads: int, head_dim: int, devic
 
 def ours(q, k, v, g, beta):
     return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+
+# Variants of ours: the `gated_delta_rule.LAUNCH` settings each runs under (forward and backward)
+OURS = {"unsloth_lite": {}, "unsloth_lite_split_values": {"values_split": True}}
+
+
+@contextlib.contextmanager
+def launch_settings(overrides: dict):
+    saved = {key: gated_delta_rule.LAUNCH[key] for key in overrides}
+    gated_delta_rule.LAUNCH.update(overrides)
+    try:
+        yield
+    finally:
+        gated_delta_rule.LAUNCH.update(saved)
 
 
 def fla_bypassed():
@@ -141,8 +158,8 @@ def main(argv=None) -> int:
         return 1
     heads = TINY_HEADS if args.tiny else W2_HEADS
     seqs = [int(s) for s in (args.seqs or ("70" if args.tiny else "2048,8192")).split(",")]
-    variants = ["unsloth_lite"] if args.tiny else args.variants.split(",")
-    runners = {"unsloth_lite": ours, "fla": None if args.tiny else fla_bypassed(), "hf_torch": hf_torch()}
+    variants = list(OURS) if args.tiny else args.variants.split(",")
+    runners = {"fla": None if args.tiny else fla_bypassed(), "hf_torch": hf_torch(), **dict.fromkeys(OURS, ours)}
     rows = []
     for seq in seqs:
         inputs, grad_out = make_inputs(seq, **heads, device=device, dtype=torch.bfloat16)
@@ -153,11 +170,13 @@ def main(argv=None) -> int:
                 rows.append(dict(variant=variant, seq=seq, error="not installed"))
                 continue
             row = dict(variant=variant, seq=seq)
+            call = lambda f=fn, x=inputs, d=grad_out: forward_backward(f, x, d)  # noqa: E731
             try:
-                out, grads = forward_backward(fn, inputs, grad_out)
-                row["ms"] = round(bench_ms(lambda f=fn, x=inputs, d=grad_out: forward_backward(f, x, d), device), 3)
-                if args.profile and device.type == "cuda":
-                    row["profile"] = profile_kernels(lambda f=fn, x=inputs, d=grad_out: forward_backward(f, x, d))
+                with launch_settings(OURS.get(variant, {})):
+                    out, grads = call()
+                    row["ms"] = round(bench_ms(call, device), 3)
+                    if args.profile and device.type == "cuda":
+                        row["profile"] = profile_kernels(call)
             except Exception as error:  # a peer that fails is reported, never a crash of the run
                 rows.append(dict(row, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
                 continue

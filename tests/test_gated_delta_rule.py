@@ -171,6 +171,27 @@ def test_gated_delta_rule_value_dims_of_two_chunks_or_more(device):
     run_and_compare(inputs, torch.float32, device, l2=True)
 
 
+SPLIT_VALUE_CASES = {
+    # (batch, seq, key heads, group, Dk, Dv), dtype, initial states, cu_seqlens
+    "gva3_scratch": ((1, 70, 2, 3, 16, 16), torch.float32, 1, None),
+    "in_own_slots": ((1, 70, 2, 2, 16, 128), torch.float32, 1, None),  # shares in dS_C's, flip in dV_new's slot
+    "bf16": ((1, 70, 1, 3, 16, 16), torch.bfloat16, 1, None),
+    "varlen": ((1, 166, 1, 2, 16, 16), torch.float32, 3, [0, 65, 66, 166]),
+    "no_state": ((1, 130, 2, 1, 16, 32), torch.float32, None, None),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_VALUE_CASES))
+def test_gated_delta_rule_split_value_kernels(case, device, monkeypatch):
+    # LAUNCH["values_split"]: the input gradients' value sums in two kernels, the state products' terms added to
+    # by the chunk pairs' kernel.
+    monkeypatch.setitem(gated_delta_rule.LAUNCH, "values_split", True)
+    shape, dtype, n_states, cu = SPLIT_VALUE_CASES[case]
+    inputs = make_inputs(*shape, l2=True, n_states=n_states)
+    cu = torch.tensor(cu, dtype=torch.int32) if cu else None
+    run_and_compare(inputs, dtype, device, l2=True, cu_seqlens=cu)
+
+
 def test_gated_delta_rule_varlen(device):
     # Three documents of 65, 1 and 100 tokens packed in one row, each from its own initial state.
     cu = torch.tensor([0, 65, 66, 166], dtype=torch.int32)
@@ -377,7 +398,9 @@ def _w2_inputs(seq, n_states, device):
     ],
     ids=["bf16-2048", "bf16-8192", "bf16-varlen", "fp32-2048", "fp32-varlen"],
 )
-def test_gated_delta_rule_w2_shapes(dtype, seq, varlen):
+@pytest.mark.parametrize("split", [False, True], ids=["one_value_kernel", "split_values"])
+def test_gated_delta_rule_w2_shapes(dtype, seq, varlen, split, monkeypatch):
+    monkeypatch.setitem(gated_delta_rule.LAUNCH, "values_split", split)
     cu = torch.tensor(W2_VARLEN, dtype=torch.int32) if varlen else None
     n_states = len(W2_VARLEN) - 1 if varlen else 1
     inputs = _w2_inputs(seq, n_states, "cuda")

@@ -84,28 +84,29 @@ from unsloth_lite.kernels.gated_delta_rule_backward_kernels import (
     _backward_states_kernel,
     _backward_values_kernel,
 )
+from unsloth_lite.kernels.gated_delta_rule_checks import check_args
 from unsloth_lite.kernels.gated_delta_rule_kernels import _forward_states_kernel, _output_kernel, _prepare_kernel
-from unsloth_lite.kernels.utils import (
-    INTERPRET,
-    check_float,
-    check_kernel_device,
-    check_same_device,
-    empty,
+from unsloth_lite.kernels.gated_delta_rule_split_values_kernels import (
+    _backward_chunk_pairs_kernel,
+    _backward_state_products_kernel,
 )
+from unsloth_lite.kernels.utils import INTERPRET, empty
 
 CHUNK = 64
 # Tokens per window of a long fixed-length batch's backward (`_backward_by_windows`), a multiple of CHUNK:
 # Qwen3.5-27B's W2 length takes the single pass.
 WINDOW = 2048
-# The value-gradient kernel's registers and shared memory bound the head dims (Qwen3.5's heads are 128).
-MAX_HEAD_DIM = 128
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Warps of each kernel's launch (and the value-gradient kernel's value block), chosen on an H200 at W2's shapes
 # (`scripts/bench_deltanet.py`); every combination shipped is the one the GPU tests run.
 LAUNCH = dict(prepare_warps=4, states_warps=4, output_warps=4, free_warps=4, reverse_warps=8, values_warps=4,
-              values_bv=64, keys_warps=8,
+              values_bv=64, keys_warps=8, values_split=False,
+              state_products_warps=8, state_products_bv=32, chunk_pairs_warps=8, chunk_pairs_bv=64,
               precision=dict(prepare="bf16x3", states="tf32_rounded", output="bf16x3", free="bf16x3",
                              reverse="bf16x3", values="bf16x3"))
+# `values_split`: the input gradients' value sums in two kernels (`gated_delta_rule_split_values_kernels.py`, each
+# with its warps and value block) instead of one that spills: compiled offline for sm_90 by triton 3.6
+# (`scripts/kernel_resources.py`), 2,768 stack bytes a thread in the one kernel at its setting, 400 (state
+# products, 8 warps by 32 columns) and 224 (chunk pairs, 8 by 64) in the two. Off until timed on a GPU.
 # `precision`, the products' for 16-bit inputs, one for every kernel or a dict by kernel (prepare, states,
 # output, free, reverse, values). Measured on an H200 at W2's shape (K2, 2026-12-03; errors against the float64
 # recurrence, the bf16 floor being 1.64-1.66e-3):
@@ -307,17 +308,26 @@ def _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use
         lay.T, lay.NC, lay.NCH, dk, scale,
         C=CHUNK, DK=DK, L2=use_l2, VARLEN=lay.varlen, **_products(q.dtype, "values", dk, dv), num_warps=4,
     )
-    _backward_values_kernel[(lay.NCH, hv)](
-        q, *_strides(q), k, *_strides(k), v, *_strides(v), g, *_strides(g), beta, *_strides(beta),
-        do, *_strides(do),
-        tm, hs, dhs, vn, dvn, key_products, flip, flip_slot, share, share_slot,
-        dvv, dg, dbeta,
-        lay.cu, lay.chunk_seq, lay.chunk_first,
-        lay.T, lay.NC, lay.NCH, hv, hv // hk, dk, dv, scale,
-        C=CHUNK, DK=DK, BV=LAUNCH["values_bv"],
-        L2=use_l2, VARLEN=lay.varlen, **_products(q.dtype, "values", dk, dv),
-        num_warps=LAUNCH["values_warps"], num_stages=1,
-    )
+    shapes = (lay.cu, lay.chunk_seq, lay.chunk_first, lay.T, lay.NC, lay.NCH, hv, hv // hk, dk, dv, scale)
+    meta = dict(C=CHUNK, DK=DK, L2=use_l2, VARLEN=lay.varlen, **_products(q.dtype, "values", dk, dv), num_stages=1)
+    if LAUNCH["values_split"]:
+        terms = empty((hv * lay.NCH * 2 * CHUNK,), torch.float32, dev)  # dg's and dβ's state terms
+        _backward_state_products_kernel[(lay.NCH, hv)](
+            q, *_strides(q), k, *_strides(k), g, *_strides(g), beta, *_strides(beta), do, *_strides(do),
+            tm, hs, dhs, dvn, vn, share, share_slot, terms, 2 * CHUNK, *shapes,
+            BV=LAUNCH["state_products_bv"], num_warps=LAUNCH["state_products_warps"], **meta,
+        )
+        _backward_chunk_pairs_kernel[(lay.NCH, hv)](
+            q, *_strides(q), k, *_strides(k), v, *_strides(v), g, *_strides(g), beta, *_strides(beta),
+            do, *_strides(do), tm, vn, dvn, key_products, flip, flip_slot, share, share_slot, terms, 2 * CHUNK,
+            dvv, dg, dbeta, *shapes, BV=LAUNCH["chunk_pairs_bv"], num_warps=LAUNCH["chunk_pairs_warps"], **meta,
+        )
+    else:
+        _backward_values_kernel[(lay.NCH, hv)](
+            q, *_strides(q), k, *_strides(k), v, *_strides(v), g, *_strides(g), beta, *_strides(beta),
+            do, *_strides(do), tm, hs, dhs, vn, dvn, key_products, flip, flip_slot, share, share_slot,
+            dvv, dg, dbeta, *shapes, BV=LAUNCH["values_bv"], num_warps=LAUNCH["values_warps"], **meta,
+        )
     _backward_keys_kernel[(lay.NCH, hk)](
         q, *_strides(q), k, *_strides(k), share, share_slot, dq, dkk,
         lay.cu, lay.chunk_seq, lay.chunk_first,
@@ -419,60 +429,6 @@ def _backward_by_windows(q, k, v, g, beta, do, h0, dht, scale, use_l2, want_dh0)
     return grads, dht
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Argument checks
-
-
-def _check_args(q, k, v, g, beta, initial_state, cu_seqlens):
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        check_float(name, t)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in KERNEL_DTYPES:
-            raise ValueError(f"{name} has dtype {t.dtype}; the kernels take float32, bfloat16 or float16")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [B, T, H, D], got shape {tuple(t.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        name = "k" if k.dtype != q.dtype else "v"
-        raise ValueError(f"{name} has dtype {(k if name == 'k' else v).dtype} but q has {q.dtype}")
-    if k.shape != q.shape:
-        raise ValueError(f"k has shape {tuple(k.shape)}; expected q's shape {tuple(q.shape)}")
-    batch, seq, hk, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
-    if v.shape[:2] != (batch, seq):
-        raise ValueError(f"v has shape {tuple(v.shape)}; its batch and time dims must match q's {(batch, seq)}")
-    if hv % hk != 0:
-        raise ValueError(f"v has {hv} heads, not a multiple of k's {hk}")
-    if dk > MAX_HEAD_DIM or dv > MAX_HEAD_DIM:
-        name = "q" if dk > MAX_HEAD_DIM else "v"
-        raise ValueError(f"{name}'s head dim {dk if name == 'q' else dv} exceeds the kernels' {MAX_HEAD_DIM}")
-    for name, t in (("g", g), ("beta", beta)):
-        if tuple(t.shape) != (batch, seq, hv):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {(batch, seq, hv)} ([B, T, Hv])")
-    n_seq = batch
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError("cu_seqlens must be an int32 or int64 tensor")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got shape {tuple(cu_seqlens.shape)}")
-        if batch != 1:
-            raise ValueError(f"cu_seqlens needs q of batch 1 (documents packed along T), got batch {batch}")
-        n_seq = cu_seqlens.numel() - 1
-    if initial_state is not None:
-        check_float("initial_state", initial_state)
-        if tuple(initial_state.shape) != (n_seq, hv, dk, dv):
-            raise ValueError(
-                f"initial_state has shape {tuple(initial_state.shape)}; expected {(n_seq, hv, dk, dv)} "
-                "([N, Hv, Dk, Dv], N the batch or the number of documents)"
-            )
-    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)]
-    if initial_state is not None:
-        named.append(("initial_state", initial_state))
-    if cu_seqlens is not None:
-        named.append(("cu_seqlens", cu_seqlens))
-    check_same_device(named)
-    check_kernel_device("q", q)
-
-
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -490,7 +446,7 @@ def chunk_gated_delta_rule(
     Returns `(o [B, T, Hv, Dv] in v's dtype, final state [N, Hv, Dk, Dv] fp32 or None)`; N is B, or the number
     of documents of `cu_seqlens` (then B must be 1 and each document starts from its own `initial_state[n]`).
     """
-    _check_args(q, k, v, g, beta, initial_state, cu_seqlens)
+    check_args(q, k, v, g, beta, initial_state, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     inputs = (q, k, v, g, beta, initial_state)
     keep = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
