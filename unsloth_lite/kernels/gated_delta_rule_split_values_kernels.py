@@ -32,6 +32,21 @@ from unsloth_lite.kernels.gated_delta_rule_kernels import (
 
 
 @triton.jit
+def _value_head_chunk(
+    g_ptr, s_gb, s_gt, s_gh, beta_ptr, s_bb, s_bt, s_bh, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, NCH, G,
+    C: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """The program's (chunk, value head, its key head, its scratch slot, batch row, tokens, which tokens lie in
+    the sequence, β of the tokens, γ = the in-chunk cumsum of g)."""
+    pid_c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    beta = _load_vec(beta_ptr, b, t, h, s_bb, s_bt, s_bh, mask_t)
+    gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
+    return pid_c, h, h // G, h * NCH + pid_c, b, t, mask_t, beta, gam
+
+
+@triton.jit
 def _backward_state_products_kernel(
     q_ptr, s_qb, s_qt, s_qh, s_qd,
     k_ptr, s_kb, s_kt, s_kh, s_kd,
@@ -49,17 +64,14 @@ def _backward_state_products_kernel(
     `part_ptr + program * part_slot`) and of dg, dβ (`[2, C]` at `terms_ptr + program * terms_slot`) that come
     from the state products (module docstring). The first may lie in the program's own dS_C slot (the launcher's
     choice): it is written after the barrier that follows the program's last read of it."""
-    pid_c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    hk = h // G
-    base = h * NCH + pid_c
-    b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    pid_c, h, hk, base, b, t, mask_t, beta, gam = _value_head_chunk(
+        g_ptr, s_gb, s_gt, s_gh, beta_ptr, s_bb, s_bt, s_bh, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, NCH, G,
+        C, VARLEN,
+    )
     rows = tl.arange(0, C)
     d = tl.arange(0, DK)
     mask_d = d < Dk
     lower = rows[None, :] < rows[:, None]
-    beta = _load_vec(beta_ptr, b, t, h, s_bb, s_bt, s_bh, mask_t)
-    gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
     gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
     decay_q = tl.exp(gam)
     decay_k = tl.exp(gam_last - gam)
@@ -134,18 +146,15 @@ def _backward_chunk_pairs_kernel(
     in-chunk pair terms of dq, dk, dβ and dg added to that kernel's (read from its slots, the shares written back
     in place). The transposes of dM and of dA's term G are read back from the program's own `[2, C, C]` at
     `flip_ptr + program * flip_slot` after a barrier, which may lie in its dV_new slot."""
-    pid_c = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    hk = h // G
-    base = h * NCH + pid_c
-    b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
+    pid_c, h, hk, base, b, t, mask_t, beta, gam = _value_head_chunk(
+        g_ptr, s_gb, s_gt, s_gh, beta_ptr, s_bb, s_bt, s_bh, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, NCH, G,
+        C, VARLEN,
+    )
     rows = tl.arange(0, C)
     d = tl.arange(0, DK)
     mask_d = d < Dk
     lower = rows[None, :] < rows[:, None]
     lower_incl = rows[None, :] <= rows[:, None]
-    beta = _load_vec(beta_ptr, b, t, h, s_bb, s_bt, s_bh, mask_t)
-    gam = tl.cumsum(_load_vec(g_ptr, b, t, h, s_gb, s_gt, s_gh, mask_t), 0)
     tm_T = _operand(tl.load(tm_ptr + (base * C + rows[None, :]) * C + rows[:, None]), PREC)  # Tᵀ
     dA = tl.zeros([C, C], dtype=tl.float32)
     dM = tl.zeros([C, C], dtype=tl.float32)
