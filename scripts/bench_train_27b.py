@@ -33,6 +33,8 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
 - `unsloth_lite_kept_mlp`, `unsloth_lite_graphs_kept_mlp`, `unsloth_lite_host_embeddings_graphs_kept_mlp`,
   `unsloth_lite_nf4_embeddings_graphs_kept_mlp`: with `keep_mlp_preactivations=True` (each checkpoint keeps its
   MLP's gate and up outputs, offloaded with its input: the recomputation skips their products).
+- `unsloth_lite_host_embeddings_graphs_kept_mlp_split_values`: that variant with the DeltaNet backward's value
+  sums in two kernels (`gated_delta_rule.LAUNCH["values_split"]`).
 - `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same
   targets, `use_gradient_checkpointing="unsloth"`), only where unsloth imports (from `--unsloth-site`). Unsloth
   loads from disk: the parent writes the random-weight checkpoint under `--workdir` first (reused when
@@ -82,6 +84,7 @@ VARIANTS = (
     "hf_fla", "hf", "unsloth", "unsloth_lite", "unsloth_lite_nf4_embeddings", "unsloth_lite_host_embeddings",
     "unsloth_lite_graphs", "unsloth_lite_kept_mlp", "unsloth_lite_graphs_kept_mlp",
     "unsloth_lite_host_embeddings_graphs_kept_mlp", "unsloth_lite_nf4_embeddings_graphs_kept_mlp",
+    "unsloth_lite_host_embeddings_graphs_kept_mlp_split_values",
 )
 TINY_VARIANTS = ("hf", "unsloth_lite")
 ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -212,6 +215,10 @@ def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_li
         unsloth_lite.offload_embeddings_to_host(model)
     model = unsloth_lite.add_lora(unsloth_lite.patch_model(model), r=LORA_R, lora_alpha=LORA_ALPHA,
                                   target_modules=targets)
+    if "split_values" in variant:
+        from unsloth_lite.kernels import gated_delta_rule
+
+        gated_delta_rule.LAUNCH["values_split"] = True  # the worker's process only
     enable_gradient_checkpointing(model, offload_to_cpu=device.type == "cuda", cuda_graphs="graphs" in variant,
                                   uncheckpointed_layers=uncheckpointed_layers or 0,
                                   keep_mlp_preactivations="kept_mlp" in variant)
