@@ -8,7 +8,14 @@ import pytest
 import torch
 from helpers import assert_close
 from peft import LoraConfig, PeftModel, get_peft_model
-from test_patch_model import QWEN3_5_MODULES, assert_every_module_patched, batch, tiny_model, tiny_qwen3_5
+from test_patch_model import (
+    QWEN3_5_GRADIENT_FLOOR,
+    QWEN3_5_MODULES,
+    assert_every_module_patched,
+    batch,
+    tiny_model,
+    tiny_qwen3_5,
+)
 
 from unsloth_lite import add_lora, load_model, patch_model
 
@@ -128,8 +135,17 @@ def test_4bit_lora_matches_peft(arch, tmp_path, monkeypatch, torch_delta_rule):
         assert_every_module_patched(patched, QWEN3_5_MODULES)
     assert_close(out.loss, expected.loss, 1e-2, "loss")
     expected_grads = lora_grads(reference)
+    # Qwen3.5: gradients that cancel to a small fraction of the largest (its decay gates') are compared against
+    # that fraction (QWEN3_5_GRADIENT_FLOOR): Hugging Face runs its norms in float32 whatever the model's dtype
+    largest = max(float(g.norm()) for g in expected_grads.values())
+    floor = QWEN3_5_GRADIENT_FLOOR * largest if arch == "qwen3_5" else 0.0
     for name, grad in lora_grads(patched).items():
-        assert_close(grad, expected_grads[name], 3e-2, f"grad {name}")
+        ref = expected_grads[name]
+        if float(ref.norm()) >= floor:
+            assert_close(grad, ref, 3e-2, f"grad {name}")
+        else:
+            error = float((grad.double() - ref.double()).norm()) / floor
+            assert error <= 3e-2, f"grad {name}: error {error:.3e} of {floor:.2e} (the floor) > 3e-2"
 
 
 def test_adapter_round_trip(tmp_path, device):
