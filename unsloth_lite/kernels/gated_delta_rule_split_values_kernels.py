@@ -5,12 +5,12 @@ columns falls into two families with no product in common but Ū = Tᵀ dV_new, 
 
 1. `_backward_state_products_kernel`, first: the products with the chunk's states, dO S0ᵀ, V_new dS_Cᵀ and
    W̄ = −Ū S0ᵀ (Ū recomputed), and every term of dq, dk, dβ and dg that they feed. Its reads of dS_C are the
-   last: it writes its dq, dk terms over its own dS_C slot, its dg, dβ terms to a small buffer of their own (S0
-   may be the forward's, kept for another backward).
+   last: it writes its dq, dk terms over its own dS_C slot (from Dv = 2C on; a buffer below), its dg, dβ terms
+   to a small buffer of their own (S0 may be the forward's, kept for another backward).
 2. `_backward_chunk_pairs_kernel`, then: Ū and dv, dM = dO V_newᵀ and dA = −Ū V_newᵀ, and the terms they feed;
    it adds the first kernel's terms and writes dv, dg, dβ and the value head's shares of dq, dk (which
    `_backward_keys_kernel` sums over the key head's value heads). It reads no state: its flip of dM and G passes
-   through its own dV_new slot after its last read of it, as in the one-kernel form.
+   through its own dV_new slot (from Dv = 2C on) after its last read of it, as in the one-kernel form.
 
 Both compute the same terms as the one-kernel form, in the same products; only the order of a few fp32 sums
 differs."""
