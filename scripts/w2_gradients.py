@@ -33,28 +33,27 @@ class _DequantizedLinear(torch.autograd.Function):
 @contextlib.contextmanager
 def in_precision(model, dtype: torch.dtype):
     """`model` computing in `dtype` throughout: every floating parameter and buffer cast to it (restored after)
-    and every 4-bit linear's product taken in it from the same dequantised weights, with Hugging Face's
-    non-reentrant checkpointing (same values, a fraction of the activations' memory)."""
+    and every 4-bit linear's product taken in it from the same dequantised weights."""
     import bitsandbytes as bnb
 
-    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    tensors = _floating_tensors(model)
     dtypes = [t.dtype for t in tensors]
     quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     for t in tensors:
         t.data = t.data.to(dtype)
     for m in quantized:
         m.forward = lambda x, m=m: _DequantizedLinear.apply(x.to(dtype), m) + (0 if m.bias is None else m.bias)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
     try:
         yield model
     finally:
-        model.gradient_checkpointing_disable()
-        model.disable_input_require_grads()
         for m in quantized:
             del m.forward
         for t, original in zip(tensors, dtypes, strict=True):
             t.data = t.data.to(original)
+
+
+def _floating_tensors(model) -> list[torch.Tensor]:
+    return [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
 
 
 def compute_in(model, dtype: torch.dtype):
@@ -63,9 +62,8 @@ def compute_in(model, dtype: torch.dtype):
     bf16 keeps a float32 27B from holding 108 GB of dense weights before they are quantised."""
     import bitsandbytes as bnb
 
-    for t in (*model.parameters(), *model.buffers()):
-        if t.is_floating_point():
-            t.data = t.data.to(dtype)
+    for t in _floating_tensors(model):
+        t.data = t.data.to(dtype)
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit):
             m.compute_dtype = dtype
@@ -113,12 +111,12 @@ def check_gradients(c: dict, device: torch.device, dtype: torch.dtype, seq: int)
         model.zero_grad(set_to_none=True)
         return float(loss.detach()), grads
 
-    with in_precision(model, torch.float64 if dtype == torch.float32 else torch.float32):
-        precise_loss, precise = loss_and_grads()
-    # Hugging Face's non-reentrant checkpointing for both compared passes too: the same values, and a float32
-    # 27B's activations of 64 layers would not fit the GPU
+    # Hugging Face's non-reentrant checkpointing for all three passes: the same values, and a float32 27B's
+    # activations of 64 layers would not fit the GPU
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
+    with in_precision(model, torch.float64 if dtype == torch.float32 else torch.float32):
+        precise_loss, precise = loss_and_grads()
     reference_loss, reference = loss_and_grads()
     unsloth_lite.patch_model(model)
     loss, grads = loss_and_grads()
