@@ -172,6 +172,7 @@ def assert_every_module_patched(model, module_classes) -> None:
         if type(module).__name__ in module_classes:
             seen.add(type(module).__name__)
             assert module.__dict__.get("_unsloth_lite_patched"), f"{name} ({type(module).__name__}) is not patched"
+            assert "forward" in module.__dict__, f"{name} ({type(module).__name__}) lost its fused forward"
     assert seen == set(module_classes), f"missing {set(module_classes) - seen}"
 
 

@@ -18,6 +18,7 @@ from test_patch_model import (
 )
 
 from unsloth_lite import add_lora, load_model, patch_model
+from unsloth_lite.models.patching import ARCHITECTURES, model_config
 
 lora_module = importlib.import_module("unsloth_lite.kernels.lora")
 
@@ -146,6 +147,24 @@ def test_4bit_lora_matches_peft(arch, tmp_path, monkeypatch, torch_delta_rule):
         else:
             error = float((grad.double() - ref.double()).norm()) / floor
             assert error <= 3e-2, f"grad {name}: error {error:.3e} of {floor:.2e} (the floor) > 3e-2"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_5"])
+def test_patches_survive_mode_switches(arch, tmp_path):
+    """transformers >= 5.25 kernelizes what `from_pretrained` loads and kernelizes it again at each `train()` or
+    `eval()` that changes mode, which unbinds forwards bound on instances: the fused forwards stay bound through
+    both, before and after LoRA (the Trainer calls `train()` every step)."""
+    model, _ = load_model(save_tiny_checkpoint(arch, tmp_path / "model"), dtype=torch.float32, device_map="cpu")
+    model.eval()
+    model.train()
+    model = add_lora(model, r=4, lora_alpha=8, target_modules="all-linear")
+    model.eval()
+    model.train()
+    present = {type(module).__name__ for module in model.modules()}
+    # (PEFT's LoRA wrapper of a 4-bit layer is named Linear4bit too, and keeps its own forward)
+    fused = {rule.module_class for rule in ARCHITECTURES[model_config(model).model_type]} & present - {"Linear4bit"}
+    assert len(fused) >= 4
+    assert_every_module_patched(model, fused)
 
 
 def test_adapter_round_trip(tmp_path, device):

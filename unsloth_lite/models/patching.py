@@ -65,6 +65,7 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
         supported = ", ".join(sorted(ARCHITECTURES))
         raise ValueError(f"patch_model does not support model_type {model_type!r}; supported: {supported}")
     rules = {rule.module_class: rule for rule in ARCHITECTURES[model_type]}
+    _stop_hub_kernelization(model)
     for module in model.modules():
         rule = rules.get(type(module).__name__)
         if rule is None or getattr(module, PATCHED_FLAG, False):
@@ -84,6 +85,17 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
         setattr(module, PATCHED_FLAG, True)
     _prefer_static_cache(model)
     return model
+
+
+def _stop_hub_kernelization(model: torch.nn.Module) -> None:
+    """Since transformers 5.25 `from_pretrained` kernelizes models through the `kernels` library by default, and
+    every later `train()`/`eval()` that changes mode kernelizes them again: that drops any `forward` bound on an
+    instance of a hub-kernelizable class (the norms, Qwen3.5's DeltaNet layers), silently putting Hugging Face's
+    forwards back under the patched model. Resetting kernelization restores the classes' own forwards and
+    switches it off, so the forwards bound next stay bound."""
+    for module in model.modules():
+        if getattr(module, "use_kernels", False) is True and hasattr(module, "reset_kernels"):
+            module.reset_kernels()
 
 
 def _prefer_static_cache(model: torch.nn.Module) -> None:
