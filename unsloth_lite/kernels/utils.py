@@ -14,8 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
+from unsloth_lite.kernels.interpreter import speed_up_interpreter
+
 # Triton decides between compiling and interpreting when a kernel is decorated, so this is read once.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET:
+    speed_up_interpreter()
 
 # Tests set this so that any element a kernel forgets to write shows up as NaN.
 POISON_OUTPUTS = os.environ.get("UNSLOTH_LITE_POISON_OUTPUTS") == "1"

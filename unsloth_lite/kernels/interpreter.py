@@ -1,0 +1,76 @@
+"""Two costs of Triton's interpreter (`TRITON_INTERPRET=1`: the kernels on CPU tensors) that do no work,
+removed where the interpreter has the shape this was written against (triton 3.6 to 3.9); elsewhere nothing
+changes.
+
+* A launch swaps `triton.language`'s builtins for interpreted ones (walking the modules' members), runs the
+  grid, and swaps them back. Every call of a `@triton.jit` device function inside the grid walks and swaps
+  them all again, though the launch's swap is still in place: for kernels built of small device functions
+  that is a quarter of a CPU run. Here a device call skips the swap when the launch in progress has already
+  swapped the language modules that the function sees.
+* The numpy dtype of a Triton dtype is looked up by rebuilding a table on every call (each interpreted op
+  calls it); here it is cached per Triton dtype, keyed by the dtype's name (its identity).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import triton.language as tl
+
+
+def speed_up_interpreter() -> bool:
+    """Applies both (once); False where the interpreter's internals differ from the expected ones."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    needed = ("GridExecutor", "_patch_lang", "_get_np_dtype", "InterpretedFunction")
+    if not all(hasattr(interpreter, name) for name in needed):
+        return False
+    launch = interpreter.GridExecutor.__call__
+    if getattr(launch, "_unsloth_lite", False):
+        return True
+    _skip_repeated_swaps(interpreter, launch)
+    _cache_numpy_dtypes(interpreter)
+    return True
+
+
+def _cache_numpy_dtypes(interpreter) -> None:
+    lookup = interpreter._get_np_dtype
+    found: dict[str, object] = {}
+
+    def numpy_dtype(tt_dtype):
+        name = getattr(tt_dtype, "name", None)  # a dtype's identity (block types: shape and element type)
+        if not isinstance(name, str):
+            return lookup(tt_dtype)
+        if name not in found:
+            found[name] = lookup(tt_dtype)
+        return found[name]
+
+    interpreter._get_np_dtype = numpy_dtype
+
+
+def _skip_repeated_swaps(interpreter, launch) -> None:
+    swap = interpreter._patch_lang
+    swapped: list[set[int]] = []  # per launch in progress: the language modules its swaps cover
+
+    def patch_lang(fn):
+        languages = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if swapped and languages <= swapped[-1]:
+            return None  # a device function's call: its launch swapped these modules already
+        if swapped:
+            swapped[-1].update(languages)
+        return swap(fn)
+
+    @functools.wraps(launch)
+    def run_grid(self, *args, **kwargs):
+        swapped.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            swapped.pop()
+
+    run_grid._unsloth_lite = True
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = run_grid
