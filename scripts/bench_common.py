@@ -29,6 +29,29 @@ def report_unknown(kind: str, chosen, known) -> bool:
     return bool(unknown)
 
 
+KEPT_MLP_KEYS = {"keep": "keep_mlp_preactivations", "gpu": "mlp_preactivations_on_gpu"}
+
+
+def kept_mlp_options(variant: str) -> tuple[str, dict]:
+    """A variant name and the checkpointing options of its `@` suffix: ("unsloth_lite_kept_mlp",
+    {"keep_mlp_preactivations": 48, "mlp_preactivations_on_gpu": 8}) of "unsloth_lite_kept_mlp@keep=48/gpu=8"
+    (48 layers keep their MLP pre-activations, 8 of them on the GPU); a kept_mlp variant without a suffix keeps
+    them in every checkpointed layer, offloaded ({"keep_mlp_preactivations": True}); others keep none ({}).
+    Raises ValueError for a suffix on another variant or an unknown key."""
+    name, _, suffix = variant.partition("@")
+    if "kept_mlp" not in name:
+        if suffix:
+            raise ValueError(f"{variant}: only the kept_mlp variants take '@keep=N/gpu=G'")
+        return name, {}
+    options = {"keep_mlp_preactivations": True}
+    for item in filter(None, suffix.split("/")):
+        key, _, value = item.partition("=")
+        if key not in KEPT_MLP_KEYS or not value.isdigit():
+            raise ValueError(f"{variant}: expected '@keep=N/gpu=G' (whole numbers), got {item!r}")
+        options[KEPT_MLP_KEYS[key]] = int(value)
+    return name, options
+
+
 def drop_missing_unsloth(variants: list[str], chosen: bool, unsloth_site: str | None) -> list[str]:
     """`variants` less `unsloth` where it came with the defaults (not `chosen`), no `--unsloth-site` was given
     and unsloth does not import here; says so."""

@@ -45,6 +45,9 @@ Variants, each in its own worker process, and their micro-batches:
   Its tokens/s is the ">= 0.95x its own W1" reference.
 - `unsloth_lite_kept_mlp`: `unsloth_lite` with `keep_mlp_preactivations=True` (each checkpoint keeps its MLP's
   gate and up outputs in CPU memory with its input: the recomputation skips their products).
+- `unsloth_lite_kept_mlp@keep=K/gpu=G`: only K of the checkpointed layers keep them, spread evenly, G of those in
+  GPU memory instead of CPU memory (`keep_mlp_preactivations=K`, `mlp_preactivations_on_gpu=G`); either key
+  may be left out.
 - `unsloth_lite:N`, `unsloth_lite_kept_mlp:N`, `unsloth_lite_w1:N`: the same with the last N decoder layers not
   checkpointed (their activations kept, their recomputation skipped), so that one run compares several N
   against the peers; `--uncheckpointed-layers N` sets it for the unsuffixed unsloth-lite variants.
@@ -91,6 +94,7 @@ import torch
 from bench_common import (
     bench_device,
     environment,
+    kept_mlp_options,
     markdown_table,
     report_unknown,
     run_worker_process,
@@ -240,15 +244,16 @@ def padding_id(c: dict) -> int:
 
 def load_variant(args, device: torch.device, dtype: torch.dtype) -> tuple:
     """(model, optimizer, info): through `bench_train.load` for qwen3_8b, `bench_train_27b.load` for 27B."""
+    kept_mlp = "@" + args.kept_mlp if args.kept_mlp else ""
     if args.model == "qwen3_8b":
-        loader_args = SimpleNamespace(worker=BENCH_TRAIN_LOADER[args.worker], checkpoint=args.checkpoint,
+        loader_args = SimpleNamespace(worker=BENCH_TRAIN_LOADER[args.worker] + kept_mlp, checkpoint=args.checkpoint,
                                       seq=max(args.packing_tokens, args.w1_seq),
                                       uncheckpointed_layers=args.uncheckpointed_layers)
         return bench_train.load(loader_args, device, dtype)
     import bench_train_27b
 
     hf_loader = "hf_fla" if importlib.util.find_spec("fla") else "hf"
-    loader = hf_loader if args.worker.startswith("hf") else BENCH_TRAIN_LOADER[args.worker]
+    loader = hf_loader if args.worker.startswith("hf") else BENCH_TRAIN_LOADER[args.worker] + kept_mlp
     start = time.perf_counter()
     model = bench_train_27b.load(loader, model_config(args), device, dtype, all_linear=False,
                                  uncheckpointed_layers=args.uncheckpointed_layers)
@@ -347,16 +352,21 @@ def worker_main(args) -> int:
 # Parent
 
 
-def split_variant(variant: str) -> tuple[str, int | None]:
-    """("unsloth_lite", 8) of "unsloth_lite:8"; (variant, None) without a suffix."""
-    name, _, layers = variant.partition(":")
-    return name, int(layers) if layers.isdigit() else None
+def split_variant(variant: str) -> tuple[str, str, int | None]:
+    """(name, its kept-MLP suffix, uncheckpointed layers) of "NAME[@keep=N/gpu=G][:L]": ("unsloth_lite", "", 8)
+    of "unsloth_lite:8", ("unsloth_lite_kept_mlp", "keep=24", None) of "unsloth_lite_kept_mlp@keep=24"."""
+    head, colon, layers = variant.rpartition(":")
+    if not colon:
+        head, layers = variant, ""
+    name, _, suffix = head.partition("@")
+    return name, suffix, int(layers) if layers.isdigit() else None
 
 
 def run_variant(args, checkpoint: Path | None, variant: str) -> dict:
     """Runs one variant's worker; its result (labelled with the variant as named), or an error row."""
-    name, uncheckpointed = split_variant(variant)
+    name, kept_mlp, uncheckpointed = split_variant(variant)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--model", args.model]
+    cmd += ["--kept-mlp", kept_mlp] if kept_mlp else []
     flags = dict(vars(args), uncheckpointed_layers=uncheckpointed if uncheckpointed is not None
                  else args.uncheckpointed_layers)
     for flag in ("packing_tokens", "rows", "padded_batch", "flatten_tokens", "w1_batch", "w1_seq", "warmup",
@@ -456,6 +466,7 @@ def parse_args(argv=None):
     parser.add_argument("--verbose", action="store_true", help="echo the workers' output")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--kept-mlp", default=None, help=argparse.SUPPRESS)  # a worker's '@keep=N/gpu=G' suffix
     parser.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     tiny = args.tiny
@@ -482,13 +493,19 @@ def main(argv=None) -> int:
         return 2
     variants = choose_variants(args)
     named = [(v, *split_variant(v)) for v in variants]
-    if report_unknown("variants", [name for _, name, _ in named], VARIANTS):
+    if report_unknown("variants", [name for _, name, _, _ in named], VARIANTS):
         return 2
-    bad = next((v for v, name, layers in named if ":" in v and (layers is None or not name.startswith("unsloth_lite"))),
-               None)
+    bad = next((v for v, name, _, layers in named
+                if ":" in v and (layers is None or not name.startswith("unsloth_lite"))), None)
     if bad:
         print(f"bench_packing.py: --variants {bad}: only the unsloth_lite variants take ':N', N the decoder "
               "layers left uncheckpointed", file=sys.stderr)
+        return 2
+    try:
+        for _, name, kept_mlp, _ in named:
+            kept_mlp_options(f"{name}@{kept_mlp}" if kept_mlp else name)
+    except ValueError as exc:
+        print(f"bench_packing.py: --variants {exc}", file=sys.stderr)
         return 2
     c = model_config(args)
     dtype = torch.float32 if args.tiny else torch.bfloat16

@@ -56,6 +56,7 @@ import torch
 from bench_common import (
     bench_device,
     environment,
+    kept_mlp_options,
     kernel_profile,
     markdown_table,
     matmul_tflops,
@@ -105,10 +106,10 @@ def _sync(device):
 def load(args, device, dtype) -> tuple:
     """(model, optimizer, info) of the worker's variant."""
     start = time.perf_counter()
-    options = {}
-    if args.uncheckpointed_layers and args.worker.startswith("unsloth_lite"):
+    loader, options = kept_mlp_options(args.worker)
+    if args.uncheckpointed_layers and loader.startswith("unsloth_lite"):
         options["uncheckpointed_layers"] = args.uncheckpointed_layers
-    model, info = LOADERS[args.worker](args.checkpoint, device, dtype, args.seq, **options)
+    model, info = LOADERS[loader](args.checkpoint, device, dtype, args.seq, **options)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR)

@@ -32,7 +32,9 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
 - `unsloth_lite_graphs`: the same with `cuda_graphs=True`.
 - `unsloth_lite_kept_mlp`, `unsloth_lite_graphs_kept_mlp`, `unsloth_lite_host_embeddings_graphs_kept_mlp`,
   `unsloth_lite_nf4_embeddings_graphs_kept_mlp`: with `keep_mlp_preactivations=True` (each checkpoint keeps its
-  MLP's gate and up outputs, offloaded with its input: the recomputation skips their products).
+  MLP's gate and up outputs, offloaded with its input: the recomputation skips their products). A suffix
+  `@keep=N/gpu=G` keeps them in N of the checkpointed layers only, spread evenly, G of those in GPU memory
+  (`keep_mlp_preactivations=N`, `mlp_preactivations_on_gpu=G`), so one run compares several placements.
 - `unsloth_lite_host_embeddings_graphs_kept_mlp_split_values`: that variant with the DeltaNet backward's value
   sums in two kernels (`gated_delta_rule.LAUNCH["values_split"]`).
 - `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same
@@ -68,6 +70,7 @@ from bench_common import (
     drop_missing_unsloth,
     environment,
     host_link_gbps,
+    kept_mlp_options,
     markdown_table,
     matmul_tflops,
     memory_peak_report,
@@ -135,14 +138,15 @@ def linear_params(c: dict) -> dict[str, int]:
     return counts
 
 
-def recompute_skipped(variant: str, all_linear: bool, offload: bool) -> tuple[str, ...]:
+def recompute_skipped(variant: str, all_linear: bool, offload: bool, kept_mlp: bool | None = None) -> tuple[str, ...]:
     """Projections whose product a variant's recomputation leaves out: ours always the MLP's down projection;
     with the offload (which keeps the residual after attention) the output projections that go through the
-    fused LoRA path too (o_proj; out_proj only with an adapter); with the MLP's pre-activations kept, gate and up
-    (at W2's 2,048 tokens the MLP's backward runs as one row block, so they are kept)."""
+    fused LoRA path too (o_proj; out_proj only with an adapter); with the MLP's pre-activations kept (`kept_mlp`,
+    default: the variant's name says so), gate and up (at W2's 2,048 tokens the MLP's backward runs as one row
+    block, so they are kept)."""
     if not variant.startswith("unsloth_lite"):
         return ()
-    kept_mlp = ("gate_proj", "up_proj") * ("kept_mlp" in variant)
+    kept_mlp = ("gate_proj", "up_proj") * ("kept_mlp" in variant if kept_mlp is None else kept_mlp)
     return ("down_proj",) + kept_mlp + (("o_proj",) + ("out_proj",) * all_linear) * offload
 
 
@@ -220,8 +224,7 @@ def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_li
 
         gated_delta_rule.LAUNCH["values_split"] = True  # the worker's process only
     enable_gradient_checkpointing(model, offload_to_cpu=device.type == "cuda", cuda_graphs="graphs" in variant,
-                                  uncheckpointed_layers=uncheckpointed_layers or 0,
-                                  keep_mlp_preactivations="kept_mlp" in variant)
+                                  uncheckpointed_layers=uncheckpointed_layers or 0, **kept_mlp_options(variant)[1])
     return model
 
 
@@ -339,8 +342,7 @@ def summarise(rows: list[dict], seq: int, c: dict, all_linear: bool, offload: bo
     for r in rows:
         if r.get("step_s"):
             r["tokens_per_s"] = round(seq / r["step_s"], 1)
-            skipped = recompute_skipped(r["variant"], all_linear, offload)
-            flops = flops_per_token(c, seq, skipped, params)["total"]
+            flops = executed_flops_per_token(r, c, seq, all_linear, offload, params)
             r["flops_per_token"] = flops
             r["executed_TFLOPs"] = round(flops * seq / r["step_s"] / 1e12, 1)
             if peak_tflops:
@@ -352,6 +354,18 @@ def summarise(rows: list[dict], seq: int, c: dict, all_linear: bool, offload: bo
             if key in r:
                 r[key] = round(r[key], 2)
     return rows
+
+
+def executed_flops_per_token(row: dict, c: dict, seq: int, all_linear: bool, offload: bool, params) -> float:
+    """FLOPs a token of the row's variant executes; where only some layers keep their MLP pre-activations
+    (`@keep=N`), the recomputations of the others' gate and up products count too."""
+    name, kept = kept_mlp_options(row["variant"])
+    flops = flops_per_token(c, seq, recompute_skipped(name, all_linear, offload), params)["total"]
+    keeping, layers = kept.get("keep_mlp_preactivations", False), row.get("checkpointed_layers")
+    if isinstance(keeping, bool) or not layers:
+        return flops
+    recomputed = flops_per_token(c, seq, recompute_skipped(name, all_linear, offload, kept_mlp=False), params)["total"]
+    return recomputed + (flops - recomputed) * keeping / layers
 
 
 def resumed_run(args, env: dict, c: dict) -> tuple[list[dict], float | None]:
@@ -438,6 +452,15 @@ def main(argv=None) -> int:
         return 0 if "error" not in row else 1
     variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
     variants = drop_missing_unsloth(variants, bool(args.variants), args.unsloth_site)
+    try:
+        unknown = [v for v in variants if kept_mlp_options(v)[0] not in VARIANTS]
+    except ValueError as exc:
+        print(f"bench_train_27b.py: --variants {exc}", file=sys.stderr)
+        return 2
+    if unknown:
+        print(f"bench_train_27b.py: --variants: unknown {', '.join(unknown)}; expected among {', '.join(VARIANTS)}",
+              file=sys.stderr)
+        return 2
     packages = ("torch", "triton", "transformers", "peft", "bitsandbytes", "fla-core")
     env = environment(device, packages)
     c = model_config(args.tiny, args.layers)

@@ -228,12 +228,13 @@ def load_hf(path, device, dtype, seq, liger=False):
     return get_peft_model(model, config), {}
 
 
-def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf", uncheckpointed_layers=0):
+def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf", uncheckpointed_layers=0,
+                      keep_mlp_preactivations: bool | int = True, mlp_preactivations_on_gpu: int = 0):
     """`checkpointing`: "hf" (Hugging Face's non-reentrant), "ours" (`enable_gradient_checkpointing`),
     "offload" (the same with the saved layer inputs in pinned CPU memory), "graphs" (with CUDA graphs),
     "graphs_offload" (both), "graphs_offload_inputs_only" (both, `keep_residual=False`) or
-    "graphs_offload_kept_mlp" (both, `keep_mlp_preactivations=True`); with ours, the last `uncheckpointed_layers`
-    layers are not checkpointed."""
+    "graphs_offload_kept_mlp" (both, and `keep_mlp_preactivations`, `mlp_preactivations_on_gpu`); with ours, the
+    last `uncheckpointed_layers` layers are not checkpointed."""
     import unsloth_lite
     from unsloth_lite.training.checkpointing import enable_gradient_checkpointing
 
@@ -247,7 +248,9 @@ def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf", uncheckpoint
         enable_gradient_checkpointing(
             model, offload_to_cpu="offload" in checkpointing, cuda_graphs="graphs" in checkpointing,
             keep_residual=False if "inputs_only" in checkpointing else None,
-            uncheckpointed_layers=uncheckpointed_layers, keep_mlp_preactivations="kept_mlp" in checkpointing,
+            uncheckpointed_layers=uncheckpointed_layers,
+            keep_mlp_preactivations=keep_mlp_preactivations if "kept_mlp" in checkpointing else False,
+            mlp_preactivations_on_gpu=mlp_preactivations_on_gpu if "kept_mlp" in checkpointing else 0,
         )
     return model, {}
 

@@ -98,6 +98,14 @@ CASES = {
         lambda t: ["training.gradient_checkpointing=true", "checkpointing.uncheckpointed_layers=99"],
         ["checkpointing.uncheckpointed_layers", "99", "decoder layers", "at most"],
     ),
+    "kept MLP layers beyond the model's": (
+        lambda t: ["training.gradient_checkpointing=true", "checkpointing.keep_mlp_preactivations=99"],
+        ["checkpointing.keep_mlp_preactivations", "99", "checkpointed decoder layers", "at most"],
+    ),
+    "MLP pre-activations on the GPU that nothing keeps": (
+        lambda t: ["training.gradient_checkpointing=true", "checkpointing.mlp_preactivations_on_gpu=1"],
+        ["checkpointing.mlp_preactivations_on_gpu", "needs checkpointing.keep_mlp_preactivations"],
+    ),
     "lora r": (lambda t: ["lora.r=0"], ["lora.r", ">= 1"]),
     "lora alpha": (lambda t: ["lora.alpha=0"], ["lora.alpha"]),
     "lora dropout": (lambda t: ["lora.dropout=1.5"], ["lora.dropout", "[0, 1)"]),

@@ -296,6 +296,26 @@ def bench_packing():
     return importlib.import_module("bench_packing")
 
 
+def test_variant_suffixes_name_checkpointing_options():
+    """`@keep=N/gpu=G` (kept MLP pre-activations in N layers, G on the GPU) and `:L` (uncheckpointed layers)."""
+    bp = bench_packing()
+    from bench_common import kept_mlp_options
+
+    assert kept_mlp_options("unsloth_lite_kept_mlp@keep=48/gpu=8") == (
+        "unsloth_lite_kept_mlp", {"keep_mlp_preactivations": 48, "mlp_preactivations_on_gpu": 8})
+    assert kept_mlp_options("unsloth_lite_graphs_kept_mlp") == (
+        "unsloth_lite_graphs_kept_mlp", {"keep_mlp_preactivations": True})
+    assert kept_mlp_options("unsloth_lite_kept_mlp@gpu=4") == (
+        "unsloth_lite_kept_mlp", {"keep_mlp_preactivations": True, "mlp_preactivations_on_gpu": 4})
+    assert kept_mlp_options("unsloth") == ("unsloth", {})
+    for bad in ("unsloth_lite@keep=4", "unsloth_lite_kept_mlp@keep=four", "unsloth_lite_kept_mlp@layers=4"):
+        with pytest.raises(ValueError, match="@keep=N/gpu=G"):
+            kept_mlp_options(bad)
+    assert bp.split_variant("unsloth_lite_kept_mlp@keep=24/gpu=2:8") == ("unsloth_lite_kept_mlp", "keep=24/gpu=2", 8)
+    assert bp.split_variant("unsloth_lite:8") == ("unsloth_lite", "", 8)
+    assert bp.split_variant("hf_padded") == ("hf_padded", "", None)
+
+
 def test_w4_records_and_token_counts():
     """W4's records as BENCHMARKS.md defines them, and every micro-batching counting the same real tokens and
     trained targets for the same records."""
@@ -331,25 +351,26 @@ def test_w4_records_and_token_counts():
 def test_bench_packing_tiny_mode_runs(tmp_path):
     """W4's script end to end on the tiny model: every variant trains a whole epoch of the same records, and
     counts the same real tokens and targets for them; ours with its last layer not checkpointed, and (":0") with
-    every layer checkpointed in the same run."""
+    every layer checkpointed in the same run; the kept MLP variant with one of the two layers keeping them."""
     bp = bench_packing()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
     out = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "scripts/bench_packing.py", "--tiny", "--jobs", "4", "--workdir", str(tmp_path),
          "--uncheckpointed-layers", "1", "--out", str(out),
-         "--variants", "hf_padded,hf_flatten,unsloth_lite,unsloth_lite_w1,unsloth_lite:0,unsloth_lite_kept_mlp"],
+         "--variants",
+         "hf_padded,hf_flatten,unsloth_lite,unsloth_lite_w1,unsloth_lite:0,unsloth_lite_kept_mlp@keep=1/gpu=1:0"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"hf_padded", "hf_flatten", "unsloth_lite", "unsloth_lite_w1", "unsloth_lite:0",
-                         "unsloth_lite_kept_mlp"}
+    kept = "unsloth_lite_kept_mlp@keep=1/gpu=1:0"
+    assert set(rows) == {"hf_padded", "hf_flatten", "unsloth_lite", "unsloth_lite_w1", "unsloth_lite:0", kept}
     for variant, row in rows.items():
         assert "error" not in row, f"{variant}: {row['error']}\n{result.stdout}"
         assert row["real_tokens_per_s"] > 0
     lengths = bp.record_lengths(**bp.TINY_RECORDS)
-    for variant in ("hf_padded", "hf_flatten", "unsloth_lite", "unsloth_lite:0", "unsloth_lite_kept_mlp"):
+    for variant in ("hf_padded", "hf_flatten", "unsloth_lite", "unsloth_lite:0", kept):
         assert rows[variant]["real_tokens"] == lengths.sum(), variant
         assert rows[variant]["target_tokens"] == (lengths - lengths // 3).sum(), variant
     assert rows["hf_padded"]["tokens"] > rows["hf_padded"]["real_tokens"]

@@ -40,7 +40,7 @@ def _assert_same_step(step, got, expected, tol, loss_tol=None):
 
 
 def _compare(model, device, offload_to_cpu=False, cuda_graphs=False, tol=1e-5, steps=3, keep_residual=None,
-             uncheckpointed_layers=0, keep_mlp_preactivations=False):
+             uncheckpointed_layers=0, keep_mlp_preactivations=False, mlp_preactivations_on_gpu=0):
     reference = copy.deepcopy(model)
     hf_checkpointed = copy.deepcopy(model)
     hf_checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -48,6 +48,7 @@ def _compare(model, device, offload_to_cpu=False, cuda_graphs=False, tol=1e-5, s
     enable_gradient_checkpointing(
         model, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, keep_residual=keep_residual,
         uncheckpointed_layers=uncheckpointed_layers, keep_mlp_preactivations=keep_mlp_preactivations,
+        mlp_preactivations_on_gpu=mlp_preactivations_on_gpu,
     )
     # Several steps on fresh batches: state left by one (offloaded buffers, a graph's static inputs) must not
     # leak into the next; with cuda_graphs the first step runs eagerly, the second captures, the third replays.
@@ -251,9 +252,11 @@ class _HostGroup:
     """Stands in for `_OffloadedTensors` off CUDA: keeps copies, and records the order of fetches."""
 
     fetches: list = []
+    sizes: list = []  # the number of tensors of each group, in the order of the forwards
 
     def __init__(self, tensors, previous):
         self.tensors, self.previous = [t.clone() for t in tensors], previous
+        _HostGroup.sizes.append(len(tensors))
         self.prefetched = False
 
     def prefetch(self):
@@ -266,11 +269,6 @@ class _HostGroup:
         return self.tensors
 
 
-def _every_grad_input_and_kept_tensor(inputs, kept, offload):
-    """`_offload_flags` off CUDA: what it marks on a GPU."""
-    return [offload and t.requires_grad for t in inputs] + [offload] * len(kept)
-
-
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
 def test_offloaded_groups_keep_order(cuda_graphs, device, monkeypatch):
     """The offload's bookkeeping off CUDA (copies stand in for the pinned host memory): a checkpoint's input
@@ -280,7 +278,7 @@ def test_offloaded_groups_keep_order(cuda_graphs, device, monkeypatch):
 
     monkeypatch.setattr(checkpointing, "_OffloadedTensors", _HostGroup)
 
-    monkeypatch.setattr(checkpointing, "_offload_flags", _every_grad_input_and_kept_tensor)
+    monkeypatch.setattr(checkpointing, "_offloadable", lambda t: True)  # what a GPU would offload
     _HostGroup.fetches = []
     model = _lora_model(device)
     _compare(model, device, offload_to_cpu=True, cuda_graphs=cuda_graphs, tol=1e-4)
@@ -295,7 +293,7 @@ def test_uncheckpointed_layers(cuda_graphs, device, monkeypatch):
     import unsloth_lite.training.checkpointing as checkpointing
 
     monkeypatch.setattr(checkpointing, "_OffloadedTensors", _HostGroup)
-    monkeypatch.setattr(checkpointing, "_offload_flags", _every_grad_input_and_kept_tensor)
+    monkeypatch.setattr(checkpointing, "_offloadable", lambda t: True)  # what a GPU would offload
     runs = []
     real_checkpoint_layer = checkpointing.checkpoint_layer
     monkeypatch.setattr(checkpointing, "checkpoint_layer", lambda run, *args, **kwargs: (
@@ -319,8 +317,20 @@ def test_uncheckpointed_layers_with_graphs_and_offload_on_gpu():
 
 @pytest.mark.parametrize("count", [-1, 3, 1.0, True])
 def test_uncheckpointed_layers_out_of_range(count, device):
-    with pytest.raises(ValueError, match=r"uncheckpointed_layers: expected a whole number from 0 to the model's 2 "):
+    with pytest.raises(ValueError, match=r"uncheckpointed_layers: expected a whole number from 0 to 2 \(the model's "):
         enable_gradient_checkpointing(tiny_model("qwen3", device), uncheckpointed_layers=count)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(keep_mlp_preactivations=3), r"keep_mlp_preactivations: expected a whole number from 0 to 2 \(the "),
+    (dict(keep_mlp_preactivations=2, uncheckpointed_layers=1), r"keep_mlp_preactivations: .* from 0 to 1 .* got 2"),
+    (dict(keep_mlp_preactivations=-1), r"keep_mlp_preactivations: .* got -1"),
+    (dict(mlp_preactivations_on_gpu=1), r"mlp_preactivations_on_gpu: expected a whole number from 0 to 0 \(the "),
+    (dict(keep_mlp_preactivations=1, mlp_preactivations_on_gpu=2), r"mlp_preactivations_on_gpu: .* to 1 .* got 2"),
+])
+def test_kept_mlp_layer_counts_out_of_range(options, message, device):
+    with pytest.raises(ValueError, match=message):
+        enable_gradient_checkpointing(tiny_model("qwen3", device), **options)
 
 
 def test_kept_residual_hooks_come_off(device):
@@ -371,7 +381,7 @@ def test_kept_mlp_preactivations(cuda_graphs, offload, device, monkeypatch):
 
     if offload:
         monkeypatch.setattr(checkpointing, "_OffloadedTensors", _HostGroup)
-        monkeypatch.setattr(checkpointing, "_offload_flags", _every_grad_input_and_kept_tensor)
+        monkeypatch.setattr(checkpointing, "_offloadable", lambda t: True)  # what a GPU would offload
         _HostGroup.fetches = []
     gate_up_products = []
     project_all = lora_module._project_all
@@ -395,6 +405,45 @@ def test_kept_mlp_preactivations(cuda_graphs, offload, device, monkeypatch):
         assert len(gate_up_products) == 3 * layers + 2 * layers + checkpointed, gate_up_products
     if offload:
         assert _HostGroup.fetches[: 2] == [False, True]
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_mlp_preactivations_kept_in_some_layers_some_on_the_device(cuda_graphs, device, monkeypatch):
+    """keep_mlp_preactivations=2 of 3 layers (the last two: spread evenly), one of them (the last) on the device
+    with the rest offloaded: the same losses and gradients; only the first layer's recomputation runs its
+    gate/up product; the offloaded groups hold input and residual, and the pre-activations of the middle
+    layer only."""
+    import unsloth_lite.kernels.lora as lora_module
+    import unsloth_lite.training.checkpointing as checkpointing
+
+    monkeypatch.setattr(checkpointing, "_OffloadedTensors", _HostGroup)
+    monkeypatch.setattr(checkpointing, "_offloadable", lambda t: True)  # what a GPU would offload
+    _HostGroup.fetches, _HostGroup.sizes = [], []
+    gate_up_products = []
+    project_all = lora_module._project_all
+
+    def counting(x2d, projections, adapters, output_needed=True):
+        if output_needed and len(projections) == 2 and projections[0].out_features == 88:
+            gate_up_products.append(x2d.shape[0])
+        return project_all(x2d, projections, adapters, output_needed)
+
+    monkeypatch.setattr(lora_module, "_project_all", counting)
+    model = _with_lora(patch_model(tiny_model("qwen3", device, num_hidden_layers=3)), ["gate_proj", "up_proj"])
+    _compare(model, device, offload_to_cpu=True, cuda_graphs=cuda_graphs, tol=1e-4, keep_mlp_preactivations=2,
+             mlp_preactivations_on_gpu=1)
+    assert _HostGroup.sizes == [2, 4, 2] * 3  # 3 steps
+    # as in test_kept_mlp_preactivations: forwards of the model and the not checkpointed reference (3 steps, 3
+    # layers), Hugging Face's checkpointed copy (step 1, forward and recomputation); then the model's
+    # recomputations of the first layer, the one that keeps nothing
+    assert len(gate_up_products) == 3 * 3 + 3 * 3 + 2 * 3 + 3, gate_up_products
+
+
+def test_spread_places_count_evenly():
+    from unsloth_lite.training.checkpointing import spread
+
+    assert spread(2, 3) == [False, True, True]
+    assert spread(0, 4) == [False] * 4 and spread(4, 4) == [True] * 4
+    assert spread(3, 8) == [False, False, True, False, False, True, False, True]
 
 
 def test_kept_mlp_preactivations_are_what_the_recomputation_reads(device, monkeypatch):

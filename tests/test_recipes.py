@@ -161,6 +161,11 @@ def test_checkpointing_section(tmp_path):
                                                         keep_mlp_preactivations=True)
     with pytest.raises(RecipeError, match=r"^checkpointing\.keep_mlp_preactivations: "):
         load_recipe(write(tmp_path, raw), ["checkpointing.keep_mlp_preactivations=often"])
+    counted = load_recipe(write(tmp_path, raw), ["checkpointing.keep_mlp_preactivations=24",
+                                                 "checkpointing.mlp_preactivations_on_gpu=8"]).checkpointing
+    assert (counted.keep_mlp_preactivations, counted.mlp_preactivations_on_gpu) == (24, 8)
+    with pytest.raises(RecipeError, match=r"^checkpointing\.keep_mlp_preactivations: must be >= 0, got -2"):
+        load_recipe(write(tmp_path, raw), ["checkpointing.keep_mlp_preactivations=-2"])
 
 
 def test_resume_from_checkpoint_bool_or_path(tmp_path):

@@ -155,8 +155,11 @@ def test_trainer_checkpointing_options_are_checked(tokenizer, tmp_path):
     gc = training_args(tmp_path, gradient_checkpointing=True)
     with pytest.raises(ValueError, match=r"unknown option\(s\) offload \(expected"):
         unsloth_lite.Trainer(model=model, args=gc, checkpointing={"offload": True})
-    with pytest.raises(ValueError, match=r"uncheckpointed_layers: expected a whole number from 0 to the model's 2"):
+    with pytest.raises(ValueError, match=r"uncheckpointed_layers: expected a whole number from 0 to 2 \(the model's"):
         unsloth_lite.Trainer(model=model, args=gc, checkpointing={"uncheckpointed_layers": 3})
+    with pytest.raises(ValueError, match=r"mlp_preactivations_on_gpu: expected a whole number from 0 to 1 \(the"):
+        unsloth_lite.Trainer(model=model, args=gc,
+                             checkpointing={"keep_mlp_preactivations": 1, "mlp_preactivations_on_gpu": 2})
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1

@@ -156,18 +156,38 @@ def check_packing(data, model) -> None:
 
 
 def check_checkpointing(checkpointing) -> None:
-    """checkpointing.uncheckpointed_layers against nothing but its sign (the model's layer count is checked with
+    """checkpointing's layer counts against nothing but their signs (the model's layer count is checked with
     its config)."""
-    if checkpointing.uncheckpointed_layers < 0:
-        value = checkpointing.uncheckpointed_layers
-        raise RecipeError(f"checkpointing.uncheckpointed_layers: must be >= 0, got {value}")
+    keep = checkpointing.keep_mlp_preactivations
+    counts = dict(uncheckpointed_layers=checkpointing.uncheckpointed_layers,
+                  mlp_preactivations_on_gpu=checkpointing.mlp_preactivations_on_gpu)
+    if not isinstance(keep, bool):
+        counts["keep_mlp_preactivations"] = keep
+    for name, value in counts.items():
+        if value < 0:
+            raise RecipeError(f"checkpointing.{name}: must be >= 0, got {value}")
+    if checkpointing.mlp_preactivations_on_gpu and keep is False:
+        raise RecipeError("checkpointing.mlp_preactivations_on_gpu: needs checkpointing.keep_mlp_preactivations "
+                          "(true, or a number of layers)")
 
 
-def check_uncheckpointed_layers(value: int, layers: Any, source: str) -> None:
-    """checkpointing.uncheckpointed_layers against the model's decoder layers (`num_hidden_layers`)."""
-    if isinstance(layers, int) and value > layers:
-        raise RecipeError(f"checkpointing.uncheckpointed_layers: {value} is more than the {layers} decoder layers "
-                          f"of {source}; expected at most {layers}")
+def check_checkpointed_layers(checkpointing, layers: Any, source: str) -> None:
+    """checkpointing's layer counts against the model's decoder layers (`num_hidden_layers`)."""
+    if not isinstance(layers, int):
+        return
+    uncheckpointed = checkpointing.uncheckpointed_layers
+    if uncheckpointed > layers:
+        raise RecipeError(f"checkpointing.uncheckpointed_layers: {uncheckpointed} is more than the {layers} decoder "
+                          f"layers of {source}; expected at most {layers}")
+    checkpointed = layers - uncheckpointed
+    keep = checkpointing.keep_mlp_preactivations
+    keeping = (checkpointed if keep else 0) if isinstance(keep, bool) else keep
+    if keeping > checkpointed:
+        raise RecipeError(f"checkpointing.keep_mlp_preactivations: {keeping} layers, more than the {checkpointed} "
+                          f"checkpointed decoder layers of {source}; expected at most {checkpointed} (or true)")
+    if checkpointing.mlp_preactivations_on_gpu > keeping:
+        raise RecipeError(f"checkpointing.mlp_preactivations_on_gpu: {checkpointing.mlp_preactivations_on_gpu} "
+                          f"layers, more than the {keeping} that keep their MLP pre-activations")
 
 
 def check_fsdp(training: dict, model, checkpointing) -> None:

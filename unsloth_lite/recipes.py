@@ -100,12 +100,16 @@ class CheckpointingSection:
     use, up to `unsloth_lite.training.layer_graphs.MAX_GRAPHED_SHAPES` shapes); the last
     `uncheckpointed_layers` decoder layers not checkpointed (their activations kept on the GPU, no
     recomputation: faster, for their memory); each checkpoint keeping its MLP's gate and up outputs
-    (`keep_mlp_preactivations`, in CPU memory with `offload_to_cpu`: the recomputation skips their products)."""
+    (`keep_mlp_preactivations`, in CPU memory with `offload_to_cpu`: the recomputation skips their products; a
+    number N instead of true: N of the checkpointed layers, spread evenly); of those, `mlp_preactivations_on_gpu`
+    layers keeping them in GPU memory even with `offload_to_cpu` (no copies over the host link, for their
+    memory)."""
 
     offload_to_cpu: bool = False
     cuda_graphs: bool = False
     uncheckpointed_layers: int = 0
-    keep_mlp_preactivations: bool = False
+    keep_mlp_preactivations: bool | int = False
+    mlp_preactivations_on_gpu: int = 0
 
 
 @dataclass

@@ -32,7 +32,8 @@ backward runs as one row block (it would allocate them anyway then). The recompu
 (`mlp_preactivations`) and computes only its rank-r products: the gate and up projections, the largest of a
 layer's recomputed products, and their dequantisation, leave the recomputation. The price is their copies: at
 Qwen3.5-27B's 2,048 tokens 142 MB a layer each way, which the H200's 55 GB/s host link carries in about the
-time of a layer's forward.
+time of a layer's forward. So they can be kept in some of the layers only (`keep_mlp_preactivations=N`, spread
+evenly), and some of those can keep them on the GPU despite the offload (`mlp_preactivations_on_gpu=M`).
 
 `cuda_graphs=True` replays each layer's forward, and its recomputation with the backward, as CUDA graphs
 (`layer_graphs.py`), which removes the host's launch cost that bounds small batches.
@@ -68,7 +69,9 @@ from unsloth_lite.training.layer_context import (
 from unsloth_lite.training.layer_graphs import _LayerGraphs
 
 # The keyword options of `enable_gradient_checkpointing` that a Trainer and a recipe pass on.
-CHECKPOINTING_OPTIONS = ("offload_to_cpu", "cuda_graphs", "uncheckpointed_layers", "keep_mlp_preactivations")
+CHECKPOINTING_OPTIONS = (
+    "offload_to_cpu", "cuda_graphs", "uncheckpointed_layers", "keep_mlp_preactivations", "mlp_preactivations_on_gpu",
+)
 
 # Offloaded checkpoints whose copies may still be running (to the host in the forward, back in the backward)
 # while the host queues more work. The device memory a copy reads or writes is freed when the host drops it but
@@ -168,12 +171,20 @@ def _saved_inputs(ctx) -> list[torch.Tensor]:
     return [next(fetched) if flag else next(kept) for flag in ctx.offloaded]
 
 
-def _offload_flags(inputs, kept, offload_to_cpu: bool) -> list[bool]:
-    """Which of a checkpoint's saved tensors go to CPU memory: the inputs that need gradients (others, like
-    masks, are small or shared) and every `kept` tensor (the residual, the MLP's pre-activations)."""
-    return [offload_to_cpu and t.is_cuda and t.requires_grad for t in inputs] + [
-        offload_to_cpu and t.is_cuda for t in kept
+def _offload_flags(inputs, kept, mlp_pairs: int, offload: tuple[bool, bool]) -> list[bool]:
+    """Which of a checkpoint's saved tensors go to CPU memory, `offload` = (the inputs and residual's, the MLP
+    pre-activations'): the inputs that need gradients (others, like masks, are small or shared), the residual,
+    the MLPs' pre-activations (the last `2 * mlp_pairs` of `kept`)."""
+    offload_to_cpu, offload_preactivations = offload
+    others = len(kept) - 2 * mlp_pairs
+    return [offload_to_cpu and _offloadable(t) and t.requires_grad for t in inputs] + [
+        (offload_to_cpu if i < others else offload_preactivations) and _offloadable(t) for i, t in enumerate(kept)
     ]
+
+
+def _offloadable(t: torch.Tensor) -> bool:
+    """Whether the offload moves `t` (GPU tensors only; the tests stand in for it off CUDA)."""
+    return t.is_cuda
 
 
 def _kept_tensors(residual, preactivations) -> list[torch.Tensor]:
@@ -192,7 +203,7 @@ def _split_kept(saved: list[torch.Tensor], has_residual: bool, mlp_pairs: int):
 class _CheckpointedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, options, *args):
-        offload_to_cpu, preserve_rng_state, keep_residual, keep_mlp = options
+        offload, preserve_rng_state, keep_residual, keep_mlp = options
         ctx.run = run
         ctx.rng = None
         if preserve_rng_state:
@@ -210,7 +221,7 @@ class _CheckpointedLayer(torch.autograd.Function):
         residual = residuals[0] if len(residuals) == 1 else None
         ctx.has_residual, ctx.mlp_pairs = residual is not None, len(preactivations)
         kept = _kept_tensors(residual, preactivations)
-        _save_inputs(ctx, inputs + kept, _offload_flags(inputs, kept, offload_to_cpu))
+        _save_inputs(ctx, inputs + kept, _offload_flags(inputs, kept, ctx.mlp_pairs, offload))
         return outputs
 
     @staticmethod
@@ -249,31 +260,33 @@ def _cuda_devices(args) -> list[int]:
 
 def checkpoint_layer(
     run, *args, offload_to_cpu: bool = False, cuda_graphs: bool = False, preserve_rng_state: bool = True,
-    keep_residual: bool = False, keep_mlp_preactivations: bool = False,
+    keep_residual: bool = False, keep_mlp_preactivations: bool = False, offload_mlp_preactivations: bool | None = None,
 ):
     """`run(*args)` checkpointed (module docstring): the signature of Hugging Face's
     `_gradient_checkpointing_func(function, *args)`. `preserve_rng_state=False` skips saving and restoring
     the random states, for layers that draw no random numbers. `keep_residual=True` also keeps what the
     layer's post-attention norm receives, where `enable_gradient_checkpointing` hooked it;
-    `keep_mlp_preactivations=True` the layer's MLP pre-activations (module docstring)."""
+    `keep_mlp_preactivations=True` the layer's MLP pre-activations (module docstring), in CPU memory where
+    `offload_mlp_preactivations` (default: `offload_to_cpu`)."""
     if not any(torch.is_tensor(a) and a.requires_grad for a in args):
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+    offload = (offload_to_cpu, offload_to_cpu if offload_mlp_preactivations is None else offload_mlp_preactivations)
     if cuda_graphs:
         graphs = _LayerGraphs.for_call(run, args, keep_residual, keep_mlp_preactivations)
         if graphs is not None:
-            return _GraphedLayer.apply(graphs, run, offload_to_cpu, args[0], *graphs.params)
-    options = (offload_to_cpu, preserve_rng_state, keep_residual, keep_mlp_preactivations)
+            return _GraphedLayer.apply(graphs, run, offload, args[0], *graphs.params)
+    options = (offload, preserve_rng_state, keep_residual, keep_mlp_preactivations)
     return _CheckpointedLayer.apply(run, options, *args)
 
 
 class _GraphedLayer(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, graphs, run, offload_to_cpu, hidden, *params):
+    def forward(ctx, graphs, run, offload, hidden, *params):
         ctx.graphs = graphs
         output, residual, preactivations = graphs.forward(run, hidden)
         ctx.has_residual, ctx.mlp_pairs = residual is not None, len(preactivations)
         kept = _kept_tensors(residual, preactivations)
-        _save_inputs(ctx, [hidden] + kept, _offload_flags([hidden], kept, offload_to_cpu))
+        _save_inputs(ctx, [hidden] + kept, _offload_flags([hidden], kept, ctx.mlp_pairs, offload))
         return output
 
     @staticmethod
@@ -306,27 +319,51 @@ def checkpointing_layers(model) -> list[torch.nn.Module]:
     return [m for m in _base_model(model).modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def check_checkpointing_options(model, cuda_graphs: bool = False, uncheckpointed_layers: int = 0) -> list[str]:
+def check_checkpointing_options(
+    model, cuda_graphs: bool = False, uncheckpointed_layers: int = 0, keep_mlp_preactivations: bool | int = False,
+    mlp_preactivations_on_gpu: int = 0, **_,
+) -> list[str]:
     """Raises ValueError for options the model can't take (offloading suits every model; CUDA graphs don't
-    suit dropout; no more uncheckpointed layers than it has); returns the names of its modules with dropout."""
+    suit dropout; no more uncheckpointed layers than it has, no more layers keeping their MLP pre-activations
+    than it checkpoints, no more of those on the GPU than keep them); returns the names of its modules with
+    dropout. Other options (`offload_to_cpu`) suit every model."""
     base = _base_model(model)
     layers = checkpointing_layers(model)
     if not layers:
         raise ValueError(f"{type(base).__name__} has no decoder layers that support gradient checkpointing")
-    if isinstance(uncheckpointed_layers, bool) or not isinstance(uncheckpointed_layers, int) or not (
-        0 <= uncheckpointed_layers <= len(layers)
-    ):
-        raise ValueError(f"uncheckpointed_layers: expected a whole number from 0 to the model's {len(layers)} "
-                         f"decoder layers, got {uncheckpointed_layers!r}")
+    _check_count("uncheckpointed_layers", uncheckpointed_layers, len(layers), "the model's decoder layers")
+    checkpointed = len(layers) - uncheckpointed_layers
+    if not isinstance(keep_mlp_preactivations, bool):
+        _check_count("keep_mlp_preactivations", keep_mlp_preactivations, checkpointed,
+                     "the checkpointed decoder layers; or true, or false")
+    keeping = _kept_mlp_layer_count(keep_mlp_preactivations, checkpointed)
+    _check_count("mlp_preactivations_on_gpu", mlp_preactivations_on_gpu, keeping,
+                 "the layers that keep their MLP pre-activations")
     random = [name for name, m in base.named_modules() if _draws_random_numbers(m)]
     if cuda_graphs and random:
         raise ValueError(f"cuda_graphs=True needs layers without dropout; {random[0]} has p > 0")
     return random
 
 
+def _check_count(name: str, value, most: int, of_what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise ValueError(f"{name}: expected a whole number from 0 to {most} ({of_what}), got {value!r}")
+
+
+def _kept_mlp_layer_count(keep_mlp_preactivations: bool | int, checkpointed: int) -> int:
+    if isinstance(keep_mlp_preactivations, bool):
+        return checkpointed if keep_mlp_preactivations else 0
+    return keep_mlp_preactivations
+
+
+def spread(count: int, total: int) -> list[bool]:
+    """`count` of `total` places chosen evenly apart (the last always among them when count > 0)."""
+    return [(i + 1) * count // total > i * count // total for i in range(total)]
+
+
 def enable_gradient_checkpointing(
     model, offload_to_cpu: bool = False, cuda_graphs: bool = False, keep_residual: bool | None = None,
-    uncheckpointed_layers: int = 0, keep_mlp_preactivations: bool = False,
+    uncheckpointed_layers: int = 0, keep_mlp_preactivations: bool | int = False, mlp_preactivations_on_gpu: int = 0,
 ):
     """Turns on gradient checkpointing of the decoder layers of a Hugging Face model (PEFT-wrapped or not)
     through `checkpoint_layer`; returns the model. Frozen embeddings get an output that requires grad, so
@@ -338,19 +375,30 @@ def enable_gradient_checkpointing(
     of a recomputation are most of a third of a layer's training cost), for the memory of those activations;
     where a run has memory to spare, it buys speed. `keep_mlp_preactivations`: each checkpoint also keeps its
     MLP's gate and up outputs (offloaded with the input where `offload_to_cpu`), and the recomputation skips
-    their products (module docstring)."""
-    random = check_checkpointing_options(model, cuda_graphs=cuda_graphs, uncheckpointed_layers=uncheckpointed_layers)
+    their products (module docstring); a number N instead of true: N of the checkpointed layers keep them,
+    spread evenly (with the offload, the host link carries a layer's pre-activations in about the time of
+    its forward: fewer layers keeping them leave the forward less bound by the copies).
+    `mlp_preactivations_on_gpu`: with `offload_to_cpu`, that many of the layers that keep them (spread evenly)
+    keep them in GPU memory instead: no copies, for their memory."""
+    random = check_checkpointing_options(
+        model, cuda_graphs=cuda_graphs, uncheckpointed_layers=uncheckpointed_layers,
+        keep_mlp_preactivations=keep_mlp_preactivations, mlp_preactivations_on_gpu=mlp_preactivations_on_gpu,
+    )
     layers = checkpointing_layers(model)
     keep_residual = offload_to_cpu if keep_residual is None else keep_residual
     base = _base_model(model)
-    function = functools.partial(
-        checkpoint_layer, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, preserve_rng_state=bool(random),
-        keep_residual=keep_residual, keep_mlp_preactivations=keep_mlp_preactivations,
-    )
+    checkpointed_count = len(layers) - uncheckpointed_layers
+    keeping_count = _kept_mlp_layer_count(keep_mlp_preactivations, checkpointed_count)
+    keeps = spread(keeping_count, checkpointed_count) + [False] * uncheckpointed_layers
+    on_gpu = iter(spread(mlp_preactivations_on_gpu, keeping_count))
     for index, layer in enumerate(layers):
-        checkpointed = index < len(layers) - uncheckpointed_layers
+        checkpointed = index < checkpointed_count
         layer.gradient_checkpointing = checkpointed
-        layer._gradient_checkpointing_func = function
+        layer._gradient_checkpointing_func = functools.partial(
+            checkpoint_layer, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, preserve_rng_state=bool(random),
+            keep_residual=keep_residual, keep_mlp_preactivations=keeps[index],
+            offload_mlp_preactivations=offload_to_cpu and not (keeps[index] and next(on_gpu)),
+        )
         handle = layer.__dict__.pop("_unsloth_lite_residual_hook", None)
         if handle is not None:
             handle.remove()

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from unsloth_lite.errors import RecipeError, one_line
-from unsloth_lite.recipe_checks import check_max_seq_length, check_uncheckpointed_layers
+from unsloth_lite.recipe_checks import check_checkpointed_layers, check_max_seq_length
 from unsloth_lite.recipes import Recipe, recipe_to_dict, torch_dtype
 
 
@@ -109,8 +109,8 @@ def check_model_config(recipe: Recipe, path) -> bool:
     text_config = config.get_text_config()
     check_max_seq_length(spec.max_seq_length, getattr(text_config, "max_position_embeddings", None),
                          f"the config of {spec.name_or_path}")
-    check_uncheckpointed_layers(recipe.checkpointing.uncheckpointed_layers,
-                                getattr(text_config, "num_hidden_layers", None), f"the config of {spec.name_or_path}")
+    check_checkpointed_layers(recipe.checkpointing, getattr(text_config, "num_hidden_layers", None),
+                              f"the config of {spec.name_or_path}")
     if recipe.lora.target_modules == "all-linear":
         return True
     try:

@@ -71,8 +71,7 @@ class Trainer(transformers.Trainer):
             if cuda_graphs and self.is_fsdp_enabled:
                 raise ValueError("checkpointing: cuda_graphs cannot replay layers that FSDP shards (it frees and "
                                  "re-gathers their weights between steps); turn one of them off")
-            check_checkpointing_options(self.model, cuda_graphs=cuda_graphs,
-                                        uncheckpointed_layers=self._checkpointing.get("uncheckpointed_layers", 0))
+            check_checkpointing_options(self.model, **self._checkpointing)
         if self.args.gradient_checkpointing and hasattr(self.model, "enable_input_require_grads"):
             # Frozen embeddings (LoRA) would hand the first checkpointed layer inputs without grad.
             self.model.enable_input_require_grads()
