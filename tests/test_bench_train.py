@@ -319,7 +319,8 @@ def test_variant_suffixes_name_checkpointing_options():
 def test_w4_records_and_token_counts():
     """W4's records as BENCHMARKS.md defines them, and every micro-batching counting the same real tokens and
     trained targets for the same records."""
-    bp = bench_packing()
+    bench_packing()  # puts scripts/ on the path
+    bp = importlib.import_module("w4_records")
     lengths = bp.record_lengths(**bp.W4_RECORDS)
     assert len(lengths) == 4096 and lengths.min() == 32 and lengths.max() == 2048
     groups = lengths.reshape(-1, 8)
