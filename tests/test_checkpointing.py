@@ -429,13 +429,14 @@ def test_mlp_preactivations_kept_in_some_layers_some_on_the_device(cuda_graphs, 
 
     monkeypatch.setattr(lora_module, "_project_all", counting)
     model = _with_lora(patch_model(tiny_model("qwen3", device, num_hidden_layers=3)), ["gate_proj", "up_proj"])
+    steps = 3 if cuda_graphs else 1  # graphs: eager, capture, replay
     _compare(model, device, offload_to_cpu=True, cuda_graphs=cuda_graphs, tol=1e-4, keep_mlp_preactivations=2,
-             mlp_preactivations_on_gpu=1)
-    assert _HostGroup.sizes == [2, 4, 2] * 3  # 3 steps
-    # as in test_kept_mlp_preactivations: forwards of the model and the not checkpointed reference (3 steps, 3
-    # layers), Hugging Face's checkpointed copy (step 1, forward and recomputation); then the model's
+             mlp_preactivations_on_gpu=1, steps=steps)
+    assert _HostGroup.sizes == [2, 4, 2] * steps
+    # as in test_kept_mlp_preactivations: forwards of the model and the not checkpointed reference (3 layers a
+    # step), Hugging Face's checkpointed copy (step 1, forward and recomputation); then the model's
     # recomputations of the first layer, the one that keeps nothing
-    assert len(gate_up_products) == 3 * 3 + 3 * 3 + 2 * 3 + 3, gate_up_products
+    assert len(gate_up_products) == 3 * steps + 3 * steps + 2 * 3 + steps, gate_up_products
 
 
 def test_spread_places_count_evenly():
@@ -488,6 +489,16 @@ def test_mlp_preactivations_not_kept_over_several_row_blocks(device, monkeypatch
     monkeypatch.setattr(lora_module.LoRAMLPFunction, "forward", staticmethod(forward))
     _compare(model, device, tol=1e-4, keep_mlp_preactivations=True, steps=1)
     assert recorded and set(recorded) <= {None, 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_mlp_preactivations_kept_in_some_layers_some_on_the_gpu(cuda_graphs):
+    """The placements on the real offload (pinned host memory, side-stream copies): 2 of 3 layers keep them, one
+    of those on the GPU."""
+    model = _with_lora(patch_model(tiny_model("qwen3", "cuda", num_hidden_layers=3)), ["gate_proj", "up_proj"])
+    _compare(model, "cuda", cuda_graphs=cuda_graphs, offload_to_cpu=True, tol=1e-4, steps=4,
+             keep_mlp_preactivations=2, mlp_preactivations_on_gpu=1)
 
 
 @pytest.mark.gpu
