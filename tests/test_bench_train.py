@@ -73,20 +73,26 @@ def test_w2_flop_accounting():
     """W2's executed FLOPs: the 27B's decoder linears (24.35B weights; the embeddings bring the model to its
     26.9B), three passes of them less what our recomputation skips, the lm_head twice, the attention."""
     b27 = bench_train_27b()
+    flops = importlib.import_module("w2_flops")
     c = b27.model_config(tiny=False, layers=None)
-    params = b27.linear_params(c)
+    params = flops.linear_params(c)
     assert sum(params.values()) == pytest.approx(24.35e9, rel=1e-3)
     assert params["q_proj"] == 16 * 5120 * 2 * 24 * 256 and params["down_proj"] == 64 * 17408 * 5120
-    assert b27.recompute_skipped("unsloth", False, True) == ()
-    assert b27.recompute_skipped("unsloth_lite", True, True) == ("down_proj", "o_proj", "out_proj")
-    assert b27.recompute_skipped("unsloth_lite", True, False) == ("down_proj",)
-    assert b27.recompute_skipped("unsloth_lite_graphs_kept_mlp", False, True) == (
+    assert flops.recompute_skipped("unsloth", False, True) == ()
+    assert flops.recompute_skipped("unsloth_lite", True, True) == ("down_proj", "o_proj", "out_proj")
+    assert flops.recompute_skipped("unsloth_lite", True, False) == ("down_proj",)
+    assert flops.recompute_skipped("unsloth_lite_graphs_kept_mlp", False, True) == (
         "down_proj", "gate_proj", "up_proj", "o_proj")
-    full = b27.flops_per_token(c, 2048)
-    ours = b27.flops_per_token(c, 2048, ("down_proj", "o_proj"))
+    full = flops.flops_per_token(c, 2048)
+    ours = flops.flops_per_token(c, 2048, ("down_proj", "o_proj"))
     assert full["total"] == pytest.approx(153.0e9, rel=1e-3) and ours["total"] == pytest.approx(140.6e9, rel=1e-3)
     assert full["decoder"] - ours["decoder"] == 2 * (params["down_proj"] + params["o_proj"])
     assert full["attention"] == 9 * 2048 * 24 * 256 * 16
+    # 16 of the 64 layers keeping their MLP pre-activations: a quarter of the gate/up recomputation skipped
+    kept_all = flops.flops_per_token(c, 2048, ("down_proj", "gate_proj", "up_proj", "o_proj"), params)["total"]
+    row = dict(variant="unsloth_lite_graphs_kept_mlp@keep=16", checkpointed_layers=64)
+    assert flops.executed_flops_per_token(row, c, 2048, False, True, params) == pytest.approx(
+        ours["total"] + (kept_all - ours["total"]) / 4)
 
 
 def _search(bt, fits, max_probes=8, seq=2048, crash=False):
@@ -150,9 +156,11 @@ def test_bench_train_27b_tiny_mode_runs(tmp_path):
     assert abs(rows["hf"]["first_loss"] - rows["unsloth_lite"]["first_loss"]) < 1e-3 * rows["hf"]["first_loss"]
     assert (rows["hf"]["checkpointed_layers"], rows["unsloth_lite"]["checkpointed_layers"]) == (2, 1)
     b27 = bench_train_27b()
+    flops = importlib.import_module("w2_flops")
     c = b27.model_config(tiny=True, layers=None)
-    assert rows["hf"]["flops_per_token"] == b27.flops_per_token(c, 32)["total"]
-    assert rows["unsloth_lite"]["flops_per_token"] == b27.flops_per_token(c, 32, ("down_proj",))["total"]  # no offload
+    assert rows["hf"]["flops_per_token"] == flops.flops_per_token(c, 32)["total"]
+    no_offload = flops.flops_per_token(c, 32, ("down_proj",))["total"]
+    assert rows["unsloth_lite"]["flops_per_token"] == no_offload
     assert all("executed_TFLOPs" in row and "HFU" not in row for row in rows.values())  # no matmul rate on a CPU
 
 
