@@ -229,12 +229,12 @@ def load_hf(path, device, dtype, seq, liger=False):
 
 
 def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf", uncheckpointed_layers=0,
-                      keep_mlp_preactivations: bool | int = True, mlp_preactivations_on_gpu: int = 0):
+                      keep_mlp_preactivations: bool | int = False, mlp_preactivations_on_gpu: int = 0):
     """`checkpointing`: "hf" (Hugging Face's non-reentrant), "ours" (`enable_gradient_checkpointing`),
     "offload" (the same with the saved layer inputs in pinned CPU memory), "graphs" (with CUDA graphs),
-    "graphs_offload" (both), "graphs_offload_inputs_only" (both, `keep_residual=False`) or
-    "graphs_offload_kept_mlp" (both, and `keep_mlp_preactivations`, `mlp_preactivations_on_gpu`); with ours, the
-    last `uncheckpointed_layers` layers are not checkpointed."""
+    "graphs_offload" (both) or "graphs_offload_inputs_only" (both, `keep_residual=False`); with ours, the last
+    `uncheckpointed_layers` layers are not checkpointed, and `keep_mlp_preactivations`,
+    `mlp_preactivations_on_gpu` place the kept MLP pre-activations."""
     import unsloth_lite
     from unsloth_lite.training.checkpointing import enable_gradient_checkpointing
 
@@ -249,8 +249,7 @@ def load_unsloth_lite(path, device, dtype, seq, checkpointing="hf", uncheckpoint
             model, offload_to_cpu="offload" in checkpointing, cuda_graphs="graphs" in checkpointing,
             keep_residual=False if "inputs_only" in checkpointing else None,
             uncheckpointed_layers=uncheckpointed_layers,
-            keep_mlp_preactivations=keep_mlp_preactivations if "kept_mlp" in checkpointing else False,
-            mlp_preactivations_on_gpu=mlp_preactivations_on_gpu if "kept_mlp" in checkpointing else 0,
+            keep_mlp_preactivations=keep_mlp_preactivations, mlp_preactivations_on_gpu=mlp_preactivations_on_gpu,
         )
     return model, {}
 
@@ -288,7 +287,8 @@ LOADERS = {
     "unsloth_lite_offload": functools.partial(load_unsloth_lite, checkpointing="offload"),
     "unsloth_lite_graphs": functools.partial(load_unsloth_lite, checkpointing="graphs"),
     "unsloth_lite_inputs_only": functools.partial(load_unsloth_lite, checkpointing="graphs_offload_inputs_only"),
-    "unsloth_lite_kept_mlp": functools.partial(load_unsloth_lite, checkpointing="graphs_offload_kept_mlp"),
+    "unsloth_lite_kept_mlp": functools.partial(load_unsloth_lite, checkpointing="graphs_offload",
+                                               keep_mlp_preactivations=True),
 }
 
 

@@ -55,8 +55,12 @@ def _skip_repeated_swaps(interpreter, launch) -> None:
     swap = interpreter._patch_lang
     swapped: list[set[int]] = []  # per launch in progress: the language modules its swaps cover
 
+    @functools.cache
+    def languages_of(fn) -> frozenset[int]:  # a function's module globals: looked up once, not at every call
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
     def patch_lang(fn):
-        languages = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        languages = languages_of(fn)
         if swapped and languages <= swapped[-1]:
             return None  # a device function's call: its launch swapped these modules already
         if swapped:
