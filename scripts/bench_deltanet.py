@@ -9,7 +9,8 @@ Inputs as Qwen3.5-27B's DeltaNet layer feeds them: q, k `[1, T, 16, 128]` and v 
 (sigmoid of a normal draw), bf16; q and k L2-normalised in the kernel; fp32 state. One timed call is the
 forward and the backward of all five inputs from a random output gradient. Variants:
 - `unsloth_lite`: `unsloth_lite.kernels.chunk_gated_delta_rule`.
-- `unsloth_lite_split_values`: the same with `LAUNCH["values_split"]` (the backward's value sums in two kernels).
+- `unsloth_lite_split_values`, `unsloth_lite_one_value_kernel`: the same with the backward's value sums in two
+  kernels, or in one, whatever the heads (`LAUNCH["values_split"]`; the default splits them from Dv = 128 on).
 - `fla`: flash-linear-attention's `chunk_gated_delta_rule`, where installed, with its Hopper guard bypassed
   (triton < 3.7.1 miscompiles its gated backward on Hopper for some block configurations): timing only, its
   errors are reported but not to be trusted.
@@ -57,7 +58,10 @@ def ours(q, k, v, g, beta):
 
 
 # Variants of ours: the `gated_delta_rule.LAUNCH` settings each runs under (forward and backward)
-OURS = {"unsloth_lite": {}, "unsloth_lite_split_values": {"values_split": True}}
+OURS = {"unsloth_lite": {}, "unsloth_lite_split_values": {"values_split": True},
+        "unsloth_lite_one_value_kernel": {"values_split": False}}
+# --tiny's heads are narrower than the split's default threshold: both forms forced, the default left out
+TINY_OURS = ("unsloth_lite_split_values", "unsloth_lite_one_value_kernel")
 
 
 @contextlib.contextmanager
@@ -158,7 +162,7 @@ def main(argv=None) -> int:
         return 1
     heads = TINY_HEADS if args.tiny else W2_HEADS
     seqs = [int(s) for s in (args.seqs or ("70" if args.tiny else "2048,8192")).split(",")]
-    variants = list(OURS) if args.tiny else args.variants.split(",")
+    variants = list(TINY_OURS) if args.tiny else args.variants.split(",")
     runners = {"fla": None if args.tiny else fla_bypassed(), "hf_torch": hf_torch(), **dict.fromkeys(OURS, ours)}
     rows = []
     for seq in seqs:

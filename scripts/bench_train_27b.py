@@ -35,8 +35,6 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
   MLP's gate and up outputs, offloaded with its input: the recomputation skips their products). A suffix
   `@keep=N/gpu=G` keeps them in N of the checkpointed layers only, spread evenly, G of those in GPU memory
   (`keep_mlp_preactivations=N`, `mlp_preactivations_on_gpu=G`), so one run compares several placements.
-- `unsloth_lite_host_embeddings_graphs_kept_mlp_split_values`: that variant with the DeltaNet backward's value
-  sums in two kernels (`gated_delta_rule.LAUNCH["values_split"]`).
 - `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same
   targets, `use_gradient_checkpointing="unsloth"`), only where unsloth imports (from `--unsloth-site`). Unsloth
   loads from disk: the parent writes the random-weight checkpoint under `--workdir` first (reused when
@@ -88,7 +86,6 @@ VARIANTS = (
     "hf_fla", "hf", "unsloth", "unsloth_lite", "unsloth_lite_nf4_embeddings", "unsloth_lite_host_embeddings",
     "unsloth_lite_graphs", "unsloth_lite_kept_mlp", "unsloth_lite_graphs_kept_mlp",
     "unsloth_lite_host_embeddings_graphs_kept_mlp", "unsloth_lite_nf4_embeddings_graphs_kept_mlp",
-    "unsloth_lite_host_embeddings_graphs_kept_mlp_split_values",
 )
 TINY_VARIANTS = ("hf", "unsloth_lite")
 ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -183,10 +180,6 @@ def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_li
         unsloth_lite.offload_embeddings_to_host(model)
     model = unsloth_lite.add_lora(unsloth_lite.patch_model(model), r=LORA_R, lora_alpha=LORA_ALPHA,
                                   target_modules=targets)
-    if "split_values" in variant:
-        from unsloth_lite.kernels import gated_delta_rule
-
-        gated_delta_rule.LAUNCH["values_split"] = True  # the worker's process only
     enable_gradient_checkpointing(model, offload_to_cpu=device.type == "cuda", cuda_graphs="graphs" in variant,
                                   uncheckpointed_layers=uncheckpointed_layers or 0, **kept_mlp_options(variant)[1])
     return model

@@ -192,6 +192,16 @@ def test_gated_delta_rule_split_value_kernels(case, device, monkeypatch):
     run_and_compare(inputs, dtype, device, l2=True, cu_seqlens=cu)
 
 
+def test_value_sums_split_from_wide_heads(monkeypatch):
+    # The default splits them where the GPU tests run both forms (Qwen3.5's Dv = 128), one kernel below.
+    assert gated_delta_rule._values_split(128) and gated_delta_rule._values_split(256)
+    assert not gated_delta_rule._values_split(80) and not gated_delta_rule._values_split(16)
+    monkeypatch.setitem(gated_delta_rule.LAUNCH, "values_split", True)
+    assert gated_delta_rule._values_split(16)
+    monkeypatch.setitem(gated_delta_rule.LAUNCH, "values_split", False)
+    assert not gated_delta_rule._values_split(128)
+
+
 def test_gated_delta_rule_varlen(device):
     # Three documents of 65, 1 and 100 tokens packed in one row, each from its own initial state.
     cu = torch.tensor([0, 65, 66, 166], dtype=torch.int32)

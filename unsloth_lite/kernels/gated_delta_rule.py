@@ -99,14 +99,16 @@ WINDOW = 2048
 # Warps of each kernel's launch (and the value-gradient kernel's value block), chosen on an H200 at W2's shapes
 # (`scripts/bench_deltanet.py`); every combination shipped is the one the GPU tests run.
 LAUNCH = dict(prepare_warps=4, states_warps=4, output_warps=4, free_warps=4, reverse_warps=8, values_warps=4,
-              values_bv=64, keys_warps=8, values_split=False,
+              values_bv=64, keys_warps=8, values_split="wide_heads",
               state_products_warps=8, state_products_bv=32, chunk_pairs_warps=8, chunk_pairs_bv=64,
               precision=dict(prepare="bf16x3", states="tf32_rounded", output="bf16x3", free="bf16x3",
                              reverse="bf16x3", values="bf16x3"))
 # `values_split`: the input gradients' value sums in two kernels (`gated_delta_rule_split_values_kernels.py`, each
-# with its warps and value block) instead of one that spills: compiled offline for sm_90 by triton 3.6
-# (`scripts/kernel_resources.py`), 2,768 stack bytes a thread in the one kernel at its setting, 400 (state
-# products, 8 warps by 32 columns) and 224 (chunk pairs, 8 by 64) in the two. Off until timed on a GPU.
+# with its warps and value block) instead of one that spills (2,768 stack bytes a thread at its setting, against
+# 400 and 224 in the two: triton 3.6 for sm_90, `scripts/kernel_resources.py`). True, False, or "wide_heads": two
+# kernels from Dv = 2C on (Qwen3.5's 128, where their scratch is the reverse pass's own slots), the shapes the
+# GPU tests run both forms at; one below. K2 on an H200 (2026-12-03): 1.805 ms a call split against 2.017 in one,
+# every error the same to the third digit.
 # `precision`, the products' for 16-bit inputs, one for every kernel or a dict by kernel (prepare, states,
 # output, free, reverse, values). Measured on an H200 at W2's shape (K2, 2026-12-03; errors against the float64
 # recurrence, the bf16 floor being 1.64-1.66e-3):
@@ -121,6 +123,12 @@ LAUNCH = dict(prepare_warps=4, states_warps=4, output_warps=4, free_warps=4, rev
 
 # ----------------------------------------------------------------------------------------------------------
 # Launch settings
+
+
+def _values_split(dv: int) -> bool:
+    """Whether the backward's value sums run as two kernels (`LAUNCH["values_split"]`)."""
+    setting = LAUNCH["values_split"]
+    return dv >= 2 * CHUNK if setting == "wide_heads" else bool(setting)
 
 
 def _value_block(dv: int) -> int:
@@ -310,7 +318,7 @@ def _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use
     )
     shapes = (lay.cu, lay.chunk_seq, lay.chunk_first, lay.T, lay.NC, lay.NCH, hv, hv // hk, dk, dv, scale)
     meta = dict(C=CHUNK, DK=DK, L2=use_l2, VARLEN=lay.varlen, **_products(q.dtype, "values", dk, dv), num_stages=1)
-    if LAUNCH["values_split"]:
+    if _values_split(dv):
         terms = empty((hv * lay.NCH * 2 * CHUNK,), torch.float32, dev)  # dg's and dβ's state terms
         _backward_state_products_kernel[(lay.NCH, hv)](
             q, *_strides(q), k, *_strides(k), g, *_strides(g), beta, *_strides(beta), do, *_strides(do),
