@@ -30,7 +30,7 @@ and on more than one process distributes it:
 On one process the model is trained as it is (no DDP, no FSDP): the one-GPU figures to compare against.
 The NF4 storage is the compute dtype for the FSDP variants at every process count (the same bytes).
 
-Each process times its own steps (W1, W2: `bench_train.measure`, `--warmup` steps, then `--steps` timed,
+Each process times its own steps (W1, W2: `train_timing.measure`, `--warmup` steps, then `--steps` timed,
 batch i of process r drawn from seed 1234 + 10000 r + i; W4: `bench_packing.train` on the process's
 micro-batches), and rank 0 gathers every process's figures and prints one result line. Columns:
 `tokens_per_s`, real (non-padding) tokens trained per second, summed over processes (every token of W1's and
@@ -65,11 +65,11 @@ import time
 from pathlib import Path
 
 import bench_packing
-import bench_train
 import bench_train_27b
 import bench_train_setup
 import torch
 import torch.distributed as dist
+import train_timing
 from bench_common import bench_device, environment, markdown_table, report_unknown, run_worker_process, write_json
 
 from unsloth_lite.training.distributed import shard_model
@@ -147,7 +147,7 @@ def w4_micro_batch_shape(tiny: bool) -> tuple[int, int]:
 
 def measure_random_rows(args, model, optimizer, device: torch.device, batch: int, vocab: int, rank: int) -> dict:
     """W1's and W2's steps on random rows, every token real (module docstring)."""
-    result = bench_train.measure(args, model, optimizer, device, batch, args.seq, vocab, args.warmup, args.steps,
+    result = train_timing.measure(args, model, optimizer, device, batch, args.seq, vocab, args.warmup, args.steps,
                                  profile=False, seed=bench_train_setup.SEED + RANK_SEED_STRIDE * rank)
     return dict(tokens_per_s=batch * args.seq / result["step_s"], step_s=result["step_s"],
                 peak_gib=result.get("peak_gib"), peak_reserved_gib=result.get("peak_reserved_gib", 0.0),

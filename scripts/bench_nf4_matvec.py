@@ -44,7 +44,8 @@ from bench_common import (
     report_unknown,
     write_json,
 )
-from bench_generate import SHAPES, nf4_bytes, shape_config, weightless_model
+from bench_generate import SHAPES, nf4_bytes, shape_config
+from random_checkpoint import weightless_model
 
 VARIANTS = ("unsloth_lite", "unsloth_lite_flat_absmax", "bitsandbytes", "dequantize_matmul")
 FLAT_ABSMAX = "unsloth_lite_flat_absmax"  # the same weights quantised without double quantisation

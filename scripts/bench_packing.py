@@ -40,7 +40,7 @@ Variants, each in its own worker process, and their micro-batches:
   rows of 2048 tokens by default, as the qlora_qwen3_8b recipe) and `PackingCollator`: `--rows` (4, the
   recipe's batch) packed rows laid end to end, one sequence of `rows x packing tokens` (8,192 by default,
   W1's batch-4 tokens), each row's tail padded.
-- `unsloth_lite_w1`: the same model on W1's workload, `bench_train.measure` on `--w1-batch` (4) random rows
+- `unsloth_lite_w1`: the same model on W1's workload, `train_timing.measure` on `--w1-batch` (4) random rows
   of 2048 tokens, labels = ids: every token real; `--warmup` then `--steps` timed steps, with `--epoch` too.
   Its tokens/s is the ">= 0.95x its own W1" reference.
 - `unsloth_lite_kept_mlp`: `unsloth_lite` with `keep_mlp_preactivations=True` (each checkpoint keeps its MLP's
@@ -91,6 +91,7 @@ import bench_train
 import bench_train_setup
 import numpy as np
 import torch
+import train_timing
 from bench_common import (
     bench_device,
     environment,
@@ -225,19 +226,19 @@ def train(model, optimizer, device: torch.device, warmup: list[dict], timed: lis
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    bench_train._sync(device)
+    train_timing._sync(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     warmup_start = time.perf_counter()
     losses = [step(batch) for batch in warmup]
-    bench_train._sync(device)
+    train_timing._sync(device)
     warmup_s = time.perf_counter() - warmup_start
     times = []
     for batch in timed:
-        bench_train._sync(device)
+        train_timing._sync(device)
         start = time.perf_counter()
         losses.append(step(batch))
-        bench_train._sync(device)
+        train_timing._sync(device)
         times.append(time.perf_counter() - start)
     counts = [token_counts(batch, pad_id) for batch in timed]
     out = {key: sum(c[key] for c in counts) for key in ("real_tokens", "tokens", "target_tokens")}
@@ -251,8 +252,8 @@ def train(model, optimizer, device: torch.device, warmup: list[dict], timed: lis
 
 
 def measure_w1(args, model, optimizer, device: torch.device, vocab: int) -> dict:
-    """W1's step on `--w1-batch` full random rows through `bench_train.measure`, in this script's columns."""
-    w1 = bench_train.measure(args, model, optimizer, device, args.w1_batch, args.w1_seq, vocab, args.warmup,
+    """W1's step on `--w1-batch` full random rows through `train_timing.measure`, in this script's columns."""
+    w1 = train_timing.measure(args, model, optimizer, device, args.w1_batch, args.w1_seq, vocab, args.warmup,
                              args.steps, profile=False)
     tokens = args.w1_batch * args.w1_seq * args.steps
     out = dict(real_tokens=tokens, tokens=tokens, target_tokens=args.w1_batch * (args.w1_seq - 1) * args.steps,
@@ -280,7 +281,7 @@ def worker_main(args) -> int:
             result.update(train(model, optimizer, device, warmup, timed, pad_id))
     except (Exception, SystemExit) as error:  # this variant's error, never a crash of the whole run
         traceback.print_exc()
-        result.update(bench_train._error(error))
+        result.update(train_timing._error(error))
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 
@@ -417,7 +418,7 @@ def parse_args(argv=None):
             setattr(args, name, value)
     args.flatten_tokens = args.flatten_tokens or args.rows * args.packing_tokens
     args.epoch = args.epoch or tiny
-    args.host_profile = False  # read by bench_train.measure
+    args.host_profile = False  # read by train_timing.measure
     return args
 
 

@@ -38,7 +38,7 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
 - `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same
   targets, `use_gradient_checkpointing="unsloth"`), only where unsloth imports (from `--unsloth-site`). Unsloth
   loads from disk: the parent writes the random-weight checkpoint under `--workdir` first (reused when
-  present), its decoder linears pre-quantised in the same NF4 format (`bench_generate.write_checkpoint_in_shards`:
+  present), its decoder linears pre-quantised in the same NF4 format (`random_checkpoint.write_checkpoint_in_shards`:
   16 GB instead of 54). Its weights differ from the built ones, so its first loss is not compared.
 Hugging Face's variants use its non-reentrant checkpointing with `enable_input_require_grads`.
 
@@ -76,8 +76,10 @@ from bench_common import (
     worker_failure,
     write_json,
 )
-from bench_train import _error, measure, one_step_probe, search_max_seq, worker_env
+from bench_train import worker_env
 from bench_train_setup import SEQ_MULTIPLE, _checkpointed_layers, load_unsloth
+from random_checkpoint import write_checkpoint_in_shards
+from train_timing import _error, measure, one_step_probe, search_max_seq
 from w2_flops import executed_flops_per_token, linear_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,8 +255,6 @@ def memory_report(model, optimizer, device: torch.device, seq: int, vocab: int) 
 
 def unsloth_checkpoint(args, device: torch.device) -> str:
     """The directory of the pre-quantised checkpoint Unsloth loads, written where missing (module docstring)."""
-    from bench_generate import write_checkpoint_in_shards  # it imports this module: not at the top
-
     c = with_special_tokens(model_config(args.tiny, args.layers))
     name = f"qwen3_5_27b_shape_nf4_{c['num_hidden_layers']}_layers"
     dtype = torch.float32 if args.tiny else torch.bfloat16

@@ -16,16 +16,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def bench_train():
+def script(name: str):
+    """The module of `scripts/<name>.py`."""
     if str(ROOT / "scripts") not in sys.path:
         sys.path.insert(0, str(ROOT / "scripts"))
-    return importlib.import_module("bench_train")
+    return importlib.import_module(name)
+
+
+def bench_train():
+    return script("bench_train")
 
 
 def bench_train_setup():
-    if str(ROOT / "scripts") not in sys.path:
-        sys.path.insert(0, str(ROOT / "scripts"))
-    return importlib.import_module("bench_train_setup")
+    return script("bench_train_setup")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
@@ -105,7 +108,7 @@ def _search(bt, fits, max_probes=8, seq=2048, crash=False):
 
 
 def test_max_seq_search():
-    bt = bench_train()
+    bt = script("train_timing")
     found = _search(bt, lambda s: s <= 9000)
     assert [p["seq"] for p in found["probes"]] == [2048, 4096, 8192, 16384, 12288, 10240, 9216, 8704]
     assert (found["max_seq"], found["first_failure"]) == (8704, 9216)
@@ -283,8 +286,9 @@ def test_bench_generate_writes_a_checkpoint_in_shards(tmp_path, quantized):
 
     bg = bench_generate()
     c = bg.shape_config("qwen3_5_27b", tiny=True)
-    path = bg.write_checkpoint_in_shards("qwen3_5_27b", c, tmp_path / "ckpt", torch.device("cpu"), torch.float32,
-                                         shard_bytes=2**15, quantized=quantized)
+    write = script("random_checkpoint").write_checkpoint_in_shards
+    path = write("qwen3_5_27b", c, tmp_path / "ckpt", torch.device("cpu"), torch.float32, shard_bytes=2**15,
+                 quantized=quantized)
     assert len(list(path.glob("model-*-of-*.safetensors"))) > 2
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
