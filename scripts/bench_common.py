@@ -252,6 +252,9 @@ def kernel_profile(prof, top: int = TOP_KERNELS) -> dict:
         kernels_per_step=len(kernels), kernel_ms=sum(e.duration_ns() for e in kernels) / 1e6,
         top_kernels=[dict(name=name, calls=calls, ms=round(ms, 2)) for name, (calls, ms) in heaviest],
     )
+    copies = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA
+              and e.name().startswith("Memcpy")]
+    out.update(device_idle(kernels, copies))
     host_ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     if host_ops:
         host_ops.sort(key=lambda e: -e.self_cpu_time_total)
@@ -260,6 +263,54 @@ def kernel_profile(prof, top: int = TOP_KERNELS) -> dict:
             for e in host_ops[:top]
         ]
     return out
+
+
+def device_idle(kernels, copies=(), top: int = 10) -> dict:
+    """Where the device ran no kernel between the first kernel's start and the last one's end: `idle_ms` in
+    all; `idle_during_copies_ms`, of it, the time while a copy of each kind was in flight (`copies` by the
+    first two words of their names, e.g. "Memcpy DtoD": a device-to-device copy occupies the device's memory
+    as a kernel would; the offload's copies to and from the host run beside kernels); and the `top` pairs
+    (kernel that ended, kernel that started next) by the idle time between them, with how often each occurred.
+    Events need `name()`, `start_ns()` and `end_ns()`."""
+    spans = sorted((e.start_ns(), e.end_ns(), e.name()[:80]) for e in kernels)
+    if not spans:
+        return dict(idle_ms=None)
+    gaps, by_pair = [], {}
+    busy_until, last_name = spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > busy_until:
+            gaps.append((busy_until, start))
+            entry = by_pair.setdefault((last_name, name), [0, 0])
+            entry[0] += 1
+            entry[1] += start - busy_until
+        if end > busy_until:
+            busy_until, last_name = end, name
+    copy_spans: dict[str, list] = {}
+    for e in copies:
+        copy_spans.setdefault(" ".join(e.name().split()[:2]), []).append((e.start_ns(), e.end_ns()))
+    during_copies = {kind: round(sum(_overlap_ns(gap, sorted(spans)) for gap in gaps) / 1e6, 3)
+                     for kind, spans in sorted(copy_spans.items())}
+    worst = sorted(by_pair.items(), key=lambda item: -item[1][1])[:top]
+    return dict(
+        idle_ms=round(sum(end - start for start, end in gaps) / 1e6, 3),
+        span_ms=round((busy_until - spans[0][0]) / 1e6, 3),
+        idle_during_copies_ms=during_copies,
+        idle_between=[dict(after=after, before=before, times=times, ms=round(ns / 1e6, 3))
+                      for (after, before), (times, ns) in worst],
+    )
+
+
+def _overlap_ns(gap: tuple[int, int], spans: list[tuple[int, int]]) -> int:
+    """Nanoseconds of `gap` covered by the union of `spans` (sorted by start)."""
+    covered, cursor = 0, gap[0]
+    for start, end in spans:
+        if start >= gap[1]:
+            break
+        start, end = max(start, cursor), min(end, gap[1])
+        if end > start:
+            covered += end - start
+            cursor = end
+    return covered
 
 
 def memory_peak_report(step, device: torch.device, top: int = 20) -> dict:

@@ -3,7 +3,7 @@ Hugging Face + PEFT + bitsandbytes (with and without flash-linear-attention) and
 
     python scripts/bench_train_27b.py --out bench_train_w2.json                # on a GPU: W2
     python scripts/bench_train_27b.py --check-gradients --out w2_gradients.json  # patched vs HF vs float32
-    python scripts/bench_train_27b.py --variants unsloth,unsloth_lite --profile  # + the heaviest kernels a step
+    python scripts/bench_train_27b.py --variants unsloth,unsloth_lite --profile  # + kernels and idle time a step
     python scripts/bench_train_27b.py --max-seq --variants unsloth_lite_nf4_embeddings --out w2_max_seq.json
     python scripts/bench_train_27b.py --variants hf --resume --out bench_train_w2.json  # the run, continued
     TRITON_INTERPRET=1 python scripts/bench_train_27b.py --tiny                # CPU smoke run
@@ -357,7 +357,8 @@ def parse_args(argv=None):
     parser.add_argument("--memory-report", action="store_true",
                         help="one more step with the allocator's history: live blocks at its peak, by site")
     parser.add_argument("--profile", action="store_true",
-                        help="one more step under torch.profiler: the kernels with the most device time (GPU only)")
+                        help="one more step under torch.profiler: the kernels with the most device time, and the "
+                             "device's time without a kernel, by the kernels around it (GPU only)")
     parser.add_argument("--max-seq", action="store_true", help="longest batch-1 sequence within --memory-cap-gib")
     parser.add_argument("--memory-cap-gib", type=float, default=24.0, help="--max-seq: the GPU memory cap")
     parser.add_argument("--max-probes", type=int, default=8, help="--max-seq: probes per variant")

@@ -1,0 +1,58 @@
+"""The profile summary of the benchmark scripts: where the device ran no kernel, and between which kernels."""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_common import device_idle  # noqa: E402
+
+
+@dataclass
+class Event:
+    label: str
+    start: int
+    end: int
+
+    def name(self):
+        return self.label
+
+    def start_ns(self):
+        return self.start
+
+    def end_ns(self):
+        return self.end
+
+
+def test_device_idle_counts_gaps_between_kernels_by_neighbours():
+    kernels = [
+        Event("gemm", 0, 1_000_000),
+        Event("norm", 200_000, 500_000),  # inside the gemm: no gap after it
+        Event("loss", 3_000_000, 4_000_000),  # 2 ms after the gemm
+        Event("gemm", 4_500_000, 5_000_000),  # 0.5 ms after the loss
+        Event("loss", 6_000_000, 7_000_000),  # 1 ms after the gemm
+    ]
+    copies = [
+        Event("Memcpy DtoH (Device -> Pinned)", 1_500_000, 2_500_000),
+        Event("Memcpy DtoH (Device -> Pinned)", 2_000_000, 2_800_000),  # overlaps the one before
+        Event("Memcpy HtoD (Pinned -> Device)", 2_400_000, 3_200_000),
+        Event("Memcpy DtoD (Device -> Device)", 5_100_000, 5_300_000),
+    ]
+    out = device_idle(kernels, copies)
+    assert out["idle_ms"] == 3.5
+    assert out["span_ms"] == 7.0
+    # to the host during 1.5-2.8 ms, from it during 2.4-3.0 ms (the gap ends at 3.0), on the device 5.1-5.3 ms
+    assert out["idle_during_copies_ms"] == {"Memcpy DtoD": 0.2, "Memcpy DtoH": 1.3, "Memcpy HtoD": 0.6}
+    assert out["idle_between"] == [
+        dict(after="gemm", before="loss", times=2, ms=3.0),
+        dict(after="loss", before="gemm", times=1, ms=0.5),
+    ]
+
+
+def test_device_idle_of_back_to_back_kernels_is_zero():
+    kernels = [Event("a", 0, 10), Event("b", 10, 20), Event("c", 5, 30)]
+    out = device_idle(kernels)
+    assert out["idle_ms"] == 0 and out["idle_between"] == [] and out["span_ms"] == 0.0
+    assert device_idle([]) == {"idle_ms": None}
