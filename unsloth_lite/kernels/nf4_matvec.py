@@ -56,8 +56,9 @@ from unsloth_lite.kernels.dequantize_nf4 import (
     _launch,
     dequantize_nf4_reference,
 )
-from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
+from unsloth_lite.kernels.lora_down import MAX_ROWS, _store_rows, lora_down_rows
 from unsloth_lite.kernels.nf4_codes import _nf4_codes, code_pairs
+from unsloth_lite.kernels.nf4_matvec_flat import flat_tile_applies, launch_flat
 from unsloth_lite.kernels.utils import INTERPRET, check_float, check_kernel_device, empty
 
 # Output features per program: N / BLOCK_N programs keep every SM busy at the hidden sizes of real models.
@@ -78,6 +79,10 @@ PDL = True
 # or more); each weight within bf16's rounding of its exact value, as the bf16 weight that `dequantize_nf4` writes
 # is. fp32 and fp16 weights keep the exact code book: rounded, it changes an fp32 model's greedy tokens.
 BF16_CODES = True
+# Weights along K a step of the flat-tile kernel for one bf16 row (`nf4_matvec_flat.py`: x read in the packed
+# bytes' layout, no conversion through shared memory), 0 for the blocked kernel. Not measured on a GPU yet, so
+# off; `bench_nf4_matvec.py --sweep` times it at the chosen tile's features and warps.
+FLAT_TILE = 0
 
 
 def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
@@ -112,31 +117,6 @@ def blocked_tile(n_out: int) -> tuple[int, int, int, bool]:
     if n_out >= 2048:
         return 8, 512, 4, False
     return 4, 1024, 4, False
-
-
-@triton.jit
-def _store_rows(
-    acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
-    lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """y = acc + b + s · t Bᵀ for the program's rows and features, stored in y's dtype."""
-    mask_rows = rows < n_rows
-    mask_features = features < n_out
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + features, mask=mask_features, other=0.0).to(tl.float32)[None, :]
-    if HAS_LORA:
-        ranks = tl.arange(0, BLOCK_R)
-        mask_ranks = ranks < rank
-        t = tl.load(t_ptr + rows[:, None] * t_row_stride + ranks[None, :],
-                    mask=mask_rows[:, None] & mask_ranks[None, :], other=0.0)
-        lora_b = tl.load(
-            lora_b_ptr + features[:, None] * lora_b_row_stride + ranks[None, :] * lora_b_col_stride,
-            mask=mask_features[:, None] & mask_ranks[None, :], other=0.0,
-        ).to(tl.float32)
-        acc += scale * tl.sum(t[:, None, :] * lora_b[None, :, :], axis=2)
-    out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_rows[:, None] & mask_features[None, :])
 
 
 @triton.jit
@@ -404,7 +384,10 @@ def nf4_matvec(
         BLOCKSIZE=blocksize, NESTED=launch.meta["NESTED"], HAS_BIAS=bias is not None, HAS_LORA=has_lora,
         BLOCK_R=max(2, triton.next_power_of_2(rank)),
     )
-    if blocked:
+    if blocked and FLAT_TILE and not split_k and flat_tile_applies(x2d, n_in, blocksize):
+        launch_flat(x2d, args[3:], sizes, meta, block_n, FLAT_TILE // 2, warps, LOOKUPS.index(LOOKUP), bf16_codes,
+                    uses_pdl(x.device))
+    elif blocked:
         pdl = uses_pdl(x.device)
         _nf4_matvec_blocked_kernel[(feature_blocks, splits if split_k else 1)](
             *args, *((partial, arrivals) if split_k else (out, out)), *sizes,
