@@ -189,11 +189,11 @@ def test_recomputation_skips_the_projections_it_does_not_read(cuda_graphs, keep_
     calls = {"down": 0, "o": 0, "other": 0}
     project_all = lora_module._project_all
 
-    def counting(x2d, projections, adapters, output_needed=True):
+    def counting(x2d, projections, adapters, output_needed=True, out=None):
         if output_needed:  # the products run
             single = "down" if x2d.shape[-1] == intermediate else "o"
             calls[single if len(projections) == 1 else "other"] += 1
-        return project_all(x2d, projections, adapters, output_needed)
+        return project_all(x2d, projections, adapters, output_needed, out)
 
     monkeypatch.setattr(lora_module, "_project_all", counting)
     layers = model.config.num_hidden_layers
@@ -383,13 +383,14 @@ def test_kept_mlp_preactivations(cuda_graphs, offload, device, monkeypatch):
         monkeypatch.setattr(checkpointing, "_OffloadedTensors", _HostGroup)
         monkeypatch.setattr(checkpointing, "_offloadable", lambda t: True)  # what a GPU would offload
         _HostGroup.fetches = []
-    gate_up_products = []
+    gate_up_products, in_static_buffers = [], []
     project_all = lora_module._project_all
 
-    def counting(x2d, projections, adapters, output_needed=True):
+    def counting(x2d, projections, adapters, output_needed=True, out=None):
         if output_needed and len(projections) == 2 and projections[0].out_features == intermediate:
             gate_up_products.append(x2d.shape[0])
-        return project_all(x2d, projections, adapters, output_needed)
+            in_static_buffers.append(out is not None)
+        return project_all(x2d, projections, adapters, output_needed, out)
 
     monkeypatch.setattr(lora_module, "_project_all", counting)
     # (Qwen3.5's MLP is the same fused module: its model, slow under the interpreter, runs in the GPU test.)
@@ -403,6 +404,8 @@ def test_kept_mlp_preactivations(cuda_graphs, offload, device, monkeypatch):
         # without recomputation: one product a layer a forward, HF's checkpointed copy two (first step only).
         checkpointed = 3 * layers
         assert len(gate_up_products) == 3 * layers + 2 * layers + checkpointed, gate_up_products
+        # graphs: step 1 eager, step 2 records and sets up the static buffers, step 3 computes in them
+        assert sum(in_static_buffers) == (layers if cuda_graphs else 0)
     if offload:
         assert _HostGroup.fetches[: 2] == [False, True]
 
@@ -422,10 +425,10 @@ def test_mlp_preactivations_kept_in_some_layers_some_on_the_device(cuda_graphs, 
     gate_up_products = []
     project_all = lora_module._project_all
 
-    def counting(x2d, projections, adapters, output_needed=True):
+    def counting(x2d, projections, adapters, output_needed=True, out=None):
         if output_needed and len(projections) == 2 and projections[0].out_features == 88:
             gate_up_products.append(x2d.shape[0])
-        return project_all(x2d, projections, adapters, output_needed)
+        return project_all(x2d, projections, adapters, output_needed, out)
 
     monkeypatch.setattr(lora_module, "_project_all", counting)
     model = _with_lora(patch_model(tiny_model("qwen3", device, num_hidden_layers=3)), ["gate_proj", "up_proj"])

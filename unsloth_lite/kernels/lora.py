@@ -148,17 +148,22 @@ class _Adapters:
         return torch.matmul(x2d, self.a.t())
 
 
-def _project_all(x2d: torch.Tensor, projections, adapters: _Adapters, output_needed: bool = True):
+def _project_all(x2d: torch.Tensor, projections, adapters: _Adapters, output_needed: bool = True, out=None):
     """(outputs, t): the projections of rows `x2d`, and the rank-r products t = x Aᵀ of all of them `[N, Σr]`.
     The adapters run in the input's dtype (PEFT keeps fp32 adapters; autograd casts their gradients back).
-    Without `output_needed` the outputs are uninitialised: the backward only needs t (module docstring)."""
+    Without `output_needed` the outputs are uninitialised: the backward only needs t (module docstring).
+    `out`: a buffer `[N, out_features]` per projection that its output is written into."""
     t = adapters.rank_products(x2d)
     if not output_needed:
         return [x2d.new_empty((x2d.shape[0], p.out_features)) for p in projections], t
     outputs = []
-    for p, rows, b in zip(projections, adapters.slices, adapters.b, strict=True):
+    for i, (p, rows, b) in enumerate(zip(projections, adapters.slices, adapters.b, strict=True)):
         weight = base_weight(p, x2d.dtype)
-        y = torch.matmul(x2d, weight.t()) if p.bias is None else torch.addmm(p.bias.to(x2d.dtype), x2d, weight.t())
+        into = {} if out is None else {"out": out[i]}
+        if p.bias is None:
+            y = torch.matmul(x2d, weight.t(), **into)
+        else:
+            y = torch.addmm(p.bias.to(x2d.dtype), x2d, weight.t(), **into)
         outputs.append(y.addmm_(t[:, rows], b.t(), alpha=p.scale) if p.rank else y)
     return outputs, t
 
@@ -269,7 +274,7 @@ class LoRAMLPFunction(torch.autograd.Function):
     """down(silu(gate(x)) ⊙ up(x)), each projection with its adapter."""
 
     @staticmethod
-    def forward(ctx, x, projections, output_needed, preactivations, record, *adapter_weights):
+    def forward(ctx, x, projections, output_needed, preactivations, record, record_into, *adapter_weights):
         gate, up, down = projections
         x2d = x.reshape(-1, x.shape[-1])
         adapters = (_Adapters((gate, up), x2d.dtype), _Adapters((down,), x2d.dtype))
@@ -278,17 +283,23 @@ class LoRAMLPFunction(torch.autograd.Function):
         if ctx.by_row_blocks:
             ctx.save_for_backward(x2d)
             return x2d.new_empty((*x.shape[:-1], down.out_features))
+        recorded = (record is not None and preactivations is None
+                    and len(mlp_row_blocks(x2d.shape[0], gate.out_features)) == 1)
         if preactivations is not None:
             g, u = preactivations
             t_gate_up = adapters[0].rank_products(x2d)
         else:
-            (g, u), t_gate_up = _project_all(x2d, (gate, up), adapters[0])
+            # buffers of the products' own dtype and shape only (under autocast an fp32 x computes in bf16)
+            into = record_into if recorded and record_into is not None and all(
+                b.dtype == x2d.dtype and b.shape == (x2d.shape[0], p.out_features)
+                for b, p in zip(record_into, (gate, up), strict=True)) else None
+            (g, u), t_gate_up = _project_all(x2d, (gate, up), adapters[0], out=into)
         if output_needed:
             (out,), t_down = _project_all(_swiglu(g, u), (down,), adapters[1])
         else:
             out, t_down = x2d.new_empty((x2d.shape[0], down.out_features)), None  # t_down formed in the backward
         ctx.save_for_backward(x2d, g, u, t_gate_up, t_down)
-        if record is not None and preactivations is None and len(mlp_row_blocks(x2d.shape[0], gate.out_features)) == 1:
+        if recorded:
             record.append((g, u))
         return out.view(*x.shape[:-1], down.out_features)
 
@@ -303,7 +314,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             dx, grads = _mlp_backward_by_row_blocks(dout2d, x2d, ctx.projections, ctx.adapters)
         else:
             dx, grads = _mlp_backward(dout2d, *ctx.saved_tensors, ctx.projections, ctx.adapters)
-        return (dx.view(ctx.input_shape), None, None, None, None, *grads)
+        return (dx.view(ctx.input_shape), None, None, None, None, None, *grads)
 
 
 class FrozenLinearFunction(torch.autograd.Function):
@@ -358,6 +369,7 @@ def lora_projections(
 def lora_mlp(
     x: torch.Tensor, gate: LoRAProjection, up: LoRAProjection, down: LoRAProjection, output_needed: bool = True,
     record: list | None = None, preactivations: tuple[torch.Tensor, torch.Tensor] | None = None,
+    record_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The SwiGLU MLP with LoRA on all three projections; gradients for x and every A, B.
     `output_needed=False` (for a caller that back-propagates into the result but never reads it, as a
@@ -367,6 +379,9 @@ def lora_mlp(
     (gate(x), up(x)) `[tokens, intermediate]` of this forward where its backward would run as one row block
     (`mlp_row_blocks`, so keeping them costs the backward no memory it would not allocate anyway); a later
     call on the same x with them as `preactivations` skips the gate and up products (and their
-    dequantisation) and forms only the rank-r products; its backward writes the gradients over them."""
+    dequantisation) and forms only the rank-r products; its backward writes the gradients over them.
+    `record_into`: two `[tokens, intermediate]` buffers that the recorded gate(x) and up(x) are computed in
+    (a CUDA-graphed checkpoint's static ones: no copy into them afterwards)."""
     projections = (gate, up, down)
-    return LoRAMLPFunction.apply(x, projections, output_needed, preactivations, record, *_adapter_args(projections))
+    return LoRAMLPFunction.apply(x, projections, output_needed, preactivations, record, record_into,
+                                 *_adapter_args(projections))

@@ -70,23 +70,29 @@ def recomputation_for_backward(attention_output_unused: bool = False):
         _RECOMPUTATION.active, _RECOMPUTATION.attention_output_unused = previous
 
 
-_MLP_PREACTIVATIONS = threading.local()  # `sink`: the forward records into it; `kept`: the recomputation takes these
+# `sink`: the forward records into it; `into`: the buffers it records in; `kept`: the recomputation takes these
+_MLP_PREACTIVATIONS = threading.local()
 
 
 @contextlib.contextmanager
-def mlp_preactivations(record: bool = False, kept: list | None = None):
+def mlp_preactivations(record: bool = False, kept: list | None = None, into: list | None = None):
     """Lets a checkpoint keep its MLPs' pre-activations rather than recompute them (in this thread). With
     `record=True`, yields the list into which each fused SwiGLU MLP that runs inside appends (gate, up)
-    (`lora_mlp`'s `record`: where its backward runs as one row block); with `kept` (such a list, of the same
-    layer's forward), the MLPs that run inside take those in order as their pre-activations, so the
-    recomputation leaves the gate and up products out."""
-    previous = getattr(_MLP_PREACTIVATIONS, "sink", None), getattr(_MLP_PREACTIVATIONS, "kept", None)
+    (`lora_mlp`'s `record`: where its backward runs as one row block), computed in the pairs of buffers of
+    `into`, in order, where given; with `kept` (such a list, of the same layer's forward), the MLPs that run
+    inside take those in order as their pre-activations, so the recomputation leaves the gate and up products
+    out."""
+    names = ("sink", "kept", "into")
+    previous = [getattr(_MLP_PREACTIVATIONS, name, None) for name in names]
     sink = [] if record else None
-    _MLP_PREACTIVATIONS.sink, _MLP_PREACTIVATIONS.kept = sink, list(kept) if kept else None
+    current = (sink, list(kept) if kept else None, list(into) if record and into else None)
+    for name, value in zip(names, current, strict=True):
+        setattr(_MLP_PREACTIVATIONS, name, value)
     try:
         yield sink if record else []
     finally:
-        _MLP_PREACTIVATIONS.sink, _MLP_PREACTIVATIONS.kept = previous
+        for name, value in zip(names, previous, strict=True):
+            setattr(_MLP_PREACTIVATIONS, name, value)
 
 
 _WARNED: set[str] = set()
@@ -235,10 +241,11 @@ def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project_rows(projections[:2], x)
         return project_rows(projections[2:], (swiglu if use_kernels(gate) else swiglu_reference)(gate, up))[0]
     if projections is not None:
-        kept = getattr(_MLP_PREACTIVATIONS, "kept", None)
+        kept, into = getattr(_MLP_PREACTIVATIONS, "kept", None), getattr(_MLP_PREACTIVATIONS, "into", None)
         return lora_mlp(
             x, *projections, output_needed=not getattr(_RECOMPUTATION, "active", False),
             record=getattr(_MLP_PREACTIVATIONS, "sink", None), preactivations=kept.pop(0) if kept else None,
+            record_into=into.pop(0) if into else None,
         )
     gate, up = self.gate_proj(x), self.up_proj(x)
     return self.down_proj((swiglu if use_kernels(gate) else swiglu_reference)(gate, up))

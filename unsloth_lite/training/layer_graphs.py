@@ -5,14 +5,14 @@ recompute-and-backward are captured once per input shape and autocast setting as
 forward of the second call with that shape; the first runs eagerly and compiles every kernel), then replayed.
 The graphs read and write static buffers that all layers share: the input (copied in before each replay, from
 the forward's argument or from the checkpoint, which is kept as without graphs, offloaded or not), the kept
-residual and MLP pre-activations (copied out after the forward's replay, back in before the backward's), the
-output and the gradients (copied out right after). Tensors among the layer's keyword arguments (cos/sin,
-position ids) are copied into the layer's static buffers before each forward replay. Graphs of all layers
-share one memory pool: each graph's temporaries are dead once it has run, and what a graph returns is copied
-out before the next replay, so any order of replays is safe. It needs layers without dropout (a replayed
-recomputation could not repeat the forward's masks), shapes that repeat (a pair of graphs per shape is kept,
-for the first MAX_GRAPHED_SHAPES shapes seen twice), and each forward's backward before the layer's next
-forward (otherwise that call runs eagerly). Off CUDA the same code runs the functions eagerly.
+residual and MLP pre-activations (copied out after the forward's replay, back in before the backward's; the MLPs
+compute theirs in them), the output and the gradients (copied out right after). Tensors among the layer's
+keyword arguments (cos/sin, position ids) are copied into the layer's static buffers before each forward replay.
+Graphs of all layers share one memory pool: each graph's temporaries are dead once it has run, and what a graph
+returns is copied out before the next replay, so any order of replays is safe. It needs layers without dropout
+(a replayed recomputation could not repeat the forward's masks), shapes that repeat (a pair of graphs per shape
+is kept, for the first MAX_GRAPHED_SHAPES shapes seen twice), and each forward's backward before the layer's
+next forward (otherwise that call runs eagerly). Off CUDA the same code runs the functions eagerly.
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ class _LayerGraphs:
                 torch.no_grad(),
                 _autocast(self.autocast, cache_enabled=False),
                 _recording_residual(self.keep_residual) as residuals,
-                mlp_preactivations(record=self.keep_mlp) as preactivations,
+                # the MLPs compute their pre-activations in the static buffers (known after the warm-up call)
+                mlp_preactivations(record=self.keep_mlp, into=self.preactivations) as preactivations,
             ):
                 self.output.copy_(self.function(self.hidden))
                 self.has_residual = len(residuals) == 1
@@ -177,7 +178,8 @@ class _LayerGraphs:
                 if len(self.preactivations) != len(preactivations):  # the warm-up call, before the capture
                     self.preactivations = _static_preactivations(preactivations)
                 for static, pair in zip(self.preactivations, preactivations, strict=True):
-                    _copy_static(static, pair)
+                    if static[0].data_ptr() != pair[0].data_ptr():  # the warm-up call's, computed elsewhere
+                        _copy_static(static, pair)
 
         def recompute_and_backward():
             # The recomputation differentiates with respect to fresh leaves that alias the parameters: the
