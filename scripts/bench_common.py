@@ -32,6 +32,13 @@ def report_unknown(kind: str, chosen, known) -> bool:
 KEPT_MLP_KEYS = {"keep": "keep_mlp_preactivations", "gpu": "mlp_preactivations_on_gpu"}
 
 
+def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
+    """(the variant without it, N) of a variant named "NAME:N" (its last N decoder layers not checkpointed);
+    (variant, None) without one."""
+    head, colon, layers = variant.rpartition(":")
+    return (head, int(layers)) if colon and layers.isdigit() else (variant, None)
+
+
 def kept_mlp_options(variant: str) -> tuple[str, dict]:
     """A variant name and the checkpointing options of its `@` suffix: ("unsloth_lite_kept_mlp",
     {"keep_mlp_preactivations": 48, "mlp_preactivations_on_gpu": 8}) of "unsloth_lite_kept_mlp@keep=48/gpu=8"

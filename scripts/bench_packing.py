@@ -99,6 +99,7 @@ from bench_common import (
     markdown_table,
     report_unknown,
     run_worker_process,
+    uncheckpointed_suffix,
     worker_failure,
     write_json,
 )
@@ -293,11 +294,9 @@ def worker_main(args) -> int:
 def split_variant(variant: str) -> tuple[str, str, int | None]:
     """(name, its kept-MLP suffix, uncheckpointed layers) of "NAME[@keep=N/gpu=G][:L]": ("unsloth_lite", "", 8)
     of "unsloth_lite:8", ("unsloth_lite_kept_mlp", "keep=24", None) of "unsloth_lite_kept_mlp@keep=24"."""
-    head, colon, layers = variant.rpartition(":")
-    if not colon:
-        head, layers = variant, ""
+    head, layers = uncheckpointed_suffix(variant)
     name, _, suffix = head.partition("@")
-    return name, suffix, int(layers) if layers.isdigit() else None
+    return name, suffix, layers
 
 
 def run_variant(args, checkpoint: Path | None, variant: str) -> dict:

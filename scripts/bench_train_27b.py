@@ -35,6 +35,8 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
   MLP's gate and up outputs, offloaded with its input: the recomputation skips their products). A suffix
   `@keep=N/gpu=G` keeps them in N of the checkpointed layers only, spread evenly, G of those in GPU memory
   (`keep_mlp_preactivations=N`, `mlp_preactivations_on_gpu=G`), so one run compares several placements.
+- Any unsloth_lite variant with a suffix `:N` (after any `@...`): its last N decoder layers not checkpointed
+  (`--uncheckpointed-layers N` for the unsuffixed ones), so one run compares several N.
 - `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same
   targets, `use_gradient_checkpointing="unsloth"`), only where unsloth imports (from `--unsloth-site`). Unsloth
   loads from disk: the parent writes the random-weight checkpoint under `--workdir` first (reused when
@@ -73,6 +75,7 @@ from bench_common import (
     matmul_tflops,
     memory_peak_report,
     run_worker_process,
+    uncheckpointed_suffix,
     worker_failure,
     write_json,
 )
@@ -262,7 +265,11 @@ def unsloth_checkpoint(args, device: torch.device) -> str:
 
 
 def run_worker(args, variant: str, checkpoint: str | None = None) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--seq", str(args.seq),
+    """Runs one variant's worker (a ":N" suffix: its last N layers not checkpointed, else
+    `--uncheckpointed-layers`); its result row, labelled with the variant as named, or an error row."""
+    name, uncheckpointed = uncheckpointed_suffix(variant)
+    uncheckpointed = args.uncheckpointed_layers if uncheckpointed is None else uncheckpointed
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--seq", str(args.seq),
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--tiny"] * args.tiny + ["--all-linear"] * args.all_linear + ["--memory-report"] * args.memory_report
     cmd += ["--profile"] * args.profile
@@ -270,7 +277,7 @@ def run_worker(args, variant: str, checkpoint: str | None = None) -> dict:
     if args.max_seq:
         cmd += ["--max-seq", "--memory-cap-gib", str(args.memory_cap_gib), "--max-probes", str(args.max_probes)]
     cmd += ["--layers", str(args.layers)] if args.layers else []
-    cmd += ["--uncheckpointed-layers", str(args.uncheckpointed_layers)] if args.uncheckpointed_layers else []
+    cmd += ["--uncheckpointed-layers", str(uncheckpointed)] if uncheckpointed else []
     cmd += ["--checkpoint", checkpoint] if checkpoint else []
     label = f"[{variant}]"
     print(f"{label} starting", flush=True)
@@ -279,7 +286,7 @@ def run_worker(args, variant: str, checkpoint: str | None = None) -> dict:
         cmd, worker_env(variant, args), ROOT, RESULT_PREFIX, args.worker_timeout, label, args.verbose,
     )
     if results:
-        result = results[0]
+        result = dict(results[0], variant=variant)
     else:
         reason = worker_failure(returncode)
         result = dict(variant=variant, error=f"worker {reason}")
@@ -399,9 +406,15 @@ def main(argv=None) -> int:
     variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
     variants = drop_missing_unsloth(variants, bool(args.variants), args.unsloth_site)
     try:
-        unknown = [v for v in variants if kept_mlp_options(v)[0] not in VARIANTS]
+        unknown = [v for v in variants if kept_mlp_options(uncheckpointed_suffix(v)[0])[0] not in VARIANTS]
     except ValueError as exc:
         print(f"bench_train_27b.py: --variants {exc}", file=sys.stderr)
+        return 2
+    suffixed = next((v for v in variants if uncheckpointed_suffix(v)[1] is not None
+                     and not v.startswith("unsloth_lite")), None)
+    if suffixed:
+        print(f"bench_train_27b.py: --variants {suffixed}: only the unsloth_lite variants take ':N', N the decoder "
+              "layers left uncheckpointed", file=sys.stderr)
         return 2
     if unknown:
         print(f"bench_train_27b.py: --variants: unknown {', '.join(unknown)}; expected among {', '.join(VARIANTS)}",

@@ -4,7 +4,7 @@ a time, by variant (what each variant's recomputation leaves out)."""
 from __future__ import annotations
 
 import torch
-from bench_common import kept_mlp_options
+from bench_common import kept_mlp_options, uncheckpointed_suffix
 from bench_train_setup import step_flops
 
 
@@ -47,8 +47,9 @@ def flops_per_token(c: dict, seq: int, skipped: tuple[str, ...] = (), params: di
 
 def executed_flops_per_token(row: dict, c: dict, seq: int, all_linear: bool, offload: bool, params) -> float:
     """FLOPs a token of the row's variant executes; where only some layers keep their MLP pre-activations
-    (`@keep=N`), the recomputations of the others' gate and up products count too."""
-    name, kept = kept_mlp_options(row["variant"])
+    (`@keep=N`), the recomputations of the others' gate and up products count too. Layers left out of
+    checkpointing (`:N`) are counted as recomputed: an upper bound for those variants."""
+    name, kept = kept_mlp_options(uncheckpointed_suffix(row["variant"])[0])
     flops = flops_per_token(c, seq, recompute_skipped(name, all_linear, offload), params)["total"]
     keeping, layers = kept.get("keep_mlp_preactivations", False), row.get("checkpointed_layers")
     if isinstance(keeping, bool) or not layers:

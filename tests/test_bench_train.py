@@ -142,17 +142,18 @@ def test_random_alpaca_records(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
 def test_bench_train_27b_tiny_mode_runs(tmp_path):
     """W2's script end to end on a tiny Qwen3.5 built in memory and quantised in place: both variants train and
-    start from the same loss (ours with its last layer not checkpointed)."""
+    start from the same loss (ours with its last layer not checkpointed, `:1`)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
     out = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "scripts/bench_train_27b.py", "--tiny", "--warmup", "1", "--steps", "1",
-         "--uncheckpointed-layers", "1", "--profile", "--out", str(out)],
+         "--variants", "hf,unsloth_lite:1", "--profile", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"hf", "unsloth_lite"}
+    assert set(rows) == {"hf", "unsloth_lite:1"}
+    rows["unsloth_lite"] = rows.pop("unsloth_lite:1")
     for variant, row in rows.items():
         assert "error" not in row, f"{variant}: {row['error']}\n{result.stdout}"
         assert row["tokens_per_s"] > 0
@@ -326,6 +327,10 @@ def test_variant_suffixes_name_checkpointing_options():
     assert bp.split_variant("unsloth_lite_kept_mlp@keep=24/gpu=2:8") == ("unsloth_lite_kept_mlp", "keep=24/gpu=2", 8)
     assert bp.split_variant("unsloth_lite:8") == ("unsloth_lite", "", 8)
     assert bp.split_variant("hf_padded") == ("hf_padded", "", None)
+    from bench_common import uncheckpointed_suffix
+
+    assert uncheckpointed_suffix("unsloth_lite_graphs_kept_mlp@gpu=6:4") == ("unsloth_lite_graphs_kept_mlp@gpu=6", 4)
+    assert uncheckpointed_suffix("unsloth") == ("unsloth", None)
 
 
 def test_w4_records_and_token_counts():
