@@ -19,8 +19,7 @@ shape, to choose those tables from one run (`--sweep-chosen-tile`: each shape's 
 chosen tile with each setting of `CHOSEN_OPTIONS`: the codes read from memory instead of looked up in registers
 (`nf4_matvec.LOOKUP` "pairs", the interpreter's lookup, and "code_book"), the exact fp32 code book instead of
 the one rounded to bf16 that bf16 weights take (`BF16_CODES` off: more instructions a weight; whether they
-bound the kernel); the flat-tile kernel (`FLAT_TILE`, `nf4_matvec_flat.py`: x in the packed bytes' layout, no
-conversion through shared memory) at 512 and 1,024 weights along K a step.
+bound the kernel).
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, 8-bit absmax, second-level absmax, x) and write (y) once;
@@ -59,7 +58,6 @@ TINY_VARIANTS = ("unsloth_lite", FLAT_ABSMAX, "dequantize_matmul")
 # `nf4_matvec` settings the sweep times at the chosen tile only (column "chosen, <name>")
 CHOSEN_OPTIONS = {
     "pairs": {"LOOKUP": "pairs"}, "code_book": {"LOOKUP": "code_book"}, "exact codes": {"BF16_CODES": False},
-    "flat 512": {"FLAT_TILE": 512}, "flat 1024": {"FLAT_TILE": 1024},
 }
 
 

@@ -87,23 +87,6 @@ def test_nf4_matvec_lookups(lookup, rows, dtype, device, monkeypatch):
     check((40, 64 * 37), rows, dtype, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
 
 
-@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat_absmax"])
-@pytest.mark.parametrize("shape", [(40, 64 * 37), (130, 64), (20, 320)], ids=str)
-def test_nf4_matvec_flat_tile(shape, nested, device, monkeypatch):
-    """`FLAT_TILE`: one bf16 row on the flat-tile kernel, 8 features by 256 weights a step (130 part-fills the
-    last program, 37 blocks part-fill the last step). More rows, or fp32 x, keep the blocked kernel."""
-    monkeypatch.setattr(nf4_matvec_module, "FLAT_TILE", 256)
-    monkeypatch.setattr(nf4_matvec_module, "blocked_tile", lambda n_out: (8, 256, 4, False))
-    launched = []
-    original = nf4_matvec_module.launch_flat
-    monkeypatch.setattr(nf4_matvec_module, "launch_flat", lambda *a, **k: launched.append(1) or original(*a, **k))
-    check(shape, 1, torch.bfloat16, nested=nested, blocksize=64, with_bias=True, rank=4, device=device)
-    assert launched == [1]
-    check(shape, 2, torch.bfloat16, nested=nested, blocksize=64, with_bias=False, rank=0, device=device)
-    check(shape, 1, torch.float32, nested=nested, blocksize=64, with_bias=False, rank=0, device=device)
-    assert launched == [1]
-
-
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
 @pytest.mark.parametrize("n_in", [96, 320])
 def test_nf4_matvec_rows(rows, n_in, device):
@@ -215,16 +198,6 @@ def test_nf4_matvec_split_along_k_cuda(tile, shape, rows, monkeypatch):
     1 to 34 splits."""
     monkeypatch.setattr(nf4_matvec_module, "blocked_tile", lambda n_out: tile)
     check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("flat_tile", [512, 1024, 2048])
-@pytest.mark.parametrize("shape", [(1024, 4096), (5120, 5120), (17408, 5120), (5120, 17408), (48, 5120)], ids=str)
-def test_nf4_matvec_flat_tile_cuda(shape, flat_tile, monkeypatch):
-    """The flat-tile kernel compiled, at the W3 models' shapes, at the chosen tiles' features and warps, 256 to
-    1,024 packed bytes a step (the PTX lookup with bf16 codes, PDL on Hopper)."""
-    monkeypatch.setattr(nf4_matvec_module, "FLAT_TILE", flat_tile)
-    check(shape, 1, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])

@@ -2,7 +2,7 @@
 
 A byte of packed NF4 holds two weights' codes (high nibble: the even element, low nibble: the odd one); a
 code's value is NF4_CODE[code] (times its block's absmax, applied by the caller). Three ways to look up
-(`_nf4_codes`, LOOKUP the index of `nf4_matvec.LOOKUPS`):
+(`_nf4_codes`, LOOKUP the index of `LOOKUPS`):
 
 - registers (compiled only): `prmt` treats two registers as an 8-byte table and looks up four bytes at once,
   with selectors taken from the nibbles, so the code book never leaves registers. Per byte plane of the codes'
@@ -20,6 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# The lookups `_nf4_codes` takes, in the order of its LOOKUP index (module docstring).
+LOOKUPS = ("registers", "pairs", "code_book")
 
 _CODE_PAIRS: dict = {}
 

@@ -57,8 +57,7 @@ from unsloth_lite.kernels.dequantize_nf4 import (
     dequantize_nf4_reference,
 )
 from unsloth_lite.kernels.lora_down import MAX_ROWS, _store_rows, lora_down_rows
-from unsloth_lite.kernels.nf4_codes import _nf4_codes, code_pairs
-from unsloth_lite.kernels.nf4_matvec_flat import flat_tile_applies, launch_flat
+from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
 from unsloth_lite.kernels.utils import INTERPRET, check_float, check_kernel_device, empty
 
 # Output features per program: N / BLOCK_N programs keep every SM busy at the hidden sizes of real models.
@@ -68,7 +67,6 @@ BLOCK_K = 256 if INTERPRET else 128  # the interpreter's cost is per operation: 
 # access (compiled only: the interpreter runs no PTX); "pairs", one load a byte from a 256-entry table of value
 # pairs (2 KB: a warp's loads touch up to 16 cache lines); "code_book", one load a weight from the 16 fp32 codes
 # (64 bytes: every load of a warp hits one cache line).
-LOOKUPS = ("registers", "pairs", "code_book")
 LOOKUP = "pairs" if INTERPRET else "registers"
 # Programmatic dependent launch (Hopper and later, compiled only: `uses_pdl`): the blocked kernel may start while
 # the kernel before it finishes, its first weight loads in flight before it waits for that kernel
@@ -79,10 +77,6 @@ PDL = True
 # or more); each weight within bf16's rounding of its exact value, as the bf16 weight that `dequantize_nf4` writes
 # is. fp32 and fp16 weights keep the exact code book: rounded, it changes an fp32 model's greedy tokens.
 BF16_CODES = True
-# Weights along K a step of the flat-tile kernel for one bf16 row (`nf4_matvec_flat.py`: x read in the packed
-# bytes' layout, no conversion through shared memory), 0 for the blocked kernel. Not measured on a GPU yet, so
-# off; `bench_nf4_matvec.py --sweep` times it at the chosen tile's features and warps.
-FLAT_TILE = 0
 
 
 def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
@@ -384,10 +378,7 @@ def nf4_matvec(
         BLOCKSIZE=blocksize, NESTED=launch.meta["NESTED"], HAS_BIAS=bias is not None, HAS_LORA=has_lora,
         BLOCK_R=max(2, triton.next_power_of_2(rank)),
     )
-    if blocked and FLAT_TILE and not split_k and flat_tile_applies(x2d, n_in, blocksize):
-        launch_flat(x2d, args[3:], sizes, meta, block_n, FLAT_TILE // 2, warps, LOOKUPS.index(LOOKUP), bf16_codes,
-                    uses_pdl(x.device))
-    elif blocked:
+    if blocked:
         pdl = uses_pdl(x.device)
         _nf4_matvec_blocked_kernel[(feature_blocks, splits if split_k else 1)](
             *args, *((partial, arrivals) if split_k else (out, out)), *sizes,
