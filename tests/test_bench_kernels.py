@@ -95,6 +95,14 @@ def test_bench_nf4_matvec_sweep_of_the_chosen_tile():
     assert rows and all(float(cell) > 0 for row in rows for cell in row[2:]), out  # "chosen": the tile's time
 
 
+def test_bench_dequantize_tiny_mode_runs():
+    out = run_tiny("bench_dequantize.py", "--shapes", "qwen3_8b")
+    for variant in ("unsloth_lite", "unsloth_lite_interleaved", "unsloth_lite_pairs"):
+        assert f"| qwen3_8b | {variant} |" in out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "unsloth_lite" in line]
+    assert all(float(row[4]) > 0 for row in rows if len(row) > 6), out  # us
+
+
 def run_compiled(*options: str) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "scripts"), str(ROOT)])

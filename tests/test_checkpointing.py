@@ -254,12 +254,12 @@ class _HostGroup:
     fetches: list = []
     sizes: list = []  # the number of tensors of each group, in the order of the forwards
 
-    def __init__(self, tensors, previous):
+    def __init__(self, tensors, previous, kept=None):
         self.tensors, self.previous = [t.clone() for t in tensors], previous
         _HostGroup.sizes.append(len(tensors))
         self.prefetched = False
 
-    def prefetch(self):
+    def prefetch(self, in_use=None):
         self.prefetched = True
 
     def take(self):

@@ -1,5 +1,6 @@
 """`dequantize_nf4` against bitsandbytes' own `dequantize_4bit`: bit-identical, nested absmax or not."""
 
+import importlib
 import warnings
 
 import pytest
@@ -9,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unsloth_lite.kernels import dequantize_nf4
-from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
+from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference, dequantize_nf4_row_range
+
+dequantize_module = importlib.import_module("unsloth_lite.kernels.dequantize_nf4")
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -221,6 +224,46 @@ def test_dequantize_nf4_too_few_packed_bytes(device):
 
 # ----------------------------------------------------------------------------------------------------------
 # CUDA, compiled Triton
+
+
+# The kernel's settings: each byte's two weights stored as one word or interleaved; codes from the 16 fp32 codes
+# or from the 256-entry table of pairs (one load a byte)
+SETTINGS = [dict(PAIRED_STORE=True), dict(PAIRED_STORE=False), dict(PAIRED_STORE=True, LOOKUP="pairs")]
+
+
+@pytest.fixture(params=SETTINGS, ids=["paired", "interleaved", "paired-pairs"])
+def settings(request, monkeypatch):
+    for name, value in request.param.items():
+        monkeypatch.setattr(dequantize_module, name, value)
+    dequantize_module._LAUNCHES.clear()
+    yield request.param
+    dequantize_module._LAUNCHES.clear()
+
+
+@pytest.mark.parametrize("shape", [(33, 130), (129, 257), (64, 256), (2, 3, 66)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_dequantize_nf4_settings(settings, dtype, shape, device):
+    """Every setting of the kernel, bit-identical to bitsandbytes (odd and partial-block sizes included), whole
+    and by row range."""
+    p = quantize(shape, dtype, True, 64, device)
+    assert_bit_identical(dequantize_nf4(p), bnb_dequantize(p.data, p.quant_state))
+    if len(shape) == 2 and shape[1] % 64 == 0:
+        out = torch.full((shape[0] - 1, shape[1]), float("nan"), dtype=dtype, device=device)
+        dequantize_nf4_row_range(p, 1, out)
+        assert_bit_identical(out, bnb_dequantize(p.data, p.quant_state)[1:], "rows 1:")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(17408, 5120), (48, 5120), (4096, 12288), (129, 257)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_dequantize_nf4_settings_cuda(settings, dtype, shape):
+    """Every setting compiled, at the Qwen3.5-27B's largest and smallest projections, the Qwen3-8B's and an odd
+    size, against bitsandbytes' CUDA kernel."""
+    p = quantize(shape, dtype, True, 64, "cuda")
+    out = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    expected = bnb.functional.dequantize_4bit(p.data, p.quant_state)
+    assert_bit_identical(dequantize_nf4(p.data, p.quant_state, out=out), expected)
 
 
 @pytest.mark.gpu

@@ -37,10 +37,16 @@ import torch
 import triton
 import triton.language as tl
 
-from unsloth_lite.kernels.utils import check_kernel_device, empty
+from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
+from unsloth_lite.kernels.utils import INTERPRET, check_kernel_device, empty
 
 # Output elements per program; a program covers max(1, TILE_ELEMENTS // blocksize) quantization blocks.
 TILE_ELEMENTS = 4096
+# How `dequantize_nf4`'s kernel maps codes to values (`nf4_codes._nf4_codes`): "registers" (`prmt`, the exact fp32
+# codes; compiled only) or "code_book" (a load a weight from the 16 fp32 codes, one cache line).
+LOOKUP = "code_book"
+# 16-bit outputs written as one 32-bit word per packed byte (`_dequantize_nf4`'s PAIRED) rather than interleaved.
+PAIRED_STORE = True
 # Columns of a row-gather program's tile (its rows fill the rest of TILE_ELEMENTS).
 GATHER_BLOCK_COLS = 1024
 
@@ -71,6 +77,30 @@ def _block_absmax(
 
 
 @triton.jit
+def _output_bits(values, out_ptr):
+    """The 16-bit patterns of `values` rounded to `out_ptr`'s 16-bit dtype, as uint32."""
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        rounded = _fp32_to_bf16_rne(values)
+    else:
+        rounded = values.to(tl.float16)
+    return rounded.to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def _output_pairs(even, odd, out_ptr, CONVERT: tl.constexpr):
+    """32-bit words of two 16-bit values each, `even` in the low half, rounded to `out_ptr`'s dtype. CONVERT
+    (compiled only): one `cvt.rn` a pair, round to nearest even as `_fp32_to_bf16_rne`, instead of the integer
+    rounding the interpreter needs."""
+    if CONVERT:
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd],
+                                             dtype=tl.uint32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd],
+                                         dtype=tl.uint32, is_pure=True, pack=1)
+    return _output_bits(even, out_ptr) | (_output_bits(odd, out_ptr) << 16)
+
+
+@triton.jit
 def _to_output_dtype(values, out_ptr):
     if out_ptr.dtype.element_ty == tl.bfloat16:
         return _fp32_to_bf16_rne(values)
@@ -79,11 +109,15 @@ def _to_output_dtype(values, out_ptr):
 
 def _dequantize_nf4(
     packed_ptr, absmax_ptr, code_ptr,
-    nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+    nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize: tl.constexpr,
     out_ptr,
     n_elements, n_bytes, n_blocks, first_block,
-    HALF_BLOCK: tl.constexpr, ROWS: tl.constexpr, NESTED: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, ROWS: tl.constexpr, NESTED: tl.constexpr, LOOKUP: tl.constexpr, PAIRED: tl.constexpr,
+    CONVERT: tl.constexpr,
 ):
+    """LOOKUP: how codes become values (`nf4_codes._nf4_codes`: 0 in registers, 2 from the code book). PAIRED
+    (16-bit outputs, an even element count): each byte's two weights are stored as one 32-bit word, so the tile
+    is written in the packed bytes' own layout, with no interleaving of the two nibbles' values."""
     # Quantization blocks of this program, counted from `first_block` (0 for the whole weight; a range of
     # whole blocks writes its first block at out_ptr). n_elements, n_bytes and n_blocks end the range.
     local_blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -93,9 +127,15 @@ def _dequantize_nf4(
     )
 
     byte = blocks[:, None] * HALF_BLOCK + tl.arange(0, HALF_BLOCK)[None, :]
-    packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
-    high = tl.load(code_ptr + (packed >> 4)) * absmax[:, None]
-    low = tl.load(code_ptr + (packed & 0xF)) * absmax[:, None]
+    packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0)
+    high, low = _nf4_codes(packed, code_ptr, LOOKUP, False)
+    high = high * absmax[:, None]
+    low = low * absmax[:, None]
+    if PAIRED:  # one 32-bit word a byte: element 2i (high nibble) in its low half, as little-endian memory holds it
+        word = _output_pairs(high, low, out_ptr, CONVERT)
+        local_byte = local_blocks[:, None] * HALF_BLOCK + tl.arange(0, HALF_BLOCK)[None, :]
+        tl.store(out_ptr.to(tl.pointer_type(tl.uint32)) + local_byte, word, mask=byte < n_bytes)
+        return
     values = tl.interleave(high, low)  # [ROWS, 2 * HALF_BLOCK]: element 2i from byte i's high nibble
     values = _to_output_dtype(values, out_ptr)
 
@@ -240,7 +280,8 @@ class _Launch:
     dtype: torch.dtype
     n_elements: int
     grid: tuple
-    inputs: tuple  # the kernel's arguments before `out`
+    inputs: tuple  # the kernels' arguments before `out`, with the fp32 code book
+    dequantize_inputs: tuple  # ... with the code table of the dequantisation kernel's LOOKUP
     sizes: tuple  # ... and after it
     meta: dict  # constexprs and launch options
     kernel: object
@@ -283,6 +324,7 @@ def _launch(weight, quant_state) -> _Launch:
     rows = max(1, TILE_ELEMENTS // blocksize)
     n_blocks = triton.cdiv(n_elements, blocksize)
     code = qs.code.to(torch.float32)
+    table = code_pairs(code) if LOOKUP == "pairs" else code  # what the dequantisation kernel reads codes from
     if qs.nested:
         nested = (qs.state2.code.to(torch.float32), qs.state2.absmax, qs.offset.reshape(1), qs.state2.blocksize)
     else:
@@ -291,7 +333,12 @@ def _launch(weight, quant_state) -> _Launch:
     launch = _Launch(
         key=key, shape=shape, dtype=qs.dtype, n_elements=n_elements, grid=(triton.cdiv(n_blocks, rows),),
         inputs=(packed, qs.absmax, code, *nested), sizes=(n_elements, n_bytes, n_blocks),
-        meta=dict(HALF_BLOCK=blocksize // 2, ROWS=rows, NESTED=bool(qs.nested), num_warps=4, enable_fp_fusion=False),
+        dequantize_inputs=(packed, qs.absmax, table, *nested),
+        meta=dict(
+            HALF_BLOCK=blocksize // 2, ROWS=rows, NESTED=bool(qs.nested), num_warps=4, enable_fp_fusion=False,
+            LOOKUP=LOOKUPS.index("code_book" if LOOKUP == "registers" and INTERPRET else LOOKUP),
+            PAIRED=PAIRED_STORE and qs.dtype != torch.float32 and n_elements % 2 == 0, CONVERT=not INTERPRET,
+        ),
         kernel=(
             _dequantize_nf4_kernel_n_unspecialised if n_elements % 16 == 0 and n_bytes % 16 else _dequantize_nf4_kernel
         ),
@@ -318,7 +365,7 @@ def dequantize_nf4(weight, quant_state=None, out: torch.Tensor | None = None) ->
     else:
         _check_out(out, launch.shape, launch.dtype, device)
     if launch.n_elements:
-        launch.kernel[launch.grid](*launch.inputs, out, *launch.sizes, 0, **launch.meta)
+        launch.kernel[launch.grid](*launch.dequantize_inputs, out, *launch.sizes, 0, **launch.meta)
     return out
 
 
@@ -349,7 +396,8 @@ def dequantize_nf4_row_range(weight, first_row: int, out: torch.Tensor, quant_st
     if end_block > first_block:
         end_element = end_block * blocksize
         grid = (triton.cdiv(end_block - first_block, launch.meta["ROWS"]),)
-        launch.kernel[grid](*launch.inputs, out, end_element, end_element // 2, end_block, first_block, **launch.meta)
+        launch.kernel[grid](*launch.dequantize_inputs, out, end_element, end_element // 2, end_block, first_block,
+                            **launch.meta)
     return out
 
 

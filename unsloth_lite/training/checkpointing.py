@@ -66,7 +66,7 @@ from unsloth_lite.training.layer_context import (
     _side_stream,
     _substituting_residual,
 )
-from unsloth_lite.training.layer_graphs import _LayerGraphs
+from unsloth_lite.training.layer_graphs import _KeptSet, _LayerGraphs
 
 # The keyword options of `enable_gradient_checkpointing` that a Trainer and a recipe pass on.
 CHECKPOINTING_OPTIONS = (
@@ -108,7 +108,9 @@ class _OffloadedTensors:
     """A checkpoint's tensors held in pinned CPU memory, fetched back to their device when its backward needs
     them."""
 
-    def __init__(self, tensors: list[torch.Tensor], previous: _OffloadedTensors | None):
+    def __init__(self, tensors: list[torch.Tensor], previous: _OffloadedTensors | None, kept: _KeptSet | None = None):
+        """`kept`: the kept set of a graphed layer (`layer_graphs._KeptSet`), whose buffers among `tensors` are
+        copied to the host straight from the set (the set read until then) and fetched straight back into it."""
         self.device = tensors[0].device
         self.stream = _side_stream(self.device.index or 0)
         self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
@@ -120,16 +122,30 @@ class _OffloadedTensors:
             tensor.record_stream(self.stream)  # its memory is not reused before the copy has read it
         copied = torch.cuda.Event()
         copied.record(self.stream)
+        self.kept = kept
+        self.buffers = [t if kept is not None and kept.holds(t) else None for t in tensors]
+        if any(b is not None for b in self.buffers):
+            kept.read_until(copied)
         _lead("forward").push(copied)
         self.previous = previous  # the checkpoint before, whose tensors the backward fetches next
         self.fetched: list[torch.Tensor] | None = None
         self.ready: torch.cuda.Event | None = None
 
-    def prefetch(self) -> None:
+    def prefetch(self, in_use: _KeptSet | None = None) -> None:
+        """Starts fetching the tensors: those of the kept set straight into its buffers once their last read is
+        done, unless the set is `in_use` (the layer back-propagating now holds its tensors there; they then come
+        back in new memory, which the layer's graphs copy in)."""
         if self.fetched is not None or self.host is None:
             return
+        into_set = self.kept is not None and self.kept is not in_use
         with torch.cuda.stream(self.stream):
-            self.fetched = [host.to(self.device, non_blocking=True) for host in self.host]
+            if into_set:
+                self.kept.wait_until_free(self.stream)
+            self.fetched = [
+                buffer.copy_(host, non_blocking=True) if into_set and buffer is not None
+                else host.to(self.device, non_blocking=True)
+                for host, buffer in zip(self.host, self.buffers, strict=True)
+            ]
             self.ready = torch.cuda.Event()
             self.ready.record(self.stream)
 
@@ -145,23 +161,24 @@ class _OffloadedTensors:
         taken = torch.cuda.Event()
         taken.record(current)  # the layer's backward, queued next, is what the host must not run far ahead of
         _lead("backward").push(taken)
-        self.fetched = self.host = self.ready = None
+        self.fetched = self.host = self.ready = self.buffers = None
         if self.previous is not None:
-            self.previous.prefetch()
+            self.previous.prefetch(in_use=self.kept)
             self.previous = None
         return tensors
 
 
-def _save_inputs(ctx, tensors, offload: list[bool]) -> None:
+def _save_inputs(ctx, tensors, offload: list[bool], kept: _KeptSet | None = None) -> None:
     """Keeps a checkpoint's tensors for its backward: on their device, or (those `offload` marks, on one GPU)
-    in pinned CPU memory, as one group linked to the previous offloaded checkpoint of the pass."""
+    in pinned CPU memory, as one group linked to the previous offloaded checkpoint of the pass (`kept`: the kept
+    set of a graphed layer, see `_OffloadedTensors`)."""
     device = next((t.device for t, moved in zip(tensors, offload, strict=True) if moved), None)
     ctx.offloaded = [moved and t.device == device for t, moved in zip(tensors, offload, strict=True)]
     ctx.offload_group = None
     if any(ctx.offloaded):
         previous = getattr(_LAST_OFFLOADED, "value", None)
         moved = [t for t, flag in zip(tensors, ctx.offloaded, strict=True) if flag]
-        ctx.offload_group = _LAST_OFFLOADED.value = _OffloadedTensors(moved, previous)
+        ctx.offload_group = _LAST_OFFLOADED.value = _OffloadedTensors(moved, previous, kept)
     ctx.save_for_backward(*[t for t, flag in zip(tensors, ctx.offloaded, strict=True) if not flag])
 
 
@@ -283,10 +300,15 @@ class _GraphedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graphs, run, offload, hidden, *params):
         ctx.graphs = graphs
-        output, residual, preactivations = graphs.forward(run, hidden)
+        # offloaded kept tensors are copied to the host straight from the graphs' buffers
+        in_place = tuple(moved and _offloadable(hidden) for moved in offload)
+        output, residual, preactivations = graphs.forward(run, hidden, in_place)
         ctx.has_residual, ctx.mlp_pairs = residual is not None, len(preactivations)
         kept = _kept_tensors(residual, preactivations)
-        _save_inputs(ctx, [hidden] + kept, _offload_flags([hidden], kept, ctx.mlp_pairs, offload))
+        flags = _offload_flags([hidden], kept, ctx.mlp_pairs, offload)
+        # a buffer of the set kept on the GPU would be overwritten by the next layers
+        assert all(moved or not graphs.kept.holds(t) for t, moved in zip(kept, flags[1:], strict=True))
+        _save_inputs(ctx, [hidden] + kept, flags, graphs.kept)
         return output
 
     @staticmethod

@@ -4,9 +4,13 @@
 recompute-and-backward are captured once per input shape and autocast setting as two CUDA graphs (both in the
 forward of the second call with that shape; the first runs eagerly and compiles every kernel), then replayed.
 The graphs read and write static buffers that all layers share: the input (copied in before each replay, from
-the forward's argument or from the checkpoint, which is kept as without graphs, offloaded or not), the kept
-residual and MLP pre-activations (copied out after the forward's replay, back in before the backward's; the MLPs
-compute theirs in them), the output and the gradients (copied out right after). Tensors among the layer's
+the forward's argument or from the checkpoint, which is kept as without graphs, offloaded or not), the output and
+the gradients (copied out right after). The kept residual and MLP pre-activations (the MLPs compute theirs in
+them) live in one of KEPT_SETS sets of buffers, which consecutive layers take in turn (`_KeptSet`): where they are
+kept on the GPU they are cloned out after the forward's replay and copied back in before the backward's; where
+they are offloaded, the host copies read them straight from the set and the backward's fetch writes them straight
+back into it, with no device copy, while the next layer computes in the other set. Events order the two: a
+replay or a fetch that writes a set waits for the last copy or replay that read it. Tensors among the layer's
 keyword arguments (cos/sin, position ids) are copied into the layer's static buffers before each forward replay.
 Graphs of all layers share one memory pool: each graph's temporaries are dead once it has run, and what a graph
 returns is copied out before the next replay, so any order of replays is safe. It needs layers without dropout
@@ -32,9 +36,14 @@ from unsloth_lite.training.layer_context import (
 )
 
 # Input shapes a layer keeps graphs for: each costs the static buffers of that shape (four `[batch, seq,
-# hidden]` tensors shared by the layers) and the layers' parameter gradients in the pool; other shapes run
-# eagerly.
+# hidden]` tensors shared by the layers, and the kept sets) and the layers' parameter gradients in the pool;
+# other shapes run eagerly.
 MAX_GRAPHED_SHAPES = 4
+# Sets of kept-tensor buffers per shape, taken in turn by consecutive graphed layers. Two suffice: a fetch for the
+# backward writes the set of the layer before the one back-propagating, and in the forward a layer's replay waits
+# at most for the host copies of the layer two back, about the lead the offload allows the host anyway
+# (`checkpointing.MAX_PENDING_OFFLOADS`). Each more set costs a residual and a layer's pre-activations of GPU memory.
+KEPT_SETS = 2
 
 
 @functools.cache
@@ -76,6 +85,37 @@ class _Replayable:
         return self.outputs
 
 
+class _KeptSet:
+    """Static buffers for a layer's kept residual and MLP (gate, up) pre-activations, which the layers that take
+    this set share, and the event after which nothing reads them any more (module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.residual: torch.Tensor | None = None
+        self.preactivations: dict = {}  # (MLP index, 0 gate / 1 up, shape, dtype) -> buffer
+        self.free: torch.cuda.Event | None = None
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is one of the set's buffers (returned as they are, not cloned)."""
+        return tensor is self.residual or any(tensor is t for t in self.preactivations.values())
+
+    def wait_until_free(self, stream) -> None:
+        """Makes `stream` wait for the last read of the buffers before it writes them."""
+        if stream is not None and self.free is not None:
+            stream.wait_event(self.free)
+
+    def read_until(self, event: torch.cuda.Event) -> None:
+        """The buffers are read until `event` (queued after every earlier read): the next write waits for it."""
+        self.free = event
+
+    def read_on(self, stream) -> None:
+        """The buffers are read by what is queued on `stream` so far (None off CUDA, where all runs in order)."""
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            self.read_until(event)
+
+
 class _LayerGraphs:
     """One layer's two graphs for one call signature, with their static buffers (module docstring)."""
 
@@ -83,6 +123,7 @@ class _LayerGraphs:
     # recomputation's), the output and the input gradient they write (copied out right after each replay)
     # and the output gradient they read (copied in right before): one of each instead of one a layer.
     _SHARED: dict = {}
+    _KEPT_SETS: dict = {}  # shape -> (the sets, how many layers took one)
 
     @classmethod
     def for_call(cls, run, args, keep_residual: bool, keep_mlp: bool = False) -> _LayerGraphs | None:
@@ -127,36 +168,65 @@ class _LayerGraphs:
         self.function = functools.partial(run.func, *run.args, **self.static_kwargs)
         shared_key = (tuple(hidden.shape), hidden.dtype, hidden.device)
         if shared_key not in self._SHARED:
-            self._SHARED[shared_key] = tuple(torch.empty_like(hidden) for _ in range(5))
-        self.hidden, self.output, self.grad_hidden, self.grad_output, self.residual = self._SHARED[shared_key]
+            self._SHARED[shared_key] = tuple(torch.empty_like(hidden) for _ in range(4))
+        self.hidden, self.output, self.grad_hidden, self.grad_output = self._SHARED[shared_key]
+        self.kept = self._take_kept_set(shared_key, hidden)
         self.forward_graph = self.backward_graph = None
         self.pending_backward = False
         self.pool = self.stream = None
         if self.device.type == "cuda":
             self.pool, self.stream = _graph_pool(self.device.index or 0), _side_stream(self.device.index or 0)
 
-    def forward(self, run, hidden) -> tuple[torch.Tensor, torch.Tensor | None, list]:
-        """(output, the residual the layer's post-attention norm received or None, the MLPs' kept (gate, up))."""
+    @classmethod
+    def _take_kept_set(cls, shared_key, like: torch.Tensor) -> _KeptSet:
+        """The next of the shape's KEPT_SETS sets, in turn (layers are captured in order)."""
+        sets, taken = cls._KEPT_SETS.get(shared_key) or ([_KeptSet(like.device) for _ in range(KEPT_SETS)], 0)
+        cls._KEPT_SETS[shared_key] = (sets, taken + 1)
+        kept = sets[taken % len(sets)]
+        if kept.residual is None:
+            kept.residual = torch.empty_like(like)
+        return kept
+
+    def forward(self, run, hidden, in_place: tuple[bool, bool] = (False, False)):
+        """(output, the residual the layer's post-attention norm received or None, the MLPs' kept (gate, up)).
+        `in_place` (residual, pre-activations): return those as the kept set's buffers instead of clones, for a
+        caller that copies them to the host at once and marks the set read until then (`_KeptSet.read_until`)."""
         self.hidden.copy_(hidden)
         for name, value in run.keywords.items():
             _copy_static(self.static_kwargs[name], value)
+        self.kept.wait_until_free(self._stream())
         if self.forward_graph is None:
             self._capture()
         self.forward_graph()
         self.pending_backward = True
-        preactivations = [tuple(t.clone() for t in pair) for pair in self.preactivations]
-        return self.output.clone(), self.residual.clone() if self.has_residual else None, preactivations
+        residual_in_place, preactivations_in_place = in_place
+        residual = None
+        if self.has_residual:
+            residual = self.kept.residual if residual_in_place else self.kept.residual.clone()
+        preactivations = [
+            pair if preactivations_in_place else tuple(t.clone() for t in pair) for pair in self.preactivations
+        ]
+        return self.output.clone(), residual, preactivations
 
     def backward(self, hidden, residual, preactivations, grad_output):
+        """The input's and the parameters' gradients. The kept tensors may be the kept set's own buffers (fetched
+        straight back into them); others are copied in."""
         self.hidden.copy_(hidden)
-        if residual is not None:
-            self.residual.copy_(residual)
+        self.kept.wait_until_free(self._stream())
+        if residual is not None and residual is not self.kept.residual:
+            self.kept.residual.copy_(residual)
         for static, kept in zip(self.preactivations, preactivations, strict=True):
-            _copy_static(static, kept)
+            if static[0] is not kept[0]:
+                _copy_static(static, kept)
         self.grad_output.copy_(grad_output)
         grad_params = self.backward_graph()
+        self.kept.read_on(self._stream())
         self.pending_backward = False
         return [self.grad_hidden.clone()] + [None if g is None else g.clone() for g in grad_params]
+
+    def _stream(self):
+        """The current stream of the layer's device; None off CUDA."""
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def _capture(self) -> None:
         """Captures both graphs here, in the forward: a capture of the autograd engine's work from inside a
@@ -174,9 +244,9 @@ class _LayerGraphs:
                 self.output.copy_(self.function(self.hidden))
                 self.has_residual = len(residuals) == 1
                 if self.has_residual:
-                    self.residual.copy_(residuals[0])
+                    self.kept.residual.copy_(residuals[0])
                 if len(self.preactivations) != len(preactivations):  # the warm-up call, before the capture
-                    self.preactivations = _static_preactivations(preactivations)
+                    self.preactivations = _static_preactivations(preactivations, self.kept)
                 for static, pair in zip(self.preactivations, preactivations, strict=True):
                     if static[0].data_ptr() != pair[0].data_ptr():  # the warm-up call's, computed elsewhere
                         _copy_static(static, pair)
@@ -187,7 +257,7 @@ class _LayerGraphs:
             # bound to the stream they were created on, and gradients flowing into them from the capturing
             # stream would make that stream wait on the capture.
             aliases = [p.detach().requires_grad_() for p in self.params]
-            residual = self.residual if self.has_residual else None
+            residual = self.kept.residual if self.has_residual else None
             with (
                 _swapped_parameters(self.owners, aliases),
                 recomputation_for_backward(attention_output_unused=self.has_residual),
@@ -207,17 +277,17 @@ class _LayerGraphs:
         self.backward_graph = _Replayable(recompute_and_backward, self.device, self.pool, self.stream)
 
 
-def _static_preactivations(pairs) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Static buffers for kept MLP pre-activations shaped as `pairs`, shared by every layer's graphs: the forward
-    writes them (cloned right after its replay), the backward reads them (copied in right before)."""
+def _static_preactivations(pairs, kept: _KeptSet) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The kept set's buffers for MLP pre-activations shaped as `pairs` (made on first use): the forward writes
+    them, the backward reads them."""
     static = []
     for i, pair in enumerate(pairs):
         buffers = []
         for j, like in enumerate(pair):
-            key = ("preactivation", i, j, tuple(like.shape), like.dtype, like.device)
-            if key not in _LayerGraphs._SHARED:
-                _LayerGraphs._SHARED[key] = torch.empty_like(like)
-            buffers.append(_LayerGraphs._SHARED[key])
+            key = (i, j, tuple(like.shape), like.dtype)
+            if key not in kept.preactivations:
+                kept.preactivations[key] = torch.empty_like(like)
+            buffers.append(kept.preactivations[key])
         static.append(tuple(buffers))
     return static
 
