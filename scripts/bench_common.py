@@ -261,7 +261,11 @@ def kernel_profile(prof, top: int = TOP_KERNELS) -> dict:
     )
     copies = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA
               and e.name().startswith("Memcpy")]
-    out.update(device_idle(kernels, copies))
+    # the host's launch calls (cudaLaunchKernel, cudaGraphLaunch, ...) by the correlation id their kernels carry
+    launches = {e.correlation_id(): (e.start_ns(), e.end_ns()) for e in events
+                if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith("cu")
+                and e.correlation_id()}
+    out.update(device_idle(kernels, copies, launches=launches))
     host_ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     if host_ops:
         host_ops.sort(key=lambda e: -e.self_cpu_time_total)
@@ -272,24 +276,31 @@ def kernel_profile(prof, top: int = TOP_KERNELS) -> dict:
     return out
 
 
-def device_idle(kernels, copies=(), top: int = 10) -> dict:
+def device_idle(kernels, copies=(), top: int = 10, launches: dict | None = None) -> dict:
     """Where the device ran no kernel between the first kernel's start and the last one's end: `idle_ms` in
     all; `idle_during_copies_ms`, of it, the time while a copy of each kind was in flight (`copies` by the
     first two words of their names, e.g. "Memcpy DtoD": a device-to-device copy occupies the device's memory
     as a kernel would; the offload's copies to and from the host run beside kernels); and the `top` pairs
     (kernel that ended, kernel that started next) by the idle time between them, with how often each occurred.
-    Events need `name()`, `start_ns()` and `end_ns()`."""
-    spans = sorted((e.start_ns(), e.end_ns(), e.name()[:80]) for e in kernels)
+    Events need `name()`, `start_ns()` and `end_ns()`. With `launches` (correlation id -> (start, end) ns of the
+    host call that launched the kernel, `correlation_id()` of each kernel; a graph's kernels carry its
+    launch's), each pair also gets `host_late_us`, the mean time from the gap's start to the start of the host
+    call that launched the kernel ending it (positive: the host had not yet called it when the device went
+    idle, so the host set the pace), and `after_call_us`, the mean from that call's end to the kernel's start."""
+    spans = sorted((e.start_ns(), e.end_ns(), e.name()[:80], _launch_of(e, launches)) for e in kernels)
     if not spans:
         return dict(idle_ms=None)
     gaps, by_pair = [], {}
     busy_until, last_name = spans[0][1], spans[0][2]
-    for start, end, name in spans[1:]:
+    for start, end, name, launch in spans[1:]:
         if start > busy_until:
             gaps.append((busy_until, start))
-            entry = by_pair.setdefault((last_name, name), [0, 0])
+            entry = by_pair.setdefault((last_name, name), [0, 0, [], []])
             entry[0] += 1
             entry[1] += start - busy_until
+            if launch is not None:
+                entry[2].append(launch[0] - busy_until)
+                entry[3].append(start - launch[1])
         if end > busy_until:
             busy_until, last_name = end, name
     copy_spans: dict[str, list] = {}
@@ -302,9 +313,24 @@ def device_idle(kernels, copies=(), top: int = 10) -> dict:
         idle_ms=round(sum(end - start for start, end in gaps) / 1e6, 3),
         span_ms=round((busy_until - spans[0][0]) / 1e6, 3),
         idle_during_copies_ms=during_copies,
-        idle_between=[dict(after=after, before=before, times=times, ms=round(ns / 1e6, 3))
-                      for (after, before), (times, ns) in worst],
+        idle_between=[dict(after=after, before=before, times=times, ms=round(ns / 1e6, 3),
+                           **_launch_timing(late, after_call))
+                      for (after, before), (times, ns, late, after_call) in worst],
     )
+
+
+def _launch_of(kernel, launches: dict | None):
+    """(start, end) ns of the host call that launched `kernel`, where `launches` has it."""
+    if not launches:
+        return None
+    return launches.get(kernel.correlation_id())
+
+
+def _launch_timing(late: list[int], after_call: list[int]) -> dict:
+    if not late:
+        return {}
+    return dict(host_late_us=round(sum(late) / len(late) / 1e3, 1),
+                after_call_us=round(sum(after_call) / len(after_call) / 1e3, 1))
 
 
 def _overlap_ns(gap: tuple[int, int], spans: list[tuple[int, int]]) -> int:

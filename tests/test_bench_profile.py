@@ -15,6 +15,10 @@ class Event:
     label: str
     start: int
     end: int
+    correlation: int = 0
+
+    def correlation_id(self):
+        return self.correlation
 
     def name(self):
         return self.label
@@ -56,3 +60,19 @@ def test_device_idle_of_back_to_back_kernels_is_zero():
     out = device_idle(kernels)
     assert out["idle_ms"] == 0 and out["idle_between"] == [] and out["span_ms"] == 0.0
     assert device_idle([]) == {"idle_ms": None}
+
+
+def test_device_idle_says_when_the_host_launched_what_ended_a_gap():
+    """A gap's kernel whose launch call began after the device went idle (the host set the pace), and one whose
+    call came well before (the device's own delay): the means per pair of kernels."""
+    kernels = [
+        Event("copy", 0, 1_000), Event("graph", 5_000, 6_000, correlation=7),  # called at 3 us, returned at 4.5
+        Event("copy", 6_000, 7_000), Event("graph", 9_000, 10_000, correlation=8),  # called at 7 us, returned at 7.9
+        Event("norm", 12_000, 13_000, correlation=9),  # launched long before the gap
+    ]
+    launches = {7: (3_000, 4_500), 8: (7_000, 7_900), 9: (100, 200)}
+    out = device_idle(kernels, launches=launches)
+    assert out["idle_between"] == [
+        dict(after="copy", before="graph", times=2, ms=0.006, host_late_us=1.0, after_call_us=0.8),
+        dict(after="graph", before="norm", times=1, ms=0.002, host_late_us=-9.9, after_call_us=11.8),
+    ]
