@@ -230,6 +230,17 @@ def worker_failure(returncode: int) -> str:
     return "timed out" if worker_timed_out(returncode) else f"exited with {returncode}"
 
 
+def timed_row(fn, device: torch.device, moved_bytes: float, bandwidth_gbps: float, **keys) -> dict:
+    """`keys` with the device time of `fn` (`graph_ms` on a GPU, else `bench_ms`) in us, the rate at which it
+    moves `moved_bytes` and that rate's fraction of the copy bandwidth; the keys alone where no time came."""
+    ms = graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
+    row = dict(keys)
+    if ms is not None:
+        row.update(us=round(1e3 * ms, 2), gb_per_s=round(moved_bytes / ms / 1e6, 1),
+                   copy_fraction=round(moved_bytes / ms / 1e6 / bandwidth_gbps, 3))
+    return row
+
+
 def worker_timed_out(returncode: int) -> bool:
     return returncode in (-9, 137)
 

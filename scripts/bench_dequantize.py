@@ -31,16 +31,15 @@ import sys
 import torch
 from bench_common import (
     bench_device,
-    bench_ms,
     copy_bandwidth_gbps,
     environment,
-    graph_ms,
     markdown_table,
     report_unknown,
+    timed_row,
     write_json,
 )
 from bench_generate import SHAPES, nf4_bytes
-from bench_nf4_matvec import nf4_weight, projection_shapes
+from bench_nf4_matvec import nf4_weight, per_token, projection_shapes
 
 # variant -> `unsloth_lite.kernels.dequantize_nf4` settings it runs with
 OPTIONS = {
@@ -92,26 +91,8 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
         for variant in variants:
             with dequantize_settings(OPTIONS.get(variant, {})):
                 fn = variant_fn(variant, weight)
-                ms = graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
-            row = dict(out=n_out, **{"in": n_in}, variant=variant)
-            if ms is not None:
-                row.update(us=round(1e3 * ms, 2), gb_per_s=round(moved / ms / 1e6, 1),
-                           copy_fraction=round(moved / ms / 1e6 / bandwidth, 3))
-            rows.append(row)
+                rows.append(timed_row(fn, device, moved, bandwidth, out=n_out, **{"in": n_in}, variant=variant))
     return rows
-
-
-def per_pass(rows: list[dict], shapes: list[str], variants: list[str], tiny: bool) -> list[dict]:
-    times = {(r["out"], r["in"], r["variant"]): r.get("us") for r in rows}
-    totals = []
-    for shape in shapes:
-        for variant in variants:
-            parts = [(count, times[(n_out, n_in, variant)])
-                     for (n_out, n_in), count in projection_shapes(shape, tiny).items()]
-            if all(us is not None for _, us in parts):
-                totals.append(dict(model=shape, variant=variant,
-                                   ms_per_pass=round(sum(count * us for count, us in parts) / 1e3, 3)))
-    return totals
 
 
 def main(argv=None) -> int:
@@ -130,7 +111,7 @@ def main(argv=None) -> int:
         return 2
     bandwidth = copy_bandwidth_gbps(device, 0.25 if args.tiny else 4.0)
     rows = measure(shapes, variants, device, args.tiny, bandwidth)
-    totals = per_pass(rows, shapes, variants, args.tiny)
+    totals = per_token(rows, shapes, variants, args.tiny, column="ms_per_pass")
     print(f"copy bandwidth {bandwidth:.0f} GB/s; device times")
     print(markdown_table(rows, ["out", "in", "variant", "us", "gb_per_s", "copy_fraction"]))
     print(markdown_table(totals, ["model", "variant", "ms_per_pass"]))

@@ -42,6 +42,7 @@ from bench_common import (
     graph_ms,
     markdown_table,
     report_unknown,
+    timed_row,
     write_json,
 )
 from bench_generate import SHAPES, nf4_bytes, shape_config
@@ -111,12 +112,7 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
             moved = absmax_bytes(n_out * n_in) + x.element_size() * (n_in + n_out)
             with torch.no_grad():
                 fn = variant_fn(variant, x, flat if variant == FLAT_ABSMAX else weight)
-                ms = graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
-            row = dict(out=n_out, **{"in": n_in}, variant=variant)
-            if ms is not None:
-                row.update(us=round(1e3 * ms, 2), gb_per_s=round(moved / ms / 1e6, 1),
-                           copy_fraction=round(moved / ms / 1e6 / bandwidth, 3))
-            rows.append(row)
+                rows.append(timed_row(fn, device, moved, bandwidth, out=n_out, **{"in": n_in}, variant=variant))
     return rows
 
 
@@ -166,7 +162,10 @@ def sweep_tiles(shapes: list[str], device, tiny: bool, chosen_only: bool = False
     return rows
 
 
-def per_token(rows: list[dict], shapes: list[str], variants: list[str], tiny: bool) -> list[dict]:
+def per_token(rows: list[dict], shapes: list[str], variants: list[str], tiny: bool,
+              column: str = "ms_per_token") -> list[dict]:
+    """Per model and variant, the sum over its decoder projections of each shape's time (`us` of `rows`) times
+    the number of such linears, in ms under `column`; models missing a shape's time are left out."""
     times = {(r["out"], r["in"], r["variant"]): r.get("us") for r in rows}
     totals = []
     for shape in shapes:
@@ -174,8 +173,8 @@ def per_token(rows: list[dict], shapes: list[str], variants: list[str], tiny: bo
             parts = [(count, times[(n_out, n_in, variant)])
                      for (n_out, n_in), count in projection_shapes(shape, tiny).items()]
             if all(us is not None for _, us in parts):
-                totals.append(dict(model=shape, variant=variant,
-                                   ms_per_token=round(sum(count * us for count, us in parts) / 1e3, 3)))
+                totals.append({"model": shape, "variant": variant,
+                               column: round(sum(count * us for count, us in parts) / 1e3, 3)})
     return totals
 
 
