@@ -21,6 +21,7 @@ step tests python -m pytest -q -n 8 -p no:cacheprovider tests
 step kernels python scripts/bench_kernels.py --out "$out/bench_kernels.json"
 step sweep python scripts/bench_sweep.py --out "$out/bench_sweep.json"
 step loss python scripts/bench_loss.py --out "$out/bench_loss.json"
+step dequantize python scripts/bench_dequantize.py --out "$out/bench_dequantize.json"
 step train python scripts/bench_train.py ${unsloth_site:+--unsloth-site "$unsloth_site"} --out "$out/bench_train.json"
 step packing python scripts/bench_packing.py ${unsloth_site:+--unsloth-site "$unsloth_site"} --epoch \
     --out "$out/bench_packing_w4.json"
