@@ -273,7 +273,7 @@ def kernel_profile(prof, top: int = TOP_KERNELS) -> dict:
     copies = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA
               and e.name().startswith("Memcpy")]
     # the host's launch calls (cudaLaunchKernel, cudaGraphLaunch, ...) by the correlation id their kernels carry
-    launches = {e.correlation_id(): (e.start_ns(), e.end_ns()) for e in events
+    launches = {e.correlation_id(): (e.start_ns(), e.end_ns(), e.start_thread_id()) for e in events
                 if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith("cu")
                 and e.correlation_id()}
     out.update(device_idle(kernels, copies, launches=launches))
@@ -293,15 +293,21 @@ def device_idle(kernels, copies=(), top: int = 10, launches: dict | None = None)
     first two words of their names, e.g. "Memcpy DtoD": a device-to-device copy occupies the device's memory
     as a kernel would; the offload's copies to and from the host run beside kernels); and the `top` pairs
     (kernel that ended, kernel that started next) by the idle time between them, with how often each occurred.
-    Events need `name()`, `start_ns()` and `end_ns()`. With `launches` (correlation id -> (start, end) ns of the
-    host call that launched the kernel, `correlation_id()` of each kernel; a graph's kernels carry its
-    launch's), each pair also gets `host_late_us`, the mean time from the gap's start to the start of the host
-    call that launched the kernel ending it (positive: the host had not yet called it when the device went
-    idle, so the host set the pace), and `after_call_us`, the mean from that call's end to the kernel's start."""
+    Events need `name()`, `start_ns()` and `end_ns()`. With `launches` (correlation id -> (start, end) ns and
+    thread of the host call that launched the kernel, `correlation_id()` of each kernel; a graph's kernels carry
+    its launch's), each pair also gets `host_late_us`, the mean time from the gap's start to the start of the
+    host call that launched the kernel ending it (positive: the host had not yet called it when the device went
+    idle, so the host set the pace), and `after_call_us`, the mean from that call's end to the kernel's start;
+    and `idle_by_launching_thread_ms` splits the idle time by the thread that launched each gap's ending kernel,
+    in the order the threads first launched one (a training step: the forward's thread, then the autograd
+    engine's, which runs the backward)."""
     spans = sorted((e.start_ns(), e.end_ns(), e.name()[:80], _launch_of(e, launches)) for e in kernels)
     if not spans:
         return dict(idle_ms=None)
-    gaps, by_pair = [], {}
+    gaps, by_pair, by_thread = [], {}, {}
+    for *_, launch in spans:  # threads in the order they first launched a kernel
+        if launch is not None:
+            by_thread.setdefault(launch[2], 0)
     busy_until, last_name = spans[0][1], spans[0][2]
     for start, end, name, launch in spans[1:]:
         if start > busy_until:
@@ -312,6 +318,7 @@ def device_idle(kernels, copies=(), top: int = 10, launches: dict | None = None)
             if launch is not None:
                 entry[2].append(launch[0] - busy_until)
                 entry[3].append(start - launch[1])
+                by_thread[launch[2]] += start - busy_until
         if end > busy_until:
             busy_until, last_name = end, name
     copy_spans: dict[str, list] = {}
@@ -327,6 +334,7 @@ def device_idle(kernels, copies=(), top: int = 10, launches: dict | None = None)
         idle_between=[dict(after=after, before=before, times=times, ms=round(ns / 1e6, 3),
                            **_launch_timing(late, after_call))
                       for (after, before), (times, ns, late, after_call) in worst],
+        **({"idle_by_launching_thread_ms": [round(ns / 1e6, 3) for ns in by_thread.values()]} if by_thread else {}),
     )
 
 

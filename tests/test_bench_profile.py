@@ -70,9 +70,10 @@ def test_device_idle_says_when_the_host_launched_what_ended_a_gap():
         Event("copy", 6_000, 7_000), Event("graph", 9_000, 10_000, correlation=8),  # called at 7 us, returned at 7.9
         Event("norm", 12_000, 13_000, correlation=9),  # launched long before the gap
     ]
-    launches = {7: (3_000, 4_500), 8: (7_000, 7_900), 9: (100, 200)}
+    launches = {7: (3_000, 4_500, 11), 8: (7_000, 7_900, 11), 9: (100, 200, 12)}  # the last from another thread
     out = device_idle(kernels, launches=launches)
     assert out["idle_between"] == [
         dict(after="copy", before="graph", times=2, ms=0.006, host_late_us=1.0, after_call_us=0.8),
         dict(after="graph", before="norm", times=1, ms=0.002, host_late_us=-9.9, after_call_us=11.8),
     ]
+    assert out["idle_by_launching_thread_ms"] == [0.006, 0.002]  # thread 11 launched first
