@@ -79,6 +79,17 @@ def bench_ms(fn, device: torch.device, warmup_ms: int = 25, rep_ms: int = 200) -
     return (time.perf_counter() - start) * 1e3
 
 
+def timed_row(fn, device: torch.device, moved_bytes: float, bandwidth_gbps: float, **keys) -> dict:
+    """`keys` with the device time of `fn` (`graph_ms` on a GPU, else `bench_ms`) in us, the rate at which it
+    moves `moved_bytes` and that rate's fraction of the copy bandwidth; the keys alone where no time came."""
+    ms = graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
+    row = dict(keys)
+    if ms is not None:
+        row.update(us=round(1e3 * ms, 2), gb_per_s=round(moved_bytes / ms / 1e6, 1),
+                   copy_fraction=round(moved_bytes / ms / 1e6 / bandwidth_gbps, 3))
+    return row
+
+
 def graph_ms(fn, device: torch.device) -> float | None:
     """Device time of `fn` alone: its kernels captured in a CUDA graph and replayed, so the host's launch
     overhead drops out. None where the graph can't be captured (or on CPU)."""
@@ -228,17 +239,6 @@ def run_worker_process(cmd: list[str], env: dict, cwd, result_prefix: str, timeo
 def worker_failure(returncode: int) -> str:
     """Why a worker of `run_worker_process` left no result: killed at its timeout (SIGKILL), or its exit code."""
     return "timed out" if worker_timed_out(returncode) else f"exited with {returncode}"
-
-
-def timed_row(fn, device: torch.device, moved_bytes: float, bandwidth_gbps: float, **keys) -> dict:
-    """`keys` with the device time of `fn` (`graph_ms` on a GPU, else `bench_ms`) in us, the rate at which it
-    moves `moved_bytes` and that rate's fraction of the copy bandwidth; the keys alone where no time came."""
-    ms = graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
-    row = dict(keys)
-    if ms is not None:
-        row.update(us=round(1e3 * ms, 2), gb_per_s=round(moved_bytes / ms / 1e6, 1),
-                   copy_fraction=round(moved_bytes / ms / 1e6 / bandwidth_gbps, 3))
-    return row
 
 
 def worker_timed_out(returncode: int) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import sys
 
 import torch
@@ -55,8 +56,6 @@ TINY_VARIANTS = tuple(OPTIONS)
 def dequantize_settings(settings: dict):
     """`dequantize_nf4`'s module settings changed for the duration (its cached launches, which hold them,
     dropped before and after)."""
-    import importlib
-
     module = importlib.import_module("unsloth_lite.kernels.dequantize_nf4")
     saved = {name: getattr(module, name) for name in settings}
     module._LAUNCHES.clear()
@@ -87,7 +86,7 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
     for n_out, n_in in sorted({key for c in counts.values() for key in c}):
         weight = nf4_weight(n_out, n_in, device, dtype)
         n = n_out * n_in
-        moved = nf4_bytes(n) + n * torch.tensor([], dtype=dtype).element_size()
+        moved = nf4_bytes(n) + n * dtype.itemsize
         for variant in variants:
             with dequantize_settings(OPTIONS.get(variant, {})):
                 fn = variant_fn(variant, weight)

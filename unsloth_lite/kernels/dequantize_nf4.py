@@ -42,8 +42,8 @@ from unsloth_lite.kernels.utils import INTERPRET, check_kernel_device, empty
 
 # Output elements per program; a program covers max(1, TILE_ELEMENTS // blocksize) quantization blocks.
 TILE_ELEMENTS = 4096
-# How `dequantize_nf4`'s kernel maps codes to values (`nf4_codes._nf4_codes`): "registers" (`prmt`, the exact fp32
-# codes; compiled only) or "code_book" (a load a weight from the 16 fp32 codes, one cache line).
+# How `dequantize_nf4`'s kernel maps codes to values (`nf4_codes._nf4_codes`): "code_book" (a load a weight from
+# the 16 fp32 codes, one cache line) or "pairs" (a load a byte from the 256-entry table of value pairs).
 LOOKUP = "code_book"
 # 16-bit outputs written as one 32-bit word per packed byte (`_dequantize_nf4`'s PAIRED) rather than interleaved.
 PAIRED_STORE = True
@@ -77,13 +77,10 @@ def _block_absmax(
 
 
 @triton.jit
-def _output_bits(values, out_ptr):
-    """The 16-bit patterns of `values` rounded to `out_ptr`'s 16-bit dtype, as uint32."""
+def _to_output_dtype(values, out_ptr):
     if out_ptr.dtype.element_ty == tl.bfloat16:
-        rounded = _fp32_to_bf16_rne(values)
-    else:
-        rounded = values.to(tl.float16)
-    return rounded.to(tl.uint16, bitcast=True).to(tl.uint32)
+        return _fp32_to_bf16_rne(values)
+    return values.to(out_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -97,14 +94,9 @@ def _output_pairs(even, odd, out_ptr, CONVERT: tl.constexpr):
                                              dtype=tl.uint32, is_pure=True, pack=1)
         return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd],
                                          dtype=tl.uint32, is_pure=True, pack=1)
-    return _output_bits(even, out_ptr) | (_output_bits(odd, out_ptr) << 16)
-
-
-@triton.jit
-def _to_output_dtype(values, out_ptr):
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        return _fp32_to_bf16_rne(values)
-    return values.to(out_ptr.dtype.element_ty)
+    even_bits = _to_output_dtype(even, out_ptr).to(tl.uint16, bitcast=True).to(tl.uint32)
+    odd_bits = _to_output_dtype(odd, out_ptr).to(tl.uint16, bitcast=True).to(tl.uint32)
+    return even_bits | (odd_bits << 16)
 
 
 def _dequantize_nf4(
@@ -115,7 +107,7 @@ def _dequantize_nf4(
     HALF_BLOCK: tl.constexpr, ROWS: tl.constexpr, NESTED: tl.constexpr, LOOKUP: tl.constexpr, PAIRED: tl.constexpr,
     CONVERT: tl.constexpr,
 ):
-    """LOOKUP: how codes become values (`nf4_codes._nf4_codes`: 0 in registers, 2 from the code book). PAIRED
+    """LOOKUP: how codes become values (the index of `nf4_codes.LOOKUPS`: pairs or code book). PAIRED
     (16-bit outputs, an even element count): each byte's two weights are stored as one 32-bit word, so the tile
     is written in the packed bytes' own layout, with no interleaving of the two nibbles' values."""
     # Quantization blocks of this program, counted from `first_block` (0 for the whole weight; a range of
@@ -336,7 +328,7 @@ def _launch(weight, quant_state) -> _Launch:
         dequantize_inputs=(packed, qs.absmax, table, *nested),
         meta=dict(
             HALF_BLOCK=blocksize // 2, ROWS=rows, NESTED=bool(qs.nested), num_warps=4, enable_fp_fusion=False,
-            LOOKUP=LOOKUPS.index("code_book" if LOOKUP == "registers" and INTERPRET else LOOKUP),
+            LOOKUP=LOOKUPS.index(LOOKUP),
             PAIRED=PAIRED_STORE and qs.dtype != torch.float32 and n_elements % 2 == 0, CONVERT=not INTERPRET,
         ),
         kernel=(

@@ -89,8 +89,7 @@ class _KeptSet:
     """Static buffers for a layer's kept residual and MLP (gate, up) pre-activations, which the layers that take
     this set share, and the event after which nothing reads them any more (module docstring)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self):
         self.residual: torch.Tensor | None = None
         self.preactivations: dict = {}  # (MLP index, 0 gate / 1 up, shape, dtype) -> buffer
         self.free: torch.cuda.Event | None = None
@@ -180,7 +179,7 @@ class _LayerGraphs:
     @classmethod
     def _take_kept_set(cls, shared_key, like: torch.Tensor) -> _KeptSet:
         """The next of the shape's KEPT_SETS sets, in turn (layers are captured in order)."""
-        sets, taken = cls._KEPT_SETS.get(shared_key) or ([_KeptSet(like.device) for _ in range(KEPT_SETS)], 0)
+        sets, taken = cls._KEPT_SETS.get(shared_key) or ([_KeptSet() for _ in range(KEPT_SETS)], 0)
         cls._KEPT_SETS[shared_key] = (sets, taken + 1)
         kept = sets[taken % len(sets)]
         if kept.residual is None:
