@@ -29,7 +29,8 @@ def report_unknown(kind: str, chosen, known) -> bool:
     return bool(unknown)
 
 
-KEPT_MLP_KEYS = {"keep": "keep_mlp_preactivations", "gpu": "mlp_preactivations_on_gpu"}
+KEPT_MLP_KEYS = {"keep": "keep_mlp_preactivations", "gpu": "mlp_preactivations_on_gpu", "sets": "kept_sets",
+                 "lead": "offload_lead"}
 
 
 def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
@@ -42,21 +43,39 @@ def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
 def kept_mlp_options(variant: str) -> tuple[str, dict]:
     """A variant name and the checkpointing options of its `@` suffix: ("unsloth_lite_kept_mlp",
     {"keep_mlp_preactivations": 48, "mlp_preactivations_on_gpu": 8}) of "unsloth_lite_kept_mlp@keep=48/gpu=8"
-    (48 layers keep their MLP pre-activations, 8 of them on the GPU); a kept_mlp variant without a suffix keeps
+    (48 layers keep their MLP pre-activations, 8 of them on the GPU; `sets=S`, `lead=L`: see
+    `apply_kept_sets`); a kept_mlp variant without a suffix keeps
     them in every checkpointed layer, offloaded ({"keep_mlp_preactivations": True}); others keep none ({}).
     Raises ValueError for a suffix on another variant or an unknown key."""
     name, _, suffix = variant.partition("@")
     if "kept_mlp" not in name:
         if suffix:
-            raise ValueError(f"{variant}: only the kept_mlp variants take '@keep=N/gpu=G'")
+            raise ValueError(f"{variant}: only the kept_mlp variants take '@keep=N/gpu=G/sets=S/lead=L'")
         return name, {}
     options = {"keep_mlp_preactivations": True}
     for item in filter(None, suffix.split("/")):
         key, _, value = item.partition("=")
         if key not in KEPT_MLP_KEYS or not value.isdigit():
-            raise ValueError(f"{variant}: expected '@keep=N/gpu=G' (whole numbers), got {item!r}")
+            raise ValueError(f"{variant}: expected '@keep=N/gpu=G/sets=S/lead=L' (whole numbers), got {item!r}")
         options[KEPT_MLP_KEYS[key]] = int(value)
     return name, options
+
+
+def apply_kept_sets(options: dict) -> dict:
+    """`options` without "kept_sets" and "offload_lead" (a variant's `@sets=S`, `@lead=L`), which become this
+    worker's `layer_graphs.KEPT_SETS` (the graphed layers' sets of kept-tensor buffers) and
+    `checkpointing.MAX_PENDING_OFFLOADS` (offloads the host may queue ahead), so that one run compares them."""
+    from unsloth_lite.training import checkpointing, layer_graphs
+
+    options = dict(options)
+    for key, module, name in (("kept_sets", layer_graphs, "KEPT_SETS"),
+                              ("offload_lead", checkpointing, "MAX_PENDING_OFFLOADS")):
+        value = options.pop(key, None)
+        if value is not None:
+            if value < 1:
+                raise ValueError(f"{key}={value}: at least 1")
+            setattr(module, name, value)
+    return options
 
 
 def drop_missing_unsloth(variants: list[str], chosen: bool, unsloth_site: str | None) -> list[str]:
@@ -245,7 +264,7 @@ def worker_timed_out(returncode: int) -> bool:
     return returncode in (-9, 137)
 
 
-TOP_KERNELS = 15
+TOP_KERNELS = 40
 
 
 def kernel_profile(prof, top: int = TOP_KERNELS) -> dict:

@@ -18,7 +18,8 @@ and the first-step losses must agree (within bf16 rounding; LoRA B starts at zer
 overhead included (what bounds batch 1). Then, unless `--no-profile`, one more step under `torch.profiler`
 counts the CUDA kernels launched and their summed time (`gpu_busy` = that time over the mean step time), and
 lists the kernels that take the most of it (`top_kernels`) and the host-side calls with the most self CPU
-time (`top_host_ops`: CUDA runtime calls; with `--host-profile` also PyTorch ops and autograd Functions).
+time (`top_host_ops`: CUDA runtime calls; with `--host-profile` also PyTorch ops and autograd Functions); and
+one more with its forward and backward profiled apart (`passes`: each pass's kernel and idle time).
 
 Columns: `tokens_per_s` = batch x seq / mean step time; `load_gib`, GPU memory allocated once the model and its
 adapters are loaded; `peak_gib`, `torch.cuda.max_memory_allocated()` from then through the last timed step
@@ -54,6 +55,7 @@ from pathlib import Path
 
 import torch
 from bench_common import (
+    apply_kept_sets,
     bench_device,
     environment,
     kept_mlp_options,
@@ -101,6 +103,7 @@ def load(args, device, dtype) -> tuple:
     """(model, optimizer, info) of the worker's variant."""
     start = time.perf_counter()
     loader, options = kept_mlp_options(args.worker)
+    options = apply_kept_sets(options)
     if args.uncheckpointed_layers and loader.startswith("unsloth_lite"):
         options["uncheckpointed_layers"] = args.uncheckpointed_layers
     model, info = LOADERS[loader](args.checkpoint, device, dtype, args.seq, **options)
@@ -362,8 +365,17 @@ def main(argv=None) -> int:
         if row.get("top_kernels"):
             print(f"device time by kernel, {row['variant']} b{row['batch']} (of {row['kernel_ms']:.0f} ms): "
                   + "; ".join(f"{k['ms']:.1f} ms {k['calls']}x {k['name'][:60]}" for k in row["top_kernels"]))
+        print_passes(row, f"{row['variant']} b{row['batch']}")
     write_json(args.out, dict(payload, results=rows))
     return 0
+
+
+def print_passes(row: dict, label: str) -> None:
+    """The profile's forward and backward apart (`train_timing.profile_passes`), where the row has them."""
+    for name, summary in (row.get("passes") or {}).items():
+        if summary.get("kernel_ms") is not None:
+            print(f"{name}, {label}: kernels {summary['kernel_ms']:.1f} ms, idle {summary['idle_ms']} ms of a "
+                  f"{summary['span_ms']} ms span, idle while copies ran {summary['idle_during_copies_ms']}")
 
 
 if __name__ == "__main__":

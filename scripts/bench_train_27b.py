@@ -34,7 +34,9 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
   `unsloth_lite_nf4_embeddings_graphs_kept_mlp`: with `keep_mlp_preactivations=True` (each checkpoint keeps its
   MLP's gate and up outputs, offloaded with its input: the recomputation skips their products). A suffix
   `@keep=N/gpu=G` keeps them in N of the checkpointed layers only, spread evenly, G of those in GPU memory
-  (`keep_mlp_preactivations=N`, `mlp_preactivations_on_gpu=G`), so one run compares several placements.
+  (`keep_mlp_preactivations=N`, `mlp_preactivations_on_gpu=G`), so one run compares several placements; `sets=S`
+  (with graphs) gives the graphed layers S sets of kept-tensor buffers (`layer_graphs.KEPT_SETS`, default 2),
+  `lead=L` lets the host queue L offloads ahead (`checkpointing.MAX_PENDING_OFFLOADS`, default 2).
 - Any unsloth_lite variant with a suffix `:N` (after any `@...`): its last N decoder layers not checkpointed
   (`--uncheckpointed-layers N` for the unsuffixed ones), so one run compares several N.
 - `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same
@@ -66,6 +68,7 @@ from pathlib import Path
 
 import torch
 from bench_common import (
+    apply_kept_sets,
     bench_device,
     drop_missing_unsloth,
     environment,
@@ -79,7 +82,7 @@ from bench_common import (
     worker_failure,
     write_json,
 )
-from bench_train import worker_env
+from bench_train import print_passes, worker_env
 from bench_train_setup import SEQ_MULTIPLE, _checkpointed_layers, load_unsloth
 from random_checkpoint import write_checkpoint_in_shards
 from train_timing import _error, measure, one_step_probe, search_max_seq
@@ -186,7 +189,8 @@ def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_li
     model = unsloth_lite.add_lora(unsloth_lite.patch_model(model), r=LORA_R, lora_alpha=LORA_ALPHA,
                                   target_modules=targets)
     enable_gradient_checkpointing(model, offload_to_cpu=device.type == "cuda", cuda_graphs="graphs" in variant,
-                                  uncheckpointed_layers=uncheckpointed_layers or 0, **kept_mlp_options(variant)[1])
+                                  uncheckpointed_layers=uncheckpointed_layers or 0,
+                                  **apply_kept_sets(kept_mlp_options(variant)[1]))
     return model
 
 
@@ -365,7 +369,8 @@ def parse_args(argv=None):
                         help="one more step with the allocator's history: live blocks at its peak, by site")
     parser.add_argument("--profile", action="store_true",
                         help="one more step under torch.profiler: the kernels with the most device time, and the "
-                             "device's time without a kernel, by the kernels around it (GPU only)")
+                             "device's time without a kernel, by the kernels around it; then one more with its "
+                             "forward and backward profiled apart (GPU only)")
     parser.add_argument("--max-seq", action="store_true", help="longest batch-1 sequence within --memory-cap-gib")
     parser.add_argument("--memory-cap-gib", type=float, default=24.0, help="--max-seq: the GPU memory cap")
     parser.add_argument("--max-probes", type=int, default=8, help="--max-seq: probes per variant")
@@ -453,6 +458,8 @@ def main(argv=None) -> int:
     if args.max_seq:
         columns = ["variant", "max_seq", "first_failure", "memory_cap_gib", "load_gib", "error"]
     print(markdown_table(summary(), columns))
+    for row in rows:
+        print_passes(row, row["variant"])
     return 0
 
 

@@ -69,11 +69,42 @@ def measure(args, model, optimizer, device, batch: int, seq: int, vocab: int, wa
             step(batches[-1])
             _sync(device)
         out.update(kernel_profile(prof))
+        ids = batches[-1]
+        out["passes"] = profile_passes(lambda: model(input_ids=ids, labels=ids).loss, device, activities)
+        optimizer.zero_grad(set_to_none=True)
     losses = [float(loss) for loss in losses]
     out.update(
         step_s=sum(times) / len(times) if times else None, step_s_min=min(times, default=None),
         step_s_max=max(times, default=None), first_loss=losses[0] if losses else None, losses=losses,
     )
+    return out
+
+
+PASS_FIELDS = ("kernel_ms", "idle_ms", "span_ms", "idle_during_copies_ms")
+
+
+def profile_passes(forward, device, activities, top_gaps: int = 3) -> dict:
+    """One more step's forward (`forward()`, returning the loss) and backward, each profiled apart with the
+    device synchronised between them: per pass its kernel time, idle time, span, idle while copies ran and the
+    `top_gaps` costliest gaps (`bench_common.device_idle`), so that a step's idle time is placed in the pass
+    that waits. (The synchronisation takes away the overlap of the forward's last copies with the backward's
+    start: the passes' spans add up to a little more than a step.)"""
+    from torch.profiler import profile as profiler
+
+    passes = {}
+    with profiler(activities=activities) as prof:
+        loss = forward()
+        _sync(device)
+    passes["forward"] = prof
+    with profiler(activities=activities) as prof:
+        loss.backward()
+        _sync(device)
+    passes["backward"] = prof
+    out = {}
+    for name, prof in passes.items():
+        summary = kernel_profile(prof)
+        out[name] = {key: summary.get(key) for key in PASS_FIELDS}
+        out[name]["idle_between"] = summary.get("idle_between", [])[:top_gaps]
     return out
 
 

@@ -77,3 +77,24 @@ def test_device_idle_says_when_the_host_launched_what_ended_a_gap():
         dict(after="graph", before="norm", times=1, ms=0.002, host_late_us=-9.9, after_call_us=11.8),
     ]
     assert out["idle_by_launching_thread_ms"] == [0.006, 0.002]  # thread 11 launched first
+
+
+def test_profile_passes_profiles_forward_then_backward_apart():
+    """Each pass gets its own summary; the forward's loss is what the backward back-propagates."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from train_timing import PASS_FIELDS, profile_passes
+
+    weight = torch.randn(8, 8, requires_grad=True)
+    calls = []
+
+    def forward():
+        calls.append("forward")
+        return (torch.randn(4, 8) @ weight).square().mean()
+
+    passes = profile_passes(forward, torch.device("cpu"), [ProfilerActivity.CPU])
+    assert list(passes) == ["forward", "backward"] and calls == ["forward"]
+    assert weight.grad is not None and torch.isfinite(weight.grad).all() and weight.grad.abs().sum() > 0
+    for summary in passes.values():
+        assert set(PASS_FIELDS) <= set(summary) and summary["kernel_ms"] == 0  # no device: no kernels
+        assert summary["idle_between"] == []

@@ -309,7 +309,7 @@ def bench_packing():
     return importlib.import_module("bench_packing")
 
 
-def test_variant_suffixes_name_checkpointing_options():
+def test_variant_suffixes_name_checkpointing_options(monkeypatch):
     """`@keep=N/gpu=G` (kept MLP pre-activations in N layers, G on the GPU) and `:L` (uncheckpointed layers)."""
     bp = bench_packing()
     from bench_common import kept_mlp_options
@@ -321,6 +321,17 @@ def test_variant_suffixes_name_checkpointing_options():
     assert kept_mlp_options("unsloth_lite_kept_mlp@gpu=4") == (
         "unsloth_lite_kept_mlp", {"keep_mlp_preactivations": True, "mlp_preactivations_on_gpu": 4})
     assert kept_mlp_options("unsloth") == ("unsloth", {})
+    name, options = kept_mlp_options("unsloth_lite_graphs_kept_mlp@sets=3/lead=4")
+    assert options == {"keep_mlp_preactivations": True, "kept_sets": 3, "offload_lead": 4}
+    from bench_common import apply_kept_sets
+    from unsloth_lite.training import checkpointing, layer_graphs
+
+    monkeypatch.setattr(layer_graphs, "KEPT_SETS", layer_graphs.KEPT_SETS)  # restored after the test
+    monkeypatch.setattr(checkpointing, "MAX_PENDING_OFFLOADS", checkpointing.MAX_PENDING_OFFLOADS)
+    assert apply_kept_sets(options) == {"keep_mlp_preactivations": True}
+    assert (layer_graphs.KEPT_SETS, checkpointing.MAX_PENDING_OFFLOADS) == (3, 4)
+    with pytest.raises(ValueError, match="kept_sets=0"):
+        apply_kept_sets({"kept_sets": 0})
     for bad in ("unsloth_lite@keep=4", "unsloth_lite_kept_mlp@keep=four", "unsloth_lite_kept_mlp@layers=4"):
         with pytest.raises(ValueError, match="@keep=N/gpu=G"):
             kept_mlp_options(bad)
