@@ -30,7 +30,7 @@ def report_unknown(kind: str, chosen, known) -> bool:
 
 
 KEPT_MLP_KEYS = {"keep": "keep_mlp_preactivations", "gpu": "mlp_preactivations_on_gpu", "sets": "kept_sets",
-                 "lead": "offload_lead"}
+                 "lead": "offload_lead", "gather": "device_gather"}
 
 
 def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
@@ -43,38 +43,43 @@ def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
 def kept_mlp_options(variant: str) -> tuple[str, dict]:
     """A variant name and the checkpointing options of its `@` suffix: ("unsloth_lite_kept_mlp",
     {"keep_mlp_preactivations": 48, "mlp_preactivations_on_gpu": 8}) of "unsloth_lite_kept_mlp@keep=48/gpu=8"
-    (48 layers keep their MLP pre-activations, 8 of them on the GPU; `sets=S`, `lead=L`: see
-    `apply_kept_sets`); a kept_mlp variant without a suffix keeps
+    (48 layers keep their MLP pre-activations, 8 of them on the GPU; `sets=S`, `lead=L`, `gather=G`:
+    see `apply_module_settings`); a kept_mlp variant without a suffix keeps
     them in every checkpointed layer, offloaded ({"keep_mlp_preactivations": True}); others keep none ({}).
     Raises ValueError for a suffix on another variant or an unknown key."""
     name, _, suffix = variant.partition("@")
     if "kept_mlp" not in name:
         if suffix:
-            raise ValueError(f"{variant}: only the kept_mlp variants take '@keep=N/gpu=G/sets=S/lead=L'")
+            raise ValueError(f"{variant}: only the kept_mlp variants take '@keep=N/gpu=G/sets=S/lead=L/gather=0|1'")
         return name, {}
     options = {"keep_mlp_preactivations": True}
     for item in filter(None, suffix.split("/")):
         key, _, value = item.partition("=")
         if key not in KEPT_MLP_KEYS or not value.isdigit():
-            raise ValueError(f"{variant}: expected '@keep=N/gpu=G/sets=S/lead=L' (whole numbers), got {item!r}")
+            raise ValueError(f"{variant}: expected '@keep=N/gpu=G/sets=S/lead=L/gather=0|1' (whole numbers), "
+                             f"got {item!r}")
         options[KEPT_MLP_KEYS[key]] = int(value)
     return name, options
 
 
-def apply_kept_sets(options: dict) -> dict:
-    """`options` without "kept_sets" and "offload_lead" (a variant's `@sets=S`, `@lead=L`), which become this
-    worker's `layer_graphs.KEPT_SETS` (the graphed layers' sets of kept-tensor buffers) and
-    `checkpointing.MAX_PENDING_OFFLOADS` (offloads the host may queue ahead), so that one run compares them."""
+def apply_module_settings(options: dict) -> dict:
+    """`options` without the module settings a variant's `@` suffix may carry, which it sets in this worker so
+    that one run compares them: "kept_sets" (`@sets=S`: `layer_graphs.KEPT_SETS`, the graphed layers' sets of
+    kept-tensor buffers), "offload_lead" (`@lead=L`: `checkpointing.MAX_PENDING_OFFLOADS`, offloads the host may
+    queue ahead) and "device_gather" (`@gather=1`: `host_embeddings.DEVICE_GATHER`, the host table's rows read
+    by the GPU)."""
+    from unsloth_lite.models import host_embeddings
     from unsloth_lite.training import checkpointing, layer_graphs
 
     options = dict(options)
-    for key, module, name in (("kept_sets", layer_graphs, "KEPT_SETS"),
-                              ("offload_lead", checkpointing, "MAX_PENDING_OFFLOADS")):
+    for key, module, name, least in (("kept_sets", layer_graphs, "KEPT_SETS", 1),
+                                     ("offload_lead", checkpointing, "MAX_PENDING_OFFLOADS", 1),
+                                     ("device_gather", host_embeddings, "DEVICE_GATHER", 0)):
         value = options.pop(key, None)
         if value is not None:
-            if value < 1:
-                raise ValueError(f"{key}={value}: at least 1")
-            setattr(module, name, value)
+            if value < least:
+                raise ValueError(f"{key}={value}: at least {least}")
+            setattr(module, name, bool(value) if key == "device_gather" else value)
     return options
 
 

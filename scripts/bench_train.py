@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 from bench_common import (
-    apply_kept_sets,
+    apply_module_settings,
     bench_device,
     environment,
     kept_mlp_options,
@@ -103,7 +103,7 @@ def load(args, device, dtype) -> tuple:
     """(model, optimizer, info) of the worker's variant."""
     start = time.perf_counter()
     loader, options = kept_mlp_options(args.worker)
-    options = apply_kept_sets(options)
+    options = apply_module_settings(options)
     if args.uncheckpointed_layers and loader.startswith("unsloth_lite"):
         options["uncheckpointed_layers"] = args.uncheckpointed_layers
     model, info = LOADERS[loader](args.checkpoint, device, dtype, args.seq, **options)

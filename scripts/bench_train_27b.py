@@ -36,7 +36,8 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
   `@keep=N/gpu=G` keeps them in N of the checkpointed layers only, spread evenly, G of those in GPU memory
   (`keep_mlp_preactivations=N`, `mlp_preactivations_on_gpu=G`), so one run compares several placements; `sets=S`
   (with graphs) gives the graphed layers S sets of kept-tensor buffers (`layer_graphs.KEPT_SETS`, default 2),
-  `lead=L` lets the host queue L offloads ahead (`checkpointing.MAX_PENDING_OFFLOADS`, default 2).
+  `lead=L` lets the host queue L offloads ahead (`checkpointing.MAX_PENDING_OFFLOADS`, default 2), `gather=1`
+  has the GPU read the host table's rows itself (`host_embeddings.DEVICE_GATHER`, default off).
 - Any unsloth_lite variant with a suffix `:N` (after any `@...`): its last N decoder layers not checkpointed
   (`--uncheckpointed-layers N` for the unsuffixed ones), so one run compares several N.
 - `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same
@@ -68,7 +69,7 @@ from pathlib import Path
 
 import torch
 from bench_common import (
-    apply_kept_sets,
+    apply_module_settings,
     bench_device,
     drop_missing_unsloth,
     environment,
@@ -190,7 +191,7 @@ def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_li
                                   target_modules=targets)
     enable_gradient_checkpointing(model, offload_to_cpu=device.type == "cuda", cuda_graphs="graphs" in variant,
                                   uncheckpointed_layers=uncheckpointed_layers or 0,
-                                  **apply_kept_sets(kept_mlp_options(variant)[1]))
+                                  **apply_module_settings(kept_mlp_options(variant)[1]))
     return model
 
 

@@ -4,18 +4,27 @@ At Qwen3.5-27B's vocabulary the bf16 table `[248320, 5120]` is 2.5 GB of GPU mem
 the rows of its tokens: 20 MB for 2,048 tokens. A `HostEmbedding` keeps the table in (pinned) host memory,
 gathers a batch's rows there into a pinned staging buffer and copies them to the ids' device; the rows are
 exactly the table's. The ids come to the host first, which waits for the GPU work queued before them; that
-wait also orders the next batch's gather after the previous batch's copy out of the staging buffer.
+wait also orders the next batch's gather after the previous batch's copy out of the staging buffer. With
+`DEVICE_GATHER`, the GPU reads the rows from the pinned table itself instead (`kernels.gather_rows`): no host
+round trip, nothing waits, and the lookup can be captured in a CUDA graph.
 
 The table is frozen (as in QLoRA). It is held as a plain tensor, not a parameter, so that nothing that walks
 the model's parameters moves, casts, shards or broadcasts it: it stays on the host in its dtype through `.to()`,
 `.cuda()`, DDP and optimizers, and only rows travel. It is still the module's `weight` in `state_dict()` and
-`load_state_dict()`. A decode step that reads it cannot be captured in a CUDA graph (it waits on the host), so
-generation with it runs eagerly.
+`load_state_dict()`. Without `DEVICE_GATHER`, a decode step that reads it cannot be captured in a CUDA graph
+(it waits on the host), so generation with it runs eagerly.
 """
 
 from __future__ import annotations
 
 import torch
+
+from unsloth_lite.kernels.gather_rows import gather_rows
+
+# Lookups of CUDA ids gathered by the device from the pinned table (`gather_rows`) rather than on the host.
+# Off until its speed is measured at W2 on the H200 (the host's gather leaves the GPU idle about 4.6 ms at the
+# start of each step there).
+DEVICE_GATHER = False
 
 
 class HostEmbedding(torch.nn.Module):
@@ -47,6 +56,8 @@ class HostEmbedding(torch.nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if DEVICE_GATHER and input_ids.device.type == "cuda" and self.weight.is_pinned():
+            return gather_rows(self.weight, input_ids)
         ids = input_ids.to("cpu").reshape(-1)
         if input_ids.device.type == "cpu":
             return torch.nn.functional.embedding(ids, self.weight).view(*input_ids.shape, self.embedding_dim)
