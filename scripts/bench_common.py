@@ -30,7 +30,8 @@ def report_unknown(kind: str, chosen, known) -> bool:
 
 
 KEPT_MLP_KEYS = {"keep": "keep_mlp_preactivations", "gpu": "mlp_preactivations_on_gpu", "sets": "kept_sets",
-                 "lead": "offload_lead", "gather": "device_gather"}
+                 "lead": "offload_lead", "gather": "device_gather",
+                 "conv": "conv_dx_scratch"}
 
 
 def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
@@ -50,13 +51,14 @@ def kept_mlp_options(variant: str) -> tuple[str, dict]:
     name, _, suffix = variant.partition("@")
     if "kept_mlp" not in name:
         if suffix:
-            raise ValueError(f"{variant}: only the kept_mlp variants take '@keep=N/gpu=G/sets=S/lead=L/gather=0|1'")
+            raise ValueError(f"{variant}: only the kept_mlp variants take "
+                             "'@keep=N/gpu=G/sets=S/lead=L/gather=0|1/conv=0|1'")
         return name, {}
     options = {"keep_mlp_preactivations": True}
     for item in filter(None, suffix.split("/")):
         key, _, value = item.partition("=")
         if key not in KEPT_MLP_KEYS or not value.isdigit():
-            raise ValueError(f"{variant}: expected '@keep=N/gpu=G/sets=S/lead=L/gather=0|1' (whole numbers), "
+            raise ValueError(f"{variant}: expected '@keep=N/gpu=G/sets=S/lead=L/gather=0|1/conv=0|1' (whole numbers), "
                              f"got {item!r}")
         options[KEPT_MLP_KEYS[key]] = int(value)
     return name, options
@@ -66,20 +68,24 @@ def apply_module_settings(options: dict) -> dict:
     """`options` without the module settings a variant's `@` suffix may carry, which it sets in this worker so
     that one run compares them: "kept_sets" (`@sets=S`: `layer_graphs.KEPT_SETS`, the graphed layers' sets of
     kept-tensor buffers), "offload_lead" (`@lead=L`: `checkpointing.MAX_PENDING_OFFLOADS`, offloads the host may
-    queue ahead) and "device_gather" (`@gather=1`: `host_embeddings.DEVICE_GATHER`, the host table's rows read
-    by the GPU)."""
+    queue ahead), "device_gather" (`@gather=1`: `host_embeddings.DEVICE_GATHER`, the host table's rows read by
+    the GPU) and "conv_dx_scratch" (`@conv=1`: `causal_conv1d.DX_THROUGH_SCRATCH`, the convolution's dx through a
+    scratch slot)."""
     from unsloth_lite.models import host_embeddings
     from unsloth_lite.training import checkpointing, layer_graphs
+
+    conv = importlib.import_module("unsloth_lite.kernels.causal_conv1d")  # the module, not the function
 
     options = dict(options)
     for key, module, name, least in (("kept_sets", layer_graphs, "KEPT_SETS", 1),
                                      ("offload_lead", checkpointing, "MAX_PENDING_OFFLOADS", 1),
-                                     ("device_gather", host_embeddings, "DEVICE_GATHER", 0)):
+                                     ("device_gather", host_embeddings, "DEVICE_GATHER", 0),
+                                     ("conv_dx_scratch", conv, "DX_THROUGH_SCRATCH", 0)):
         value = options.pop(key, None)
         if value is not None:
             if value < least:
                 raise ValueError(f"{key}={value}: at least {least}")
-            setattr(module, name, bool(value) if key == "device_gather" else value)
+            setattr(module, name, bool(value) if least == 0 else value)
     return options
 
 
