@@ -30,8 +30,7 @@ def report_unknown(kind: str, chosen, known) -> bool:
 
 
 KEPT_MLP_KEYS = {"keep": "keep_mlp_preactivations", "gpu": "mlp_preactivations_on_gpu", "sets": "kept_sets",
-                 "lead": "offload_lead", "gather": "device_gather",
-                 "conv": "conv_dx_scratch"}
+                 "lead": "offload_lead", "gather": "device_gather", "conv": "conv_dx_scratch"}
 
 
 def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
@@ -44,9 +43,9 @@ def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
 def kept_mlp_options(variant: str) -> tuple[str, dict]:
     """A variant name and the checkpointing options of its `@` suffix: ("unsloth_lite_kept_mlp",
     {"keep_mlp_preactivations": 48, "mlp_preactivations_on_gpu": 8}) of "unsloth_lite_kept_mlp@keep=48/gpu=8"
-    (48 layers keep their MLP pre-activations, 8 of them on the GPU; `sets=S`, `lead=L`, `gather=G`:
-    see `apply_module_settings`); a kept_mlp variant without a suffix keeps
-    them in every checkpointed layer, offloaded ({"keep_mlp_preactivations": True}); others keep none ({}).
+    (48 layers keep their MLP pre-activations, 8 of them on the GPU; `sets`, `lead`, `gather`, `conv`: module
+    settings, see `apply_module_settings`); a kept_mlp variant without a suffix keeps them in every
+    checkpointed layer, offloaded ({"keep_mlp_preactivations": True}); others keep none ({}).
     Raises ValueError for a suffix on another variant or an unknown key."""
     name, _, suffix = variant.partition("@")
     if "kept_mlp" not in name:
@@ -75,7 +74,6 @@ def apply_module_settings(options: dict) -> dict:
     from unsloth_lite.training import checkpointing, layer_graphs
 
     conv = importlib.import_module("unsloth_lite.kernels.causal_conv1d")  # the module, not the function
-
     options = dict(options)
     for key, module, name, least in (("kept_sets", layer_graphs, "KEPT_SETS", 1),
                                      ("offload_lead", checkpointing, "MAX_PENDING_OFFLOADS", 1),
