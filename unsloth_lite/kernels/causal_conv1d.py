@@ -114,6 +114,22 @@ def _causal_conv1d_forward_kernel(
 
 
 @triton.jit
+def _through_silu(dy, x_base, x_t_stride, x_c_stride, w_ptr, bias, c, mask_c, t, start, mask,
+                  K: tl.constexpr, ACC: tl.constexpr):
+    """dpre = dy · silu'(pre) at positions t `[T]` of channels c `[C]`, pre recomputed from x (0 before each
+    position's `start`) as the forward computes it."""
+    pre = tl.zeros(dy.shape, dtype=ACC) + bias[None, :]
+    for j in tl.static_range(K):
+        src = t - (K - 1) + j
+        m = mask & (src >= start)[:, None]
+        xv = tl.load(x_base + src[:, None] * x_t_stride + c[None, :] * x_c_stride, mask=m, other=0.0)
+        wj = tl.load(w_ptr + c * K + j, mask=mask_c, other=0.0).to(ACC)
+        pre += xv.to(ACC) * wj[None, :]
+    sig = tl.sigmoid(pre)
+    return dy * sig * (1.0 + pre * (1.0 - sig))
+
+
+@triton.jit
 def _causal_conv1d_backward_kernel(
     dy_ptr, dy_b_stride, dy_c_stride, dy_t_stride,
     x_ptr, x_b_stride, x_c_stride, x_t_stride,
@@ -156,15 +172,8 @@ def _causal_conv1d_backward_kernel(
             dy = tl.load(dy_base + tp[:, None] * dy_t_stride + c[None, :] * dy_c_stride, mask=mask, other=0.0)
             dpre = dy.to(ACC)
             if SILU:
-                pre = tl.zeros([BLOCK_T, BLOCK_C], dtype=ACC) + bias[None, :]
-                for j in tl.static_range(K):
-                    src = tp - (K - 1) + j
-                    m = mask & (src >= start)[:, None]
-                    xv = tl.load(x_base + src[:, None] * x_t_stride + c[None, :] * x_c_stride, mask=m, other=0.0)
-                    wj = tl.load(w_ptr + c * K + j, mask=mask_c, other=0.0).to(ACC)
-                    pre += xv.to(ACC) * wj[None, :]
-                sig = tl.sigmoid(pre)
-                dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
+                dpre = _through_silu(dpre, x_base, x_t_stride, x_c_stride, w_ptr, bias, c, mask_c, tp, start, mask,
+                                     K, ACC)
             if COMPUTE_DX:
                 w_tap = tl.load(w_ptr + c * K + (K - 1 - s), mask=mask_c, other=0.0).to(ACC)
                 dx += dpre * w_tap[None, :]
@@ -228,16 +237,8 @@ def _causal_conv1d_dx_kernel(
         dy_base = dy_ptr + batch * dy_b_stride
         dpre = tl.load(dy_base + t[:, None] * dy_t_stride + c[None, :] * dy_c_stride, mask=mask, other=0.0).to(ACC)
         if SILU:
-            x_base = x_ptr + batch * x_b_stride
-            pre = tl.zeros([ROWS, BLOCK_C], dtype=ACC) + bias[None, :]
-            for j in tl.static_range(K):
-                src = t - (K - 1) + j
-                m = mask & (src >= start)[:, None]
-                xv = tl.load(x_base + src[:, None] * x_t_stride + c[None, :] * x_c_stride, mask=m, other=0.0)
-                wj = tl.load(w_ptr + c * K + j, mask=mask_c, other=0.0).to(ACC)
-                pre += xv.to(ACC) * wj[None, :]
-            sig = tl.sigmoid(pre)
-            dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
+            dpre = _through_silu(dpre, x_ptr + batch * x_b_stride, x_t_stride, x_c_stride, w_ptr, bias, c, mask_c, t,
+                                 start, mask, K, ACC)
         tl.debug_barrier()  # the previous tile's reads of the slot are done
         tl.store(slot, dpre)
         tl.debug_barrier()  # every thread's dpre is in the slot
