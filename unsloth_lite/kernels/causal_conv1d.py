@@ -114,6 +114,19 @@ def _causal_conv1d_forward_kernel(
 
 
 @triton.jit
+def _channel_block(pid, n_c_blocks, n_channels, bias_ptr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   ACC: tl.constexpr):
+    """The channels of a backward program (block pid % n_c_blocks), which lie in the input, and their bias."""
+    c = (pid % n_c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = c < n_channels
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + c, mask=mask_c, other=0.0).to(ACC)
+    else:
+        bias = tl.zeros([BLOCK_C], dtype=ACC)
+    return c, mask_c, bias
+
+
+@triton.jit
 def _through_silu(dy, x_base, x_t_stride, x_c_stride, w_ptr, bias, c, mask_c, t, start, mask,
                   K: tl.constexpr, ACC: tl.constexpr):
     """dpre = dy · silu'(pre) at positions t `[T]` of channels c `[C]`, pre recomputed from x (0 before each
@@ -142,13 +155,8 @@ def _causal_conv1d_backward_kernel(
     COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    c = (pid % n_c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_c = c < n_channels
+    c, mask_c, bias = _channel_block(pid, n_c_blocks, n_channels, bias_ptr, BLOCK_C, HAS_BIAS, ACC)
     taps = tl.arange(0, K_POW2)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + c, mask=mask_c, other=0.0).to(ACC)
-    else:
-        bias = tl.zeros([BLOCK_C], dtype=ACC)
     dw_acc = tl.zeros([BLOCK_C, K_POW2], dtype=ACC)
     dbias_acc = tl.zeros([BLOCK_C], dtype=ACC)
     first_tile = (pid // n_c_blocks).to(tl.int64) * tiles_per_program
@@ -214,13 +222,8 @@ def _causal_conv1d_dx_kernel(
     at its first ROWS - (K - 1) positions (tiles overlap by K - 1 positions)."""
     OUT: tl.constexpr = ROWS - (K - 1)
     pid = tl.program_id(0)
-    c = (pid % n_c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_c = c < n_channels
+    c, mask_c, bias = _channel_block(pid, n_c_blocks, n_channels, bias_ptr, BLOCK_C, HAS_BIAS, ACC)
     r = tl.arange(0, ROWS)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + c, mask=mask_c, other=0.0).to(ACC)
-    else:
-        bias = tl.zeros([BLOCK_C], dtype=ACC)
     slot = scratch_ptr + pid.to(tl.int64) * (ROWS * BLOCK_C) + r[:, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     first_tile = (pid // n_c_blocks).to(tl.int64) * tiles_per_program
     for tile in range(first_tile, first_tile + tiles_per_program):
