@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
-from unsloth_lite.kernels.utils import INTERPRET, check_kernel_device, empty
+from unsloth_lite.kernels.utils import INTERPRET, check_integer, check_kernel_device, empty
 
 # Output elements per program; a program covers max(1, TILE_ELEMENTS // blocksize) quantization blocks.
 TILE_ELEMENTS = 4096
@@ -400,9 +400,7 @@ def dequantize_nf4_rows(weight, row_ids: torch.Tensor, quant_state=None, out: to
     launch = _launch(weight, quant_state)
     n_rows, n_cols = _matrix_shape(launch, "dequantize_nf4_rows")
     device = launch.inputs[0].device
-    if not isinstance(row_ids, torch.Tensor) or row_ids.dtype.is_floating_point or row_ids.dtype.is_complex \
-            or row_ids.dtype == torch.bool:
-        raise ValueError("row_ids must be an integer tensor")
+    check_integer("row_ids", row_ids)
     if row_ids.device != device:
         raise ValueError(f"row_ids is on {row_ids.device} but weight is on {device}")
     ids = row_ids.reshape(-1).contiguous()

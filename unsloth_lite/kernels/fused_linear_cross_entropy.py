@@ -66,6 +66,7 @@ from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.utils import (
     accumulator_dtype,
     check_float,
+    check_integer,
     check_kernel_device,
     check_same_device,
     empty,
@@ -379,10 +380,7 @@ def _scaled_saved_gradients(ctx, grad_output):
 
 
 def _check_labels(labels, n_rows: int) -> None:
-    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex \
-            or labels.dtype == torch.bool:
-        what = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
-        raise ValueError(f"labels must be an integer tensor, got {what}")
+    check_integer("labels", labels)
     if labels.shape != (n_rows,):
         raise ValueError(f"labels has shape {tuple(labels.shape)}; expected ({n_rows},), one label per row of hidden")
 

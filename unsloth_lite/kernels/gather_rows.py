@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unsloth_lite.kernels.utils import INTERPRET, empty
+from unsloth_lite.kernels.utils import INTERPRET, check_integer, empty
 
 # Columns a program copies (16-byte loads: 8 bf16 a thread with 4 warps at 1024 columns) and ids a program takes.
 BLOCK_COLS = 1024
@@ -49,9 +49,7 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     if table.dim() != 2 or table.stride(1) != 1:
         raise ValueError(f"table must be 2-D with contiguous rows; got shape {tuple(table.shape)} strides "
                          f"{table.stride()}")
-    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
-            or ids.dtype == torch.bool:
-        raise ValueError("ids must be an integer tensor")
+    check_integer("ids", ids)
     if not INTERPRET:
         if ids.device.type != "cuda":
             raise ValueError(f"ids are on {ids.device}: gather_rows runs on the ids' CUDA device")

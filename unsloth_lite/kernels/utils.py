@@ -94,6 +94,13 @@ def check_float(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} has dtype {t.dtype}; expected one of float32, bfloat16, float16, float64")
 
 
+def check_integer(name: str, t) -> None:
+    """Ids and labels: an integer tensor (not bool)."""
+    if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be an integer tensor, got {what}")
+
+
 def check_same_device(names_and_tensors) -> None:
     (first_name, first), *rest = names_and_tensors
     for name, t in rest:
