@@ -260,9 +260,7 @@ def _causal_conv1d_dx(dy, x, weight, bias, silu: bool, cu_seqlens):
     each: `[programs, ROWS, BLOCK_C]` in the accumulation dtype)."""
     batch, n_channels, seq_len = x.shape
     k = weight.shape[1]
-    rows = DX_ROWS
-    while rows - (k - 1) < 1:
-        rows *= 2
+    rows = max(DX_ROWS, triton.next_power_of_2(k))  # a tile gives dx at rows - (k - 1) >= 1 positions
     block_c = min(BLOCK_C, triton.next_power_of_2(n_channels))
     n_c_blocks, n_t_blocks = triton.cdiv(n_channels, block_c), triton.cdiv(seq_len, rows - (k - 1))
     n_tiles = batch * n_t_blocks

@@ -180,10 +180,10 @@ def _save_inputs(ctx, tensors, offload: list[bool], kept: _KeptSet | None = None
     device = next((t.device for t, moved in zip(tensors, offload, strict=True) if moved), None)
     ctx.offloaded = [moved and t.device == device for t, moved in zip(tensors, offload, strict=True)]
     ctx.offload_group = None
+    previous = getattr(_LAST_OFFLOADED, "value", None)
     # a checkpoint kept on the device starts the fetch of the offloaded one before it (`_saved_inputs`)
-    ctx.prefetch_before = None if any(ctx.offloaded) else getattr(_LAST_OFFLOADED, "value", None)
+    ctx.prefetch_before = None if any(ctx.offloaded) else previous
     if any(ctx.offloaded):
-        previous = getattr(_LAST_OFFLOADED, "value", None)
         moved = [t for t, flag in zip(tensors, ctx.offloaded, strict=True) if flag]
         ctx.offload_group = _LAST_OFFLOADED.value = _OffloadedTensors(moved, previous, kept)
     ctx.save_for_backward(*[t for t, flag in zip(tensors, ctx.offloaded, strict=True) if not flag])
