@@ -30,9 +30,8 @@ def report_unknown(kind: str, chosen, known) -> bool:
 
 
 KEPT_MLP_KEYS = {"keep": "keep_mlp_preactivations", "gpu": "mlp_preactivations_on_gpu", "sets": "kept_sets",
-                 "lead": "offload_lead", "gather": "device_gather", "conv": "conv_dx_scratch",
-                 "last": "last_on_device"}
-KEPT_MLP_SUFFIX = "'@keep=N/gpu=G/sets=S/lead=L/gather=0|1/conv=0|1/last=0|1'"  # the keys' form, for errors
+                 "lead": "offload_lead", "gather": "device_gather", "last": "last_on_device"}
+KEPT_MLP_SUFFIX = "'@keep=N/gpu=G/sets=S/lead=L/gather=0|1/last=0|1'"  # the keys' form, for errors
 
 
 def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
@@ -45,7 +44,7 @@ def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
 def kept_mlp_options(variant: str) -> tuple[str, dict]:
     """A variant name and the checkpointing options of its `@` suffix: ("unsloth_lite_kept_mlp",
     {"keep_mlp_preactivations": 48, "mlp_preactivations_on_gpu": 8}) of "unsloth_lite_kept_mlp@keep=48/gpu=8"
-    (48 layers keep their MLP pre-activations, 8 of them on the GPU; `sets`, `lead`, `gather`, `conv`, `last`:
+    (48 layers keep their MLP pre-activations, 8 of them on the GPU; `sets`, `lead`, `gather`, `last`:
     module settings, see `apply_module_settings`); a kept_mlp variant without a suffix keeps them in every
     checkpointed layer, offloaded ({"keep_mlp_preactivations": True}); others keep none ({}).
     Raises ValueError for a suffix on another variant or an unknown key."""
@@ -68,18 +67,15 @@ def apply_module_settings(options: dict) -> dict:
     that one run compares them: "kept_sets" (`@sets=S`: `layer_graphs.KEPT_SETS`, the graphed layers' sets of
     kept-tensor buffers), "offload_lead" (`@lead=L`: `checkpointing.MAX_PENDING_OFFLOADS`, offloads the host may
     queue ahead), "device_gather" (`@gather=1`: `host_embeddings.DEVICE_GATHER`, the host table's rows read by
-    the GPU), "conv_dx_scratch" (`@conv=1`: `causal_conv1d.DX_THROUGH_SCRATCH`, the convolution's dx through a
-    scratch slot) and "last_on_device" (`@last=1`: `checkpointing.LAST_ON_DEVICE`, the last checkpointed layer
+    the GPU) and "last_on_device" (`@last=1`: `checkpointing.LAST_ON_DEVICE`, the last checkpointed layer
     not offloaded)."""
     from unsloth_lite.models import host_embeddings
     from unsloth_lite.training import checkpointing, layer_graphs
 
-    conv = importlib.import_module("unsloth_lite.kernels.causal_conv1d")  # the module, not the function
     options = dict(options)
     for key, module, name, least in (("kept_sets", layer_graphs, "KEPT_SETS", 1),
                                      ("offload_lead", checkpointing, "MAX_PENDING_OFFLOADS", 1),
                                      ("device_gather", host_embeddings, "DEVICE_GATHER", 0),
-                                     ("conv_dx_scratch", conv, "DX_THROUGH_SCRATCH", 0),
                                      ("last_on_device", checkpointing, "LAST_ON_DEVICE", 0)):
         value = options.pop(key, None)
         if value is not None:

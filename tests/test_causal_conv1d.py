@@ -163,63 +163,6 @@ def test_causal_conv1d_gradcheck(device):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# dx of a frozen weight through the scratch slot (`DX_THROUGH_SCRATCH`)
-
-
-@pytest.fixture
-def dx_through_scratch(monkeypatch):
-    """The scratch path on, with 16-position tiles (13 outputs at K = 4): several tiles a program and a
-    sequence, tile edges inside documents. Records each call, to show the path ran."""
-    module = __import__("sys").modules["unsloth_lite.kernels.causal_conv1d"]
-    monkeypatch.setattr(module, "DX_THROUGH_SCRATCH", True)
-    monkeypatch.setattr(module, "DX_ROWS", 16)
-    calls = []
-    original = module._causal_conv1d_dx
-
-    def recording(*args):
-        calls.append(args[1].shape)
-        return original(*args)
-
-    monkeypatch.setattr(module, "_causal_conv1d_dx", recording)
-    return calls
-
-
-@pytest.mark.parametrize(("shape", "kernel_size", "with_bias", "activation", "dtype"), [
-    ((1, 48, 37), 4, False, "silu", torch.float32),
-    ((2, 100, 130), 4, True, "silu", torch.bfloat16),
-    ((2, 48, 5), 3, True, None, torch.float32),
-    ((1, 48, 200), 8, False, "silu", torch.float32),
-    ((2, 48, 40), 1, True, "silu", torch.float32),
-], ids=["one-tile-row", "bf16-bias-two-batches", "shorter-than-a-tile", "K8-many-tiles", "K1"])
-def test_dx_through_scratch_matches_reference(shape, kernel_size, with_bias, activation, dtype, device,
-                                              dx_through_scratch):
-    x = _x(*shape).requires_grad_()
-    weight = torch.randn(shape[1], kernel_size)  # frozen: only dx is asked for
-    bias = torch.randn(shape[1]) if with_bias else None
-    _check(x, weight, bias, dtype, device, activation=activation)
-    assert len(dx_through_scratch) == 1
-
-
-def test_dx_through_scratch_cu_seqlens_and_strided_input(device, dx_through_scratch):
-    # Documents shorter than the kernel and across tile edges; x a channel slice of a wider projection output.
-    cu_seqlens = torch.tensor([0, 2, 23, 41, 60])
-    x = torch.randn(1, 60, 2 * 100)[..., 100:].transpose(1, 2).requires_grad_()
-    _check(x, torch.randn(100, 4), torch.randn(100), torch.bfloat16, device, cu_seqlens=cu_seqlens)
-    assert len(dx_through_scratch) == 1
-
-
-def test_dx_through_scratch_gradcheck(device, dx_through_scratch):
-    x = torch.randn(2, 30, 3, dtype=torch.float64, device=device).transpose(1, 2).requires_grad_()
-    weight = torch.randn(3, 4, dtype=torch.float64, device=device)
-    bias = torch.randn(3, dtype=torch.float64, device=device)
-    assert torch.autograd.gradcheck(lambda a: causal_conv1d(a, weight, bias, "silu"), (x,), fast_mode=True)
-    cu = torch.tensor([0, 14, 30], device=device)
-    x1 = x.detach()[:1].clone().requires_grad_()
-    assert torch.autograd.gradcheck(lambda a: causal_conv1d(a, weight, bias, "silu", cu), (x1,), fast_mode=True)
-    assert dx_through_scratch
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Argument errors
 
 

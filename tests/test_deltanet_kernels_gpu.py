@@ -111,27 +111,6 @@ def test_gpu_big_causal_conv1d_qwen35(packed):
     _conv_check(x, weight, None, BF16, cu_seqlens=cu_seqlens, reference_dtype=torch.float32, tol=BIG_TOL)
 
 
-@pytest.mark.parametrize("rows_warps", [(32, 8), (64, 8), (32, 4)], ids=lambda rw: f"rows{rw[0]}-warps{rw[1]}")
-@pytest.mark.parametrize("packed", [False, True], ids=["fixed", "packed"])
-def test_gpu_causal_conv1d_dx_through_scratch(packed, rows_warps, monkeypatch):
-    """The frozen-weight dx path (`DX_THROUGH_SCRATCH`) at Qwen3.5-27B's shape, at each tile setting it may ship
-    with, and at a small odd shape in fp32."""
-    module = __import__("sys").modules["unsloth_lite.kernels.causal_conv1d"]
-    monkeypatch.setattr(module, "DX_THROUGH_SCRATCH", True)
-    monkeypatch.setattr(module, "DX_ROWS", rows_warps[0])
-    monkeypatch.setattr(module, "DX_WARPS", rows_warps[1])
-    x = torch.randn(1, SEQ, QWEN35_CONV_CHANNELS, device=CUDA, dtype=BF16).transpose(1, 2).requires_grad_()
-    weight = torch.randn(QWEN35_CONV_CHANNELS, 4, device=CUDA, dtype=BF16)
-    cu_seqlens = torch.tensor([0, 301, 1100, SEQ], device=CUDA, dtype=torch.int32) if packed else None
-    _conv_check(x, weight, None, BF16, cu_seqlens=cu_seqlens, reference_dtype=torch.float32, tol=BIG_TOL)
-    x = torch.randn(2, 777, 300, device=CUDA).transpose(1, 2).requires_grad_()
-    cu_seqlens = torch.tensor([0, 3, 400, 401, 777], device=CUDA, dtype=torch.int32) if packed else None
-    if packed:
-        x = x[:1].detach().requires_grad_()
-    _conv_check(x, torch.randn(300, 4, device=CUDA), torch.randn(300, device=CUDA), torch.float32,
-                cu_seqlens=cu_seqlens)
-
-
 @pytest.mark.parametrize("train_weight", [True, False], ids=["trained_w", "frozen_w"])
 def test_gpu_big_gated_rms_norm_qwen35(train_weight):
     rows = SEQ * QWEN35_V_HEADS

@@ -20,9 +20,6 @@ projection's `[B, T, C]` storage seen as `[B, C, T]` through `.transpose(1, 2)`;
 `[B, T, C]` tensor for that input). Document bounds come from a binary search of `cu_seqlens` per token,
 on chip (no host synchronisation). When the weight or bias is trained, each backward program walks a run of
 T tiles of one C block and writes one fp32 partial row of dw (and of dbias); `sum_partials` adds the rows.
-With `DX_THROUGH_SCRATCH`, dx alone (weight and bias frozen, as in QLoRA) takes another kernel that computes
-dpre once a position, not once a tap: each program keeps its tile's dpre in a scratch slot of its own (in L2,
-written and read back at once) and reads it shifted by each tap.
 """
 
 from __future__ import annotations
@@ -51,13 +48,6 @@ FORWARD_BLOCK_T = 32
 BACKWARD_BLOCK_T = 16
 if INTERPRET:  # the interpreter's cost is per operation: fewer, taller tiles
     FORWARD_BLOCK_T = BACKWARD_BLOCK_T = 64
-# dx of a frozen weight and bias (QLoRA) through a scratch slot (`_causal_conv1d_dx_kernel`): dpre computed once a
-# position instead of once a tap (the backward kernel recomputes pre and its sigmoid K times: compiled for sm_90
-# at W2's shape, 2,440 instructions and 178 registers a thread for 16 elements). Off until the H200 has run its
-# GPU tests and timings.
-DX_THROUGH_SCRATCH = False
-DX_ROWS = 64  # positions a tile computes dpre at; dx at the first DX_ROWS - (K - 1)
-DX_WARPS = 8
 
 
 @triton.jit
@@ -206,85 +196,6 @@ def _causal_conv1d_backward_kernel(
         tl.store(dbias_partial_ptr + row * n_channels + c, dbias_acc, mask=mask_c)
 
 
-@triton.jit
-def _causal_conv1d_dx_kernel(
-    dy_ptr, dy_b_stride, dy_c_stride, dy_t_stride,
-    x_ptr, x_b_stride, x_c_stride, x_t_stride,
-    w_ptr, bias_ptr, cu_ptr,
-    dx_ptr, dx_b_stride, dx_c_stride, dx_t_stride,
-    scratch_ptr,
-    n_channels, seq_len, n_c_blocks, n_t_blocks, n_tiles, tiles_per_program, n_docs, n_search_iters,
-    K: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_CU: tl.constexpr, ACC: tl.constexpr,
-):
-    """dx alone (`DX_THROUGH_SCRATCH`): a program walks T tiles of one C block; a tile computes dpre once at
-    each of its ROWS positions into the program's scratch slot and reads it back shifted by each tap, giving dx
-    at its first ROWS - (K - 1) positions (tiles overlap by K - 1 positions)."""
-    OUT: tl.constexpr = ROWS - (K - 1)
-    pid = tl.program_id(0)
-    c, mask_c, bias = _channel_block(pid, n_c_blocks, n_channels, bias_ptr, BLOCK_C, HAS_BIAS, ACC)
-    r = tl.arange(0, ROWS)
-    slot = scratch_ptr + pid.to(tl.int64) * (ROWS * BLOCK_C) + r[:, None] * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    first_tile = (pid // n_c_blocks).to(tl.int64) * tiles_per_program
-    for tile in range(first_tile, first_tile + tiles_per_program):
-        batch = tile // n_t_blocks
-        t = (tile % n_t_blocks) * OUT + r  # the tile's positions; dx at the first OUT of them
-        # (tile as a vector: the interpreter's scalar-and-vector `&` is not a boolean mask)
-        valid = (t < seq_len) & (t * 0 + tile < n_tiles)
-        if HAS_CU:
-            start, end = _document_bounds(cu_ptr, n_docs, n_search_iters, tl.minimum(t, seq_len - 1))
-        else:
-            start = tl.zeros([ROWS], dtype=tl.int64)
-            end = tl.zeros([ROWS], dtype=tl.int64) + seq_len
-        mask = valid[:, None] & mask_c[None, :]
-        dy_base = dy_ptr + batch * dy_b_stride
-        dpre = tl.load(dy_base + t[:, None] * dy_t_stride + c[None, :] * dy_c_stride, mask=mask, other=0.0).to(ACC)
-        if SILU:
-            dpre = _through_silu(dpre, x_ptr + batch * x_b_stride, x_t_stride, x_c_stride, w_ptr, bias, c, mask_c, t,
-                                 start, mask, K, ACC)
-        tl.debug_barrier()  # the previous tile's reads of the slot are done
-        tl.store(slot, dpre)
-        tl.debug_barrier()  # every thread's dpre is in the slot
-        out_rows = valid & (r < OUT)
-        dx = tl.zeros([ROWS, BLOCK_C], dtype=ACC)
-        for s in tl.static_range(K):  # dpre at t + s reaches dx[t] through the tap K - 1 - s
-            m = (out_rows & (t + s < end))[:, None] & mask_c[None, :]
-            w_tap = tl.load(w_ptr + c * K + (K - 1 - s), mask=mask_c, other=0.0).to(ACC)
-            dx += tl.load(slot + s * BLOCK_C, mask=m, other=0.0) * w_tap[None, :]
-        dx_off = batch * dx_b_stride + t[:, None] * dx_t_stride + c[None, :] * dx_c_stride
-        tl.store(dx_ptr + dx_off, dx.to(dx_ptr.dtype.element_ty), mask=out_rows[:, None] & mask_c[None, :])
-
-
-def _causal_conv1d_dx(dy, x, weight, bias, silu: bool, cu_seqlens):
-    """dx of a frozen weight and bias through `_causal_conv1d_dx_kernel` (persistent programs, one scratch slot
-    each: `[programs, ROWS, BLOCK_C]` in the accumulation dtype)."""
-    batch, n_channels, seq_len = x.shape
-    k = weight.shape[1]
-    rows = max(DX_ROWS, triton.next_power_of_2(k))  # a tile gives dx at rows - (k - 1) >= 1 positions
-    block_c = min(BLOCK_C, triton.next_power_of_2(n_channels))
-    n_c_blocks, n_t_blocks = triton.cdiv(n_channels, block_c), triton.cdiv(seq_len, rows - (k - 1))
-    n_tiles = batch * n_t_blocks
-    n_groups = max(1, persistent_program_count(x.device, n_tiles * n_c_blocks, programs_per_sm=4) // n_c_blocks)
-    tiles_per_program = triton.cdiv(n_tiles, n_groups)
-    n_groups = triton.cdiv(n_tiles, tiles_per_program)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    scratch = empty((n_c_blocks * n_groups, rows, block_c), acc, x.device)
-    dx = _empty_in_memory_order_of(x)
-    n_docs, n_search_iters = _search_iters(cu_seqlens)
-    _causal_conv1d_dx_kernel[(n_c_blocks * n_groups,)](
-        dy, *dy.stride(),
-        x, *x.stride(),
-        weight, weight if bias is None else bias, weight if cu_seqlens is None else cu_seqlens,
-        dx, *dx.stride(),
-        scratch,
-        n_channels, seq_len, n_c_blocks, n_t_blocks, n_tiles, tiles_per_program, n_docs, n_search_iters,
-        K=k, ROWS=rows, BLOCK_C=block_c,
-        HAS_BIAS=bias is not None, SILU=silu, HAS_CU=cu_seqlens is not None, ACC=accumulator_dtype(x.dtype),
-        num_warps=DX_WARPS,
-    )
-    return dx
-
-
 def _empty_in_memory_order_of(x: torch.Tensor) -> torch.Tensor:
     """A dense tensor shaped like x whose dims lie in memory in x's order (a transposed view of `[B, T, C]`
     storage for the projection's layout), also when x itself is not dense (a slice of a wider tensor)."""
@@ -326,8 +237,6 @@ def _causal_conv1d_forward(x, weight, bias, silu: bool, cu_seqlens):
 
 def _causal_conv1d_backward(dy, x, weight, bias, silu: bool, cu_seqlens, needs):
     compute_dx, compute_dw, compute_dbias = needs
-    if DX_THROUGH_SCRATCH and compute_dx and not (compute_dw or compute_dbias):
-        return _causal_conv1d_dx(dy, x, weight, bias, silu, cu_seqlens), None, None
     batch, n_channels, seq_len = x.shape
     k = weight.shape[1]
     block_c = min(BLOCK_C, triton.next_power_of_2(n_channels))
