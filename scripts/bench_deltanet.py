@@ -11,9 +11,6 @@ forward and the backward of all five inputs from a random output gradient. Varia
 - `unsloth_lite`: `unsloth_lite.kernels.chunk_gated_delta_rule`.
 - `unsloth_lite_split_values`, `unsloth_lite_one_value_kernel`: the same with the backward's value sums in two
   kernels, or in one, whatever the heads (`LAUNCH["values_split"]`; the default splits them from Dv = 128 on).
-- `unsloth_lite_key_blocks64`, `unsloth_lite_key_blocks32`, `unsloth_lite_key_blocks32_w4`: the split form with
-  the state products' programs taking 64 or 32 key columns each (`LAUNCH["state_products_bk"]`), the last with 4
-  warps (`LAUNCH["state_products_warps"]`).
 - `fla`: flash-linear-attention's `chunk_gated_delta_rule`, where installed, with its Hopper guard bypassed
   (triton < 3.7.1 miscompiles its gated backward on Hopper for some block configurations): timing only, its
   errors are reported but not to be trusted.
@@ -62,10 +59,7 @@ def ours(q, k, v, g, beta):
 
 # Variants of ours: the `gated_delta_rule.LAUNCH` settings each runs under (forward and backward)
 OURS = {"unsloth_lite": {}, "unsloth_lite_split_values": {"values_split": True},
-        "unsloth_lite_one_value_kernel": {"values_split": False},
-        "unsloth_lite_key_blocks64": {"state_products_bk": 64},
-        "unsloth_lite_key_blocks32": {"state_products_bk": 32},
-        "unsloth_lite_key_blocks32_w4": {"state_products_bk": 32, "state_products_warps": 4}}
+        "unsloth_lite_one_value_kernel": {"values_split": False}}
 # --tiny's heads are narrower than the split's default threshold: both forms forced, the default left out
 TINY_OURS = ("unsloth_lite_split_values", "unsloth_lite_one_value_kernel")
 

@@ -192,38 +192,6 @@ def test_gated_delta_rule_split_value_kernels(case, device, monkeypatch):
     run_and_compare(inputs, dtype, device, l2=True, cu_seqlens=cu)
 
 
-KEY_BLOCK_CASES = {
-    # (batch, seq, key heads, group, Dk, Dv), dtype, initial states, cu_seqlens; key blocks of 16 columns
-    "in_own_slots": ((1, 70, 2, 2, 32, 128), torch.float32, 1, None),  # each block's shares in its dS_C rows
-    "bf16_own_buffer": ((1, 70, 1, 3, 32, 16), torch.bfloat16, 1, None),
-    "varlen": ((1, 166, 1, 2, 32, 32), torch.float32, 3, [0, 65, 66, 166]),
-}
-
-
-@pytest.mark.parametrize("case", list(KEY_BLOCK_CASES))
-def test_gated_delta_rule_state_products_by_key_blocks(case, device, monkeypatch):
-    # LAUNCH["state_products_bk"]: the state products' accumulators split over programs of 16 key columns, their
-    # dg and dβ terms added by the chunk pairs' kernel, their shares laid out a key block at a time.
-    monkeypatch.setitem(gated_delta_rule.LAUNCH, "values_split", True)
-    monkeypatch.setitem(gated_delta_rule.LAUNCH, "state_products_bk", 16)
-    shape, dtype, n_states, cu = KEY_BLOCK_CASES[case]
-    assert gated_delta_rule._key_block(shape[4], shape[5]) == 16
-    inputs = make_inputs(*shape, l2=True, n_states=n_states)
-    cu = torch.tensor(cu, dtype=torch.int32) if cu else None
-    run_and_compare(inputs, dtype, device, l2=True, cu_seqlens=cu)
-
-
-def test_key_blocks_only_where_the_shares_fit(monkeypatch):
-    monkeypatch.setitem(gated_delta_rule.LAUNCH, "state_products_bk", 64)
-    assert gated_delta_rule._key_block(128, 128) == 64  # Dv = 2C: each block's shares in the dS_C rows it read
-    assert gated_delta_rule._key_block(128, 64) == 64  # Dv < 2C: shares in a buffer of their own
-    assert gated_delta_rule._key_block(128, 256) == 128  # a block's shares would reach another block's rows
-    assert gated_delta_rule._key_block(96, 80) == 128  # Dk not a power of two: whole padded rows
-    assert gated_delta_rule._key_block(32, 32) == 32  # no more columns than Dk
-    monkeypatch.setitem(gated_delta_rule.LAUNCH, "state_products_bk", 8)
-    assert gated_delta_rule._key_block(32, 32) == 16  # at least 16
-
-
 def test_value_sums_split_from_wide_heads(monkeypatch):
     # The default splits them where the GPU tests run both forms (Qwen3.5's Dv = 128), one kernel below.
     assert gated_delta_rule._values_split(128) and gated_delta_rule._values_split(256)
@@ -446,27 +414,6 @@ def test_gated_delta_rule_w2_shapes(dtype, seq, varlen, split, monkeypatch):
     cu = torch.tensor(W2_VARLEN, dtype=torch.int32) if varlen else None
     n_states = len(W2_VARLEN) - 1 if varlen else 1
     inputs = _w2_inputs(seq, n_states, "cuda")
-    run_and_compare(
-        inputs, dtype, "cuda", l2=True, cu_seqlens=cu, reference=chunk_gated_delta_rule_reference,
-        reference_dtype=torch.float64,
-    )
-
-
-@pytest.mark.gpu
-@pytest.mark.usefixtures("_free_gpu_memory")
-@pytest.mark.parametrize(
-    ("dtype", "seq", "varlen"),
-    [(torch.bfloat16, 2048, False), (torch.bfloat16, 4096, True), (torch.float32, 2048, False)],
-    ids=["bf16-2048", "bf16-varlen", "fp32-2048"],
-)
-@pytest.mark.parametrize(("key_block", "warps"), [(64, 8), (32, 8), (32, 4)], ids=lambda x: str(x))
-def test_gated_delta_rule_w2_shapes_by_key_blocks(dtype, seq, varlen, key_block, warps, monkeypatch):
-    # Each key-block launch of the state products (`LAUNCH["state_products_bk"]`) it may ship with.
-    monkeypatch.setitem(gated_delta_rule.LAUNCH, "values_split", True)
-    monkeypatch.setitem(gated_delta_rule.LAUNCH, "state_products_bk", key_block)
-    monkeypatch.setitem(gated_delta_rule.LAUNCH, "state_products_warps", warps)
-    cu = torch.tensor(W2_VARLEN, dtype=torch.int32) if varlen else None
-    inputs = _w2_inputs(seq, len(W2_VARLEN) - 1 if varlen else 1, "cuda")
     run_and_compare(
         inputs, dtype, "cuda", l2=True, cu_seqlens=cu, reference=chunk_gated_delta_rule_reference,
         reference_dtype=torch.float64,

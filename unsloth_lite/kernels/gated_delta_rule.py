@@ -100,8 +100,7 @@ WINDOW = 2048
 # (`scripts/bench_deltanet.py`); every combination shipped is the one the GPU tests run.
 LAUNCH = dict(prepare_warps=4, states_warps=4, output_warps=4, free_warps=4, reverse_warps=8, values_warps=4,
               values_bv=64, keys_warps=8, values_split="wide_heads",
-              state_products_warps=8, state_products_bv=32, state_products_bk=128, chunk_pairs_warps=8,
-              chunk_pairs_bv=64,
+              state_products_warps=8, state_products_bv=32, chunk_pairs_warps=8, chunk_pairs_bv=64,
               precision=dict(prepare="bf16x3", states="tf32_rounded", output="bf16x3", free="bf16x3",
                              reverse="bf16x3", values="bf16x3"))
 # `values_split`: the input gradients' value sums in two kernels (`gated_delta_rule_split_values_kernels.py`, each
@@ -110,8 +109,6 @@ LAUNCH = dict(prepare_warps=4, states_warps=4, output_warps=4, free_warps=4, rev
 # kernels from Dv = 2C on (Qwen3.5's 128, where their scratch is the reverse pass's own slots), the shapes the
 # GPU tests run both forms at; one below. K2 on an H200 (2026-12-03): 1.805 ms a call split against 2.017 in one,
 # every error the same to the third digit.
-# `state_products_bk`: the key columns a program of `_backward_state_products_kernel` takes (`_key_block`); fewer
-# than Dk split its three `[C, Dk]` fp32 accumulators over Dk / bk programs.
 # `precision`, the products' for 16-bit inputs, one for every kernel or a dict by kernel (prepare, states,
 # output, free, reverse, values). Measured on an H200 at W2's shape (K2, 2026-12-03; errors against the float64
 # recurrence, the bf16 floor being 1.64-1.66e-3):
@@ -132,15 +129,6 @@ def _values_split(dv: int) -> bool:
     """Whether the backward's value sums run as two kernels (`LAUNCH["values_split"]`)."""
     setting = LAUNCH["values_split"]
     return dv >= 2 * CHUNK if setting == "wide_heads" else bool(setting)
-
-
-def _key_block(dk: int, dv: int) -> int:
-    """Key columns a program of the state products takes (`LAUNCH["state_products_bk"]`, at least 16): fewer
-    than Dk only where Dk is a power of two and Dv <= 2C (a key block's shares then fit in the dS_C rows it
-    read, or in a buffer of their own: `_share_offsets`); else Dk (padded to a power of two)."""
-    whole = max(16, triton.next_power_of_2(dk))
-    block = max(16, min(LAUNCH["state_products_bk"], whole))
-    return block if whole == dk and dv <= 2 * CHUNK else whole
 
 
 def _value_block(dv: int) -> int:
@@ -330,21 +318,17 @@ def _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use
     )
     shapes = (lay.cu, lay.chunk_seq, lay.chunk_first, lay.T, lay.NC, lay.NCH, hv, hv // hk, dk, dv, scale)
     meta = dict(C=CHUNK, DK=DK, L2=use_l2, VARLEN=lay.varlen, **_products(q.dtype, "values", dk, dv), num_stages=1)
-    bk = DK
     if _values_split(dv):
-        bk = _key_block(dk, dv)
-        key_blocks = DK // bk
-        terms = empty((hv * lay.NCH * key_blocks * 2 * CHUNK,), torch.float32, dev)  # dg's and dβ's state terms
-        _backward_state_products_kernel[(lay.NCH, hv, key_blocks)](
+        terms = empty((hv * lay.NCH * 2 * CHUNK,), torch.float32, dev)  # dg's and dβ's state terms
+        _backward_state_products_kernel[(lay.NCH, hv)](
             q, *_strides(q), k, *_strides(k), g, *_strides(g), beta, *_strides(beta), do, *_strides(do),
-            tm, hs, dhs, dvn, vn, share, share_slot, terms, key_blocks * 2 * CHUNK, *shapes,
-            BK=bk, BV=LAUNCH["state_products_bv"], num_warps=LAUNCH["state_products_warps"], **meta,
+            tm, hs, dhs, dvn, vn, share, share_slot, terms, 2 * CHUNK, *shapes,
+            BV=LAUNCH["state_products_bv"], num_warps=LAUNCH["state_products_warps"], **meta,
         )
         _backward_chunk_pairs_kernel[(lay.NCH, hv)](
             q, *_strides(q), k, *_strides(k), v, *_strides(v), g, *_strides(g), beta, *_strides(beta),
-            do, *_strides(do), tm, vn, dvn, key_products, flip, flip_slot, share, share_slot,
-            terms, key_blocks * 2 * CHUNK, dvv, dg, dbeta, *shapes,
-            BK=bk, BV=LAUNCH["chunk_pairs_bv"], num_warps=LAUNCH["chunk_pairs_warps"], **meta,
+            do, *_strides(do), tm, vn, dvn, key_products, flip, flip_slot, share, share_slot, terms, 2 * CHUNK,
+            dvv, dg, dbeta, *shapes, BV=LAUNCH["chunk_pairs_bv"], num_warps=LAUNCH["chunk_pairs_warps"], **meta,
         )
     else:
         _backward_values_kernel[(lay.NCH, hv)](
@@ -356,7 +340,7 @@ def _backward_inputs(q, k, v, g, beta, do, tm, hs, dhs, vn, dvn, lay, scale, use
         q, *_strides(q), k, *_strides(k), share, share_slot, dq, dkk,
         lay.cu, lay.chunk_seq, lay.chunk_first,
         lay.T, lay.NC, lay.NCH, hk, hv // hk, dk, scale,
-        C=CHUNK, DK=DK, BK=bk, L2=use_l2, VARLEN=lay.varlen, num_warps=LAUNCH["keys_warps"],
+        C=CHUNK, DK=DK, L2=use_l2, VARLEN=lay.varlen, num_warps=LAUNCH["keys_warps"],
     )
     return dq, dkk, dvv, dg, dbeta
 

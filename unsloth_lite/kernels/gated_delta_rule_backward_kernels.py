@@ -18,7 +18,6 @@ from unsloth_lite.kernels.gated_delta_rule_kernels import (
     _load_vec,
     _operand,
     _sequence_of_program,
-    _share_offsets,
 )
 
 
@@ -293,24 +292,23 @@ def _backward_keys_kernel(
     part_ptr, part_slot, dq_ptr, dk_ptr,
     cu_ptr, chunk_seq_ptr, chunk_first_ptr,
     T, NC, NCH, Hk, G, Dk, scale,
-    C: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, VARLEN: tl.constexpr,
+    C: tl.constexpr, DK: tl.constexpr, L2: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Chunk-parallel, one program per (chunk, key head): dq, dk as the sum of the G value heads' shares (in
-    order: the same bits every run; laid out by `_share_offsets` with key blocks of BK columns), through the scale
-    and the L2 norm."""
+    order: the same bits every run), through the scale and the L2 norm."""
     pid_c = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
     b, t, mask_t = _chunk_of_program(pid_c, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, C, VARLEN)
     rows = tl.arange(0, C)
     d = tl.arange(0, DK)
     mask_d = d < Dk
-    at_q, at_k = _share_offsets(rows, d, Dk, C, BK, DK)
+    at = rows[:, None] * Dk + d[None, :]
     dq = tl.zeros([C, DK], dtype=tl.float32)
     dk = tl.zeros([C, DK], dtype=tl.float32)
     for j in range(0, G):
         share = part_ptr + ((hk * G + j) * NCH + pid_c) * part_slot
-        dq += tl.load(share + at_q, mask=mask_d[None, :], other=0.0)
-        dk += tl.load(share + at_k, mask=mask_d[None, :], other=0.0)
+        dq += tl.load(share + at, mask=mask_d[None, :], other=0.0)
+        dk += tl.load(share + C * Dk + at, mask=mask_d[None, :], other=0.0)
     dq = dq * scale
     if L2:
         q, r_q = _load_raw_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)

@@ -166,43 +166,6 @@ def _load_raw_rows(ptr, b, t, h, s_b, s_t, s_h, s_d, mask_t, Dk, DK: tl.constexp
 
 
 @triton.jit
-def _load_raw_row_block(ptr, b, t, h, s_b, s_t, s_h, s_d, mask_t, Dk, d0, BK: tl.constexpr, DK: tl.constexpr,
-                        L2: tl.constexpr):
-    """Key columns d0 to d0 + BK of `_load_raw_rows`'s tile, `[C, BK]`, with the whole rows' 1/norm (summed a
-    block of BK columns at a time)."""
-    d = d0 + tl.arange(0, BK)
-    x = tl.load(
-        ptr + b * s_b + t[:, None] * s_t + h * s_h + d[None, :] * s_d,
-        mask=mask_t[:, None] & (d[None, :] < Dk), other=0.0,
-    ).to(tl.float32)
-    if L2:
-        squares = tl.zeros(t.shape, dtype=tl.float32)
-        for j in tl.static_range(0, DK, BK):
-            dj = j + tl.arange(0, BK)
-            xj = tl.load(
-                ptr + b * s_b + t[:, None] * s_t + h * s_h + dj[None, :] * s_d,
-                mask=mask_t[:, None] & (dj[None, :] < Dk), other=0.0,
-            ).to(tl.float32)
-            squares += tl.sum(xj * xj, 1)
-        r = 1.0 / tl.sqrt(squares + 1e-6)
-    else:
-        r = tl.full(t.shape, 1.0, tl.float32)
-    return x, r
-
-
-@triton.jit
-def _share_offsets(rows, d, Dk, C: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr):
-    """Offsets of dq's and dk's terms at tokens `rows` and key columns `d` in a value head's share slot of
-    `2 C Dk` floats: `[2, C, Dk]`, or with key blocks of BK columns (BK < DK = Dk) each block's `[2, C, BK]` in
-    turn, so that a program of one key block writes only the part of its dS_C slot it read itself (Dv = 2C)."""
-    if BK == DK:
-        at = rows[:, None] * Dk + d[None, :]
-        return at, at + C * Dk
-    at = (d[None, :] // BK) * (2 * C * BK) + rows[:, None] * BK + d[None, :] % BK
-    return at, at + C * BK
-
-
-@triton.jit
 def _load_raw_cols(ptr, b, t, h, s_b, s_t, s_h, s_d, mask_t, Dk, DK: tl.constexpr, L2: tl.constexpr):
     """The tile of `_load_raw_rows` loaded transposed, `[DK, C]`, with each column's 1/norm."""
     d = tl.arange(0, DK)

@@ -25,11 +25,9 @@ from unsloth_lite.kernels.gated_delta_rule_kernels import (
     _dot,
     _dot_operands,
     _input_operand,
-    _load_raw_row_block,
     _load_raw_rows,
     _load_vec,
     _operand,
-    _share_offsets,
 )
 
 
@@ -59,32 +57,28 @@ def _backward_state_products_kernel(
     part_ptr, part_slot, terms_ptr, terms_slot,
     cu_ptr, chunk_seq_ptr, chunk_first_ptr,
     T, NC, NCH, Hv, G, Dk, Dv, scale,
-    C: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """Chunk-parallel, one program per (chunk, value head, block of BK key columns): the terms of dq, dk (at
-    `part_ptr + program * part_slot`, laid out by `_share_offsets`) and its part of the terms of dg, dβ (`[2, C]`
-    at `terms_ptr + program * terms_slot + key block * 2C`: they are sums over the key columns) that come from
-    the state products (module docstring). The first may lie in the program's own dS_C slot (the launcher's
-    choice): it is written after the barrier that follows the program's last read of it, and a key block writes
-    only the rows of dS_C it read. With BK < DK a program holds BK columns of each of its three `[C, Dk]`
-    accumulators: fewer registers a thread, Ū computed once per key block."""
+    """Chunk-parallel, one program per (chunk, value head): the terms of dq, dk (`[2, C, Dk]` at
+    `part_ptr + program * part_slot`) and of dg, dβ (`[2, C]` at `terms_ptr + program * terms_slot`) that come
+    from the state products (module docstring). The first may lie in the program's own dS_C slot (the launcher's
+    choice): it is written after the barrier that follows the program's last read of it."""
     pid_c, h, hk, base, b, t, mask_t, beta, gam = _value_head_chunk(
         g_ptr, s_gb, s_gt, s_gh, beta_ptr, s_bb, s_bt, s_bh, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, NCH, G,
         C, VARLEN,
     )
-    key_block = tl.program_id(2)
     rows = tl.arange(0, C)
-    d = key_block * BK + tl.arange(0, BK)
+    d = tl.arange(0, DK)
     mask_d = d < Dk
     lower = rows[None, :] < rows[:, None]
     gam_last = tl.sum(tl.where(rows == C - 1, gam, 0.0), 0)
     decay_q = tl.exp(gam)
     decay_k = tl.exp(gam_last - gam)
     tm_T = _operand(tl.load(tm_ptr + (base * C + rows[None, :]) * C + rows[:, None]), PREC)  # Tᵀ
-    do_s0 = tl.zeros([C, BK], dtype=tl.float32)  # dO S0ᵀ
-    vn_dsc = tl.zeros([C, BK], dtype=tl.float32)  # V_new dS_Cᵀ
-    du_s0 = tl.zeros([C, BK], dtype=tl.float32)  # Ū S0ᵀ
+    do_s0 = tl.zeros([C, DK], dtype=tl.float32)  # dO S0ᵀ
+    vn_dsc = tl.zeros([C, DK], dtype=tl.float32)  # V_new dS_Cᵀ
+    du_s0 = tl.zeros([C, DK], dtype=tl.float32)  # Ū S0ᵀ
     dgam_last = tl.sum(tl.zeros([C], dtype=tl.float32), 0)  # terms of exp(γ_C) alone: every g_t
     for v0 in range(0, Dv, BV):
         e = v0 + tl.arange(0, BV)
@@ -98,7 +92,7 @@ def _backward_state_products_kernel(
         ).to(tl.float32), PREC)
         state = base * Dk * Dv + d[None, :] * Dv + e[:, None]
         mask_ed = mask_e[:, None] & mask_d[None, :]
-        s0_T = tl.load(hs_ptr + state, mask=mask_ed, other=0.0)  # S0ᵀ [BV, BK]
+        s0_T = tl.load(hs_ptr + state, mask=mask_ed, other=0.0)  # S0ᵀ [BV, DK]
         dsc_T = tl.load(dhs_ptr + state, mask=mask_ed, other=0.0)  # dS_Cᵀ
         dgam_last += tl.exp(gam_last) * tl.sum(tl.sum(s0_T * dsc_T, 1), 0)  # S_C = exp(γ_C) S0 + ...
         s0_T = _operand(s0_T, PREC)
@@ -107,8 +101,8 @@ def _backward_state_products_kernel(
         vn_dsc += _dot_operands(vn, _operand(dsc_T, PREC), PREC)
         du_s0 += _dot_operands(du, s0_T, PREC)
 
-    q_raw, r_q = _load_raw_row_block(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, key_block * BK, BK, DK, L2)
-    k_raw, r_k = _load_raw_row_block(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, key_block * BK, BK, DK, L2)
+    q_raw, r_q = _load_raw_rows(q_ptr, b, t, hk, s_qb, s_qt, s_qh, s_qd, mask_t, Dk, DK, L2)
+    k_raw, r_k = _load_raw_rows(k_ptr, b, t, hk, s_kb, s_kt, s_kh, s_kd, mask_t, Dk, DK, L2)
     q = q_raw * (r_q * scale)[:, None]
     k = k_raw * r_k[:, None]
     # inter-chunk read of the state: O += scale (Q⊙Γ) S0
@@ -124,11 +118,10 @@ def _backward_state_products_kernel(
     dg = tl.cumsum(dgam, 0, reverse=True)
     dg += tl.sum(tl.where(lower, dgam_after[None, :], 0.0), 1) + dgam_last
     tl.debug_barrier()  # every thread has read its dS_C: the share may overwrite it
-    share = part_ptr + base * part_slot
-    at_q, at_k = _share_offsets(rows, d, Dk, C, BK, DK)
-    tl.store(share + at_q, dq, mask=mask_d[None, :])
-    tl.store(share + at_k, dk, mask=mask_d[None, :])
-    terms = terms_ptr + base * terms_slot + key_block * 2 * C + rows
+    share = part_ptr + base * part_slot + rows[:, None] * Dk + d[None, :]
+    tl.store(share, dq, mask=mask_d[None, :])
+    tl.store(share + C * Dk, dk, mask=mask_d[None, :])
+    terms = terms_ptr + base * terms_slot + rows
     tl.store(terms, dg)
     tl.store(terms + C, dbeta)
 
@@ -146,14 +139,13 @@ def _backward_chunk_pairs_kernel(
     dv_ptr, dg_ptr, dbeta_ptr,
     cu_ptr, chunk_seq_ptr, chunk_first_ptr,
     T, NC, NCH, Hv, G, Dk, Dv, scale,
-    C: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
     L2: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
 ):
-    """Chunk-parallel, one program per (chunk, value head), after `_backward_state_products_kernel` (run with
-    key blocks of BK columns): dv, and the in-chunk pair terms of dq, dk, dβ and dg added to that kernel's (read
-    from its slots, the shares written back in place). The transposes of dM and of dA's term G are read back
-    from the program's own `[2, C, C]` at `flip_ptr + program * flip_slot` after a barrier, which may lie in its
-    dV_new slot."""
+    """Chunk-parallel, one program per (chunk, value head), after `_backward_state_products_kernel`: dv, and the
+    in-chunk pair terms of dq, dk, dβ and dg added to that kernel's (read from its slots, the shares written back
+    in place). The transposes of dM and of dA's term G are read back from the program's own `[2, C, C]` at
+    `flip_ptr + program * flip_slot` after a barrier, which may lie in its dV_new slot."""
     pid_c, h, hk, base, b, t, mask_t, beta, gam = _value_head_chunk(
         g_ptr, s_gb, s_gt, s_gh, beta_ptr, s_bb, s_bt, s_bh, cu_ptr, chunk_seq_ptr, chunk_first_ptr, T, NC, NCH, G,
         C, VARLEN,
@@ -220,13 +212,11 @@ def _backward_chunk_pairs_kernel(
     # the D_ij terms reach g_t for j < t <= i only (`_backward_values_kernel`)
     after = tl.cumsum(pairs, 0, reverse=True)  # [t, j]: Σ_{i>=t} pairs_ij
     dg = tl.sum(tl.where(lower, after, 0.0), 1)
-    for key_block in tl.static_range(DK // BK):  # the state products' terms, a part per key block
-        terms = terms_ptr + base * terms_slot + key_block * 2 * C + rows
-        dg += tl.load(terms)
-        dbeta += tl.load(terms + C)
+    terms = terms_ptr + base * terms_slot + rows
+    dg += tl.load(terms)
+    dbeta += tl.load(terms + C)
     tl.store(dg_ptr + (b * T + t) * Hv + h, dg.to(dg_ptr.dtype.element_ty), mask=mask_t)
     tl.store(dbeta_ptr + (b * T + t) * Hv + h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mask_t)
-    share = part_ptr + base * part_slot
-    at_q, at_k = _share_offsets(rows, d, Dk, C, BK, DK)
-    tl.store(share + at_q, tl.load(share + at_q, mask=mask_d[None, :], other=0.0) + dq, mask=mask_d[None, :])
-    tl.store(share + at_k, tl.load(share + at_k, mask=mask_d[None, :], other=0.0) + dk, mask=mask_d[None, :])
+    share = part_ptr + base * part_slot + rows[:, None] * Dk + d[None, :]
+    tl.store(share, tl.load(share, mask=mask_d[None, :], other=0.0) + dq, mask=mask_d[None, :])
+    tl.store(share + C * Dk, tl.load(share + C * Dk, mask=mask_d[None, :], other=0.0) + dk, mask=mask_d[None, :])
