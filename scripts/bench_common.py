@@ -30,8 +30,8 @@ def report_unknown(kind: str, chosen, known) -> bool:
 
 
 KEPT_MLP_KEYS = {"keep": "keep_mlp_preactivations", "gpu": "mlp_preactivations_on_gpu", "sets": "kept_sets",
-                 "lead": "offload_lead", "gather": "device_gather", "last": "last_on_device"}
-KEPT_MLP_SUFFIX = "'@keep=N/gpu=G/sets=S/lead=L/gather=0|1/last=0|1'"  # the keys' form, for errors
+                 "lead": "offload_lead", "gather": "device_gather"}
+KEPT_MLP_SUFFIX = "'@keep=N/gpu=G/sets=S/lead=L/gather=0|1'"  # the keys' form, for errors
 
 
 def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
@@ -44,7 +44,7 @@ def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
 def kept_mlp_options(variant: str) -> tuple[str, dict]:
     """A variant name and the checkpointing options of its `@` suffix: ("unsloth_lite_kept_mlp",
     {"keep_mlp_preactivations": 48, "mlp_preactivations_on_gpu": 8}) of "unsloth_lite_kept_mlp@keep=48/gpu=8"
-    (48 layers keep their MLP pre-activations, 8 of them on the GPU; `sets`, `lead`, `gather`, `last`:
+    (48 layers keep their MLP pre-activations, 8 of them on the GPU; `sets`, `lead`, `gather`:
     module settings, see `apply_module_settings`); a kept_mlp variant without a suffix keeps them in every
     checkpointed layer, offloaded ({"keep_mlp_preactivations": True}); others keep none ({}).
     Raises ValueError for a suffix on another variant or an unknown key."""
@@ -66,17 +66,15 @@ def apply_module_settings(options: dict) -> dict:
     """`options` without the module settings a variant's `@` suffix may carry, which it sets in this worker so
     that one run compares them: "kept_sets" (`@sets=S`: `layer_graphs.KEPT_SETS`, the graphed layers' sets of
     kept-tensor buffers), "offload_lead" (`@lead=L`: `checkpointing.MAX_PENDING_OFFLOADS`, offloads the host may
-    queue ahead), "device_gather" (`@gather=1`: `host_embeddings.DEVICE_GATHER`, the host table's rows read by
-    the GPU) and "last_on_device" (`@last=1`: `checkpointing.LAST_ON_DEVICE`, the last checkpointed layer
-    not offloaded)."""
+    queue ahead) and "device_gather" (`@gather=1`: `host_embeddings.DEVICE_GATHER`, the host table's rows read
+    by the GPU)."""
     from unsloth_lite.models import host_embeddings
     from unsloth_lite.training import checkpointing, layer_graphs
 
     options = dict(options)
     for key, module, name, least in (("kept_sets", layer_graphs, "KEPT_SETS", 1),
                                      ("offload_lead", checkpointing, "MAX_PENDING_OFFLOADS", 1),
-                                     ("device_gather", host_embeddings, "DEVICE_GATHER", 0),
-                                     ("last_on_device", checkpointing, "LAST_ON_DEVICE", 0)):
+                                     ("device_gather", host_embeddings, "DEVICE_GATHER", 0)):
         value = options.pop(key, None)
         if value is not None:
             if value < least:

@@ -37,8 +37,7 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
   (`keep_mlp_preactivations=N`, `mlp_preactivations_on_gpu=G`), so one run compares several placements; `sets=S`
   (with graphs) gives the graphed layers S sets of kept-tensor buffers (`layer_graphs.KEPT_SETS`, default 2),
   `lead=L` lets the host queue L offloads ahead (`checkpointing.MAX_PENDING_OFFLOADS`, default 2), `gather=1`
-  has the GPU read the host table's rows itself (`host_embeddings.DEVICE_GATHER`, default off), `last=1` keeps the
-  last checkpointed layer's tensors on the device (`checkpointing.LAST_ON_DEVICE`, default off).
+  has the GPU read the host table's rows itself (`host_embeddings.DEVICE_GATHER`, default off).
 - Any unsloth_lite variant with a suffix `:N` (after any `@...`): its last N decoder layers not checkpointed
   (`--uncheckpointed-layers N` for the unsuffixed ones), so one run compares several N.
 - `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same

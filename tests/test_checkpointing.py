@@ -287,23 +287,6 @@ def test_offloaded_groups_keep_order(cuda_graphs, device, monkeypatch):
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
-def test_last_layer_on_device_prefetches_the_layer_before(cuda_graphs, device, monkeypatch):
-    """`LAST_ON_DEVICE`: the last checkpointed layer offloads nothing; its backward starts fetching the group of
-    the layer before, so every group taken was prefetched. The same losses and gradients."""
-    import unsloth_lite.training.checkpointing as checkpointing
-
-    monkeypatch.setattr(checkpointing, "_OffloadedTensors", _HostGroup)
-    monkeypatch.setattr(checkpointing, "_offloadable", lambda t: True)  # what a GPU would offload
-    monkeypatch.setattr(checkpointing, "LAST_ON_DEVICE", True)
-    _HostGroup.fetches, _HostGroup.sizes = [], []
-    model = _lora_model(device)
-    _compare(model, device, offload_to_cpu=True, cuda_graphs=cuda_graphs, tol=1e-4, keep_mlp_preactivations=True)
-    layers = model.config.num_hidden_layers
-    assert _HostGroup.fetches == [True] * (layers - 1) * 3  # 3 steps; no group of the last layer
-    assert len(_HostGroup.sizes) == (layers - 1) * 3
-
-
-@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
 def test_uncheckpointed_layers(cuda_graphs, device, monkeypatch):
     """The last layer kept out of checkpointing: the same losses and gradients; it keeps its activations (no
     offloaded group, no kept residual, no recomputation) while the layer before is checkpointed as usual."""
@@ -519,18 +502,6 @@ def test_mlp_preactivations_kept_in_some_layers_some_on_the_gpu(cuda_graphs):
     model = _with_lora(patch_model(tiny_model("qwen3", "cuda", num_hidden_layers=3)), ["gate_proj", "up_proj"])
     _compare(model, "cuda", cuda_graphs=cuda_graphs, offload_to_cpu=True, tol=1e-4, steps=4,
              keep_mlp_preactivations=2, mlp_preactivations_on_gpu=1)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
-def test_last_layer_on_device_on_gpu(cuda_graphs, monkeypatch):
-    """`LAST_ON_DEVICE` on the real offload: the last layer's backward fetches the layer before into its set."""
-    import unsloth_lite.training.checkpointing as checkpointing
-
-    monkeypatch.setattr(checkpointing, "LAST_ON_DEVICE", True)
-    for model in (_lora_model("cuda"), _qwen3_5_lora_model("cuda")):
-        _compare(model, "cuda", cuda_graphs=cuda_graphs, offload_to_cpu=True, tol=1e-4, steps=4,
-                 keep_mlp_preactivations=True)
 
 
 @pytest.mark.gpu

@@ -79,11 +79,6 @@ CHECKPOINTING_OPTIONS = (
 # layer's copies reserved at once. So the host waits for the copies (forward) or the layers' use (backward)
 # of MAX_PENDING_OFFLOADS checkpoints back before it queues another.
 MAX_PENDING_OFFLOADS = 2
-# The last checkpointed layer keeps its tensors on the device, not offloaded: its backward comes first, right
-# after the loss's, with no time for a fetch (3.6 ms of a W2 step's idle time on an H200), and starts the fetch
-# of the layer before. It costs that layer's tensors' memory through the loss (184 MB at W2, 537 MB at W4's
-# 8,192 tokens). Off until measured.
-LAST_ON_DEVICE = False
 
 
 class _BoundedLead:
@@ -180,20 +175,14 @@ def _save_inputs(ctx, tensors, offload: list[bool], kept: _KeptSet | None = None
     device = next((t.device for t, moved in zip(tensors, offload, strict=True) if moved), None)
     ctx.offloaded = [moved and t.device == device for t, moved in zip(tensors, offload, strict=True)]
     ctx.offload_group = None
-    previous = getattr(_LAST_OFFLOADED, "value", None)
-    # a checkpoint kept on the device starts the fetch of the offloaded one before it (`_saved_inputs`)
-    ctx.prefetch_before = None if any(ctx.offloaded) else previous
     if any(ctx.offloaded):
+        previous = getattr(_LAST_OFFLOADED, "value", None)
         moved = [t for t, flag in zip(tensors, ctx.offloaded, strict=True) if flag]
         ctx.offload_group = _LAST_OFFLOADED.value = _OffloadedTensors(moved, previous, kept)
     ctx.save_for_backward(*[t for t, flag in zip(tensors, ctx.offloaded, strict=True) if not flag])
 
 
-def _saved_inputs(ctx, in_use: _KeptSet | None = None) -> list[torch.Tensor]:
-    """The checkpoint's tensors for its backward (`in_use`: the kept set it back-propagates in, if graphed)."""
-    if ctx.prefetch_before is not None:
-        ctx.prefetch_before.prefetch(in_use=in_use)
-        ctx.prefetch_before = None
+def _saved_inputs(ctx) -> list[torch.Tensor]:
     fetched = iter(ctx.offload_group.take() if ctx.offload_group is not None else ())
     kept = iter(ctx.saved_tensors)
     return [next(fetched) if flag else next(kept) for flag in ctx.offloaded]
@@ -324,8 +313,7 @@ class _GraphedLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        (hidden,), residual, preactivations = _split_kept(
-            _saved_inputs(ctx, in_use=ctx.graphs.kept), ctx.has_residual, ctx.mlp_pairs)
+        (hidden,), residual, preactivations = _split_kept(_saved_inputs(ctx), ctx.has_residual, ctx.mlp_pairs)
         grad_hidden, *grad_params = ctx.graphs.backward(hidden, residual, preactivations, grad_output)
         return (None, None, None, grad_hidden, *grad_params)
 
@@ -428,12 +416,10 @@ def enable_gradient_checkpointing(
     for index, layer in enumerate(layers):
         checkpointed = index < checkpointed_count
         layer.gradient_checkpointing = checkpointed
-        offload = offload_to_cpu and not (LAST_ON_DEVICE and index == checkpointed_count - 1)
-        mlp_on_gpu = keeps[index] and next(on_gpu)
         layer._gradient_checkpointing_func = functools.partial(
-            checkpoint_layer, offload_to_cpu=offload, cuda_graphs=cuda_graphs, preserve_rng_state=bool(random),
+            checkpoint_layer, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, preserve_rng_state=bool(random),
             keep_residual=keep_residual, keep_mlp_preactivations=keeps[index],
-            offload_mlp_preactivations=offload and not mlp_on_gpu,
+            offload_mlp_preactivations=offload_to_cpu and not (keeps[index] and next(on_gpu)),
         )
         handle = layer.__dict__.pop("_unsloth_lite_residual_hook", None)
         if handle is not None:
