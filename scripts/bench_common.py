@@ -66,7 +66,7 @@ def apply_module_settings(options: dict) -> dict:
     """`options` without the module settings a variant's `@` suffix may carry, which it sets in this worker so
     that one run compares them: "kept_sets" (`@sets=S`: `layer_graphs.KEPT_SETS`, the graphed layers' sets of
     kept-tensor buffers), "offload_lead" (`@lead=L`: `checkpointing.MAX_PENDING_OFFLOADS`, offloads the host may
-    queue ahead) and "device_gather" (`@gather=1`: `host_embeddings.DEVICE_GATHER`, the host table's rows read
+    queue ahead) and "device_gather" (`@gather=0|1`: `host_embeddings.DEVICE_GATHER`, the host table's rows read
     by the GPU)."""
     from unsloth_lite.models import host_embeddings
     from unsloth_lite.training import checkpointing, layer_graphs

@@ -28,7 +28,7 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
 - `unsloth_lite_nf4_embeddings`: the same with the embedding and lm_head in NF4 too (`quantize_embeddings_nf4`:
   rows dequantised on lookup, lm_head tiles inside the fused loss).
 - `unsloth_lite_host_embeddings`: the same with the bf16 input embedding in host memory
-  (`offload_embeddings_to_host`: a batch's rows gathered on the host and copied over).
+  (`offload_embeddings_to_host`: the GPU reads a batch's rows from the pinned table).
 - `unsloth_lite_graphs`: the same with `cuda_graphs=True`.
 - `unsloth_lite_kept_mlp`, `unsloth_lite_graphs_kept_mlp`, `unsloth_lite_host_embeddings_graphs_kept_mlp`,
   `unsloth_lite_nf4_embeddings_graphs_kept_mlp`: with `keep_mlp_preactivations=True` (each checkpoint keeps its
@@ -36,8 +36,8 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
   `@keep=N/gpu=G` keeps them in N of the checkpointed layers only, spread evenly, G of those in GPU memory
   (`keep_mlp_preactivations=N`, `mlp_preactivations_on_gpu=G`), so one run compares several placements; `sets=S`
   (with graphs) gives the graphed layers S sets of kept-tensor buffers (`layer_graphs.KEPT_SETS`, default 2),
-  `lead=L` lets the host queue L offloads ahead (`checkpointing.MAX_PENDING_OFFLOADS`, default 2), `gather=1`
-  has the GPU read the host table's rows itself (`host_embeddings.DEVICE_GATHER`, default off).
+  `lead=L` lets the host queue L offloads ahead (`checkpointing.MAX_PENDING_OFFLOADS`, default 2), `gather=0`
+  has the host gather the host table's rows, not the GPU (`host_embeddings.DEVICE_GATHER`, default on).
 - Any unsloth_lite variant with a suffix `:N` (after any `@...`): its last N decoder layers not checkpointed
   (`--uncheckpointed-layers N` for the unsuffixed ones), so one run compares several N.
 - `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same

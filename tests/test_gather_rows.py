@@ -56,6 +56,7 @@ def test_host_embedding_gathers_on_the_device_as_on_the_host(monkeypatch):
 
     embedding = HostEmbedding(torch.randn(1000, 96, dtype=torch.bfloat16))
     ids = torch.randint(0, 1000, (2, 33), device="cuda")
+    monkeypatch.setattr(host_embeddings, "DEVICE_GATHER", False)
     on_host = embedding(ids)
     monkeypatch.setattr(host_embeddings, "DEVICE_GATHER", True)
     assert torch.equal(embedding(ids), on_host)

@@ -2,11 +2,12 @@
 
 At Qwen3.5-27B's vocabulary the bf16 table `[248320, 5120]` is 2.5 GB of GPU memory, of which a step reads
 the rows of its tokens: 20 MB for 2,048 tokens. A `HostEmbedding` keeps the table in (pinned) host memory,
-gathers a batch's rows there into a pinned staging buffer and copies them to the ids' device; the rows are
-exactly the table's. The ids come to the host first, which waits for the GPU work queued before them; that
-wait also orders the next batch's gather after the previous batch's copy out of the staging buffer. With
-`DEVICE_GATHER`, the GPU reads the rows from the pinned table itself instead (`kernels.gather_rows`): no host
-round trip, nothing waits, and the lookup can be captured in a CUDA graph.
+and a lookup's rows land on the ids' device, exactly the table's. With `DEVICE_GATHER` (the default) a GPU reads
+the rows of CUDA ids from the pinned table itself (`kernels.gather_rows`): no host round trip, nothing waits,
+and the lookup can be captured in a CUDA graph (a decoding step's). Otherwise the host gathers them into a
+pinned staging buffer and copies them over: the ids come to the host first, which waits for the GPU work
+queued before them; that wait also orders the next batch's gather after the previous batch's copy out of the
+staging buffer.
 
 The table is frozen (as in QLoRA). It is held as a plain tensor, not a parameter, so that nothing that walks
 the model's parameters moves, casts, shards or broadcasts it: it stays on the host in its dtype through `.to()`,
@@ -21,10 +22,11 @@ import torch
 
 from unsloth_lite.kernels.gather_rows import gather_rows
 
-# Lookups of CUDA ids gathered by the device from the pinned table (`gather_rows`) rather than on the host.
-# Off until its speed is measured at W2 on the H200 (the host's gather leaves the GPU idle about 4.6 ms at the
-# start of each step there).
-DEVICE_GATHER = False
+# Lookups of CUDA ids gathered by the device from the pinned table (`gather_rows`) rather than on the host. At W2
+# on the H200 it takes away the 4.6 ms a step the GPU waited for the host's gather, but the step's time stays
+# within its spread (the forward waits on its copies to the host instead: docs/benchmarks.md); it is on for the
+# host that no longer waits, and for decoding steps that can then be captured.
+DEVICE_GATHER = True
 
 
 class HostEmbedding(torch.nn.Module):
