@@ -59,10 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def train() -> int:
+        from unsloth_lite.training.distributed import finish
         from unsloth_lite.training.run import run_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)
         run_recipe(recipe, merge=args.merge, log=lambda message: print(f"{prog}: {message}", flush=True))
+        finish()
         return 0
 
     return report_input_errors(prog, args.debug, train)

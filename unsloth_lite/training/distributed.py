@@ -56,6 +56,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def finish() -> None:
+    """At the end of a run: waits for every process, then tears the process group down. A process that exits
+    with the group still up while another is still writing the run's files may abort in the communication
+    backend's teardown (seen with gloo on two CPU processes)."""
+    if is_distributed():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 @contextlib.contextmanager
 def main_process_first():
     """The main process runs the block first (it writes what the others then read), the others after it."""
