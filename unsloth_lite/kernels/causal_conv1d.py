@@ -104,35 +104,6 @@ def _causal_conv1d_forward_kernel(
 
 
 @triton.jit
-def _channel_block(pid, n_c_blocks, n_channels, bias_ptr, BLOCK_C: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   ACC: tl.constexpr):
-    """The channels of a backward program (block pid % n_c_blocks), which lie in the input, and their bias."""
-    c = (pid % n_c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_c = c < n_channels
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + c, mask=mask_c, other=0.0).to(ACC)
-    else:
-        bias = tl.zeros([BLOCK_C], dtype=ACC)
-    return c, mask_c, bias
-
-
-@triton.jit
-def _through_silu(dy, x_base, x_t_stride, x_c_stride, w_ptr, bias, c, mask_c, t, start, mask,
-                  K: tl.constexpr, ACC: tl.constexpr):
-    """dpre = dy · silu'(pre) at positions t `[T]` of channels c `[C]`, pre recomputed from x (0 before each
-    position's `start`) as the forward computes it."""
-    pre = tl.zeros(dy.shape, dtype=ACC) + bias[None, :]
-    for j in tl.static_range(K):
-        src = t - (K - 1) + j
-        m = mask & (src >= start)[:, None]
-        xv = tl.load(x_base + src[:, None] * x_t_stride + c[None, :] * x_c_stride, mask=m, other=0.0)
-        wj = tl.load(w_ptr + c * K + j, mask=mask_c, other=0.0).to(ACC)
-        pre += xv.to(ACC) * wj[None, :]
-    sig = tl.sigmoid(pre)
-    return dy * sig * (1.0 + pre * (1.0 - sig))
-
-
-@triton.jit
 def _causal_conv1d_backward_kernel(
     dy_ptr, dy_b_stride, dy_c_stride, dy_t_stride,
     x_ptr, x_b_stride, x_c_stride, x_t_stride,
@@ -145,8 +116,13 @@ def _causal_conv1d_backward_kernel(
     COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DBIAS: tl.constexpr, ACC: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    c, mask_c, bias = _channel_block(pid, n_c_blocks, n_channels, bias_ptr, BLOCK_C, HAS_BIAS, ACC)
+    c = (pid % n_c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = c < n_channels
     taps = tl.arange(0, K_POW2)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + c, mask=mask_c, other=0.0).to(ACC)
+    else:
+        bias = tl.zeros([BLOCK_C], dtype=ACC)
     dw_acc = tl.zeros([BLOCK_C, K_POW2], dtype=ACC)
     dbias_acc = tl.zeros([BLOCK_C], dtype=ACC)
     first_tile = (pid // n_c_blocks).to(tl.int64) * tiles_per_program
@@ -170,8 +146,15 @@ def _causal_conv1d_backward_kernel(
             dy = tl.load(dy_base + tp[:, None] * dy_t_stride + c[None, :] * dy_c_stride, mask=mask, other=0.0)
             dpre = dy.to(ACC)
             if SILU:
-                dpre = _through_silu(dpre, x_base, x_t_stride, x_c_stride, w_ptr, bias, c, mask_c, tp, start, mask,
-                                     K, ACC)
+                pre = tl.zeros([BLOCK_T, BLOCK_C], dtype=ACC) + bias[None, :]
+                for j in tl.static_range(K):
+                    src = tp - (K - 1) + j
+                    m = mask & (src >= start)[:, None]
+                    xv = tl.load(x_base + src[:, None] * x_t_stride + c[None, :] * x_c_stride, mask=m, other=0.0)
+                    wj = tl.load(w_ptr + c * K + j, mask=mask_c, other=0.0).to(ACC)
+                    pre += xv.to(ACC) * wj[None, :]
+                sig = tl.sigmoid(pre)
+                dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
             if COMPUTE_DX:
                 w_tap = tl.load(w_ptr + c * K + (K - 1 - s), mask=mask_c, other=0.0).to(ACC)
                 dx += dpre * w_tap[None, :]
