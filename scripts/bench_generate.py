@@ -28,6 +28,9 @@ Variants, each in its own process (Unsloth patches transformers on import), each
 - `unsloth_lite_no_pdl`: `unsloth_lite` with the NF4 projections launched as ordinary launches instead of
   programmatic dependent ones (`nf4_matvec.PDL`: each starts loading its weight while the kernel before it
   finishes), only when named.
+- `unsloth_lite_hf_loop`: `unsloth_lite` with every call left to Hugging Face's `generate` loop instead of the
+  patched model's (`models.decode_loop`), only when named: the same forwards and captured step, the host loop
+  of each.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
 (`min_new_tokens`: random weights may say end-of-sequence at any step), one warm-up generation (compilation,
@@ -85,8 +88,9 @@ from train_timing import _error
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_GENERATE_RESULT "
-VARIANTS = ("hf", "hf_static", "unsloth", "unsloth_lite", "unsloth_lite_lora", "unsloth_lite_no_pdl")
-DEFAULT_VARIANTS = VARIANTS[:-1]
+VARIANTS = ("hf", "hf_static", "unsloth", "unsloth_lite", "unsloth_lite_lora", "unsloth_lite_no_pdl",
+            "unsloth_lite_hf_loop")
+DEFAULT_VARIANTS = VARIANTS[:-2]
 TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
 SHAPES = ("qwen3_8b", "qwen3_5_27b")
 H200_COPY_GBPS = 4270.0
@@ -196,6 +200,10 @@ def load(variant: str, shape: str, c: dict, checkpoint: str | None, device, dtyp
 
     if variant == "unsloth_lite_no_pdl":
         nf4_matvec.PDL = False
+    if variant == "unsloth_lite_hf_loop":
+        from unsloth_lite.models import decode_loop
+
+        decode_loop.plan = lambda *args: None
     model = unsloth_lite.patch_model(model)
     if variant == "unsloth_lite_lora":
         torch.manual_seed(SEED)
@@ -358,7 +366,8 @@ def summarise(rows: list[dict], bandwidth_gbps: float, prompt: int, new_tokens: 
         if "peak_gib" in row:
             row["peak_gib"] = round(row["peak_gib"], 2)
         ours, theirs = row.get("tokens"), reference.get(row["shape"])
-        if ours and theirs and row["variant"] in ("hf_static", "unsloth_lite", "unsloth_lite_no_pdl"):
+        if ours and theirs and row["variant"] in ("hf_static", "unsloth_lite", "unsloth_lite_no_pdl",
+                                                          "unsloth_lite_hf_loop"):
             row["same_tokens_as_hf"] = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False))
                                              if a != b), min(len(ours), len(theirs)))
 

@@ -1,6 +1,7 @@
-"""Generation through the patched model's Hugging Face `generate`: the same greedy tokens as the unpatched model,
-tiny Qwen2, Qwen3 and Qwen3.5 in fp32 on the CPU, dense or 4-bit base, with or without a LoRA adapter, dynamic
-and static caches.
+"""Generation through the patched model's `generate`: the same greedy tokens as the unpatched model's, tiny
+Qwen2, Qwen3 and Qwen3.5 in fp32 on the CPU, dense or 4-bit base, with or without a LoRA adapter, through the
+patched model's own decoding loop over its static cache (`models/decode_loop.py`: the default and
+`cache_implementation="static"`) and through Hugging Face's loop over a dynamic cache (asked for by name).
 
 The 4-bit models' reference is the unpatched model with each NF4 layer replaced by a dense layer holding the
 dequantised weight (bitsandbytes' own CPU kernels are not a reference: see test_cpu_path). The 64-token runs
@@ -120,8 +121,8 @@ def assert_same_greedy_tokens(
     return patched
 
 
-# variant, cache implementation (None: Hugging Face's default dynamic cache)
-LONG_RUNS = [("dense", "static"), ("dense+lora", None), ("4bit+lora", "static")]
+# variant, cache implementation (None: the default; "dynamic": Hugging Face's loop)
+LONG_RUNS = [("dense", "static"), ("dense+lora", "dynamic"), ("4bit+lora", None)]
 
 
 def check_64_tokens() -> None:
@@ -169,7 +170,7 @@ def count_decode_calls(monkeypatch):
 
 
 # The interpreter is slow: the kernels run for a few tokens, each architecture with one cache kind.
-KERNEL_RUNS = [("qwen2", "static"), ("qwen3", None), ("qwen3_5", "static")]
+KERNEL_RUNS = [("qwen2", "static"), ("qwen3", "dynamic"), ("qwen3_5", None)]
 
 
 @pytest.mark.parametrize("arch,cache_implementation", KERNEL_RUNS, ids=lambda v: str(v))
@@ -253,9 +254,10 @@ def assert_greedy_path_followed(arch, variant, cache_implementation, new_tokens,
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_greedy_path_matches_cuda(arch, variant, torch_delta_rule):
     """bf16 on CUDA, random weights, 32 new tokens along the reference's greedy path (see
-    `assert_greedy_path_followed`): static cache (the decode step replayed as a CUDA graph) and dynamic cache
-    (eager decode steps). The unpatched models run Hugging Face's own PyTorch DeltaNet, the float32 reference,
-    not flash-linear-attention's kernels where those are installed."""
+    `assert_greedy_path_followed`): the patched model's loop over its static cache (the decode step replayed as
+    a CUDA graph), and Hugging Face's loop over a dynamic cache (eager decode steps). The unpatched models run
+    Hugging Face's own PyTorch DeltaNet, the float32 reference, not flash-linear-attention's kernels where those
+    are installed."""
     patched = assert_greedy_path_followed(arch, variant, "static", 32, "cuda", torch.bfloat16)
     assert captured_decode_steps(patched) == 1
     assert_greedy_path_followed(arch, variant, "dynamic", 32, "cuda", torch.bfloat16)

@@ -1,5 +1,6 @@
 """Qwen2 and Qwen2.5 (which share the `qwen2` model type): which Hugging Face modules take which fused forward."""
 
+from unsloth_lite.models.decode_loop import bind_generate
 from unsloth_lite.models.layers import (
     causal_lm_forward,
     lm_head_is_plain_linear,
@@ -15,7 +16,10 @@ RULES = (
     Rule("Qwen2RMSNorm", rms_norm_forward, ("weight", "variance_epsilon")),
     Rule("Qwen2Attention", rope_attention_forward, ATTENTION_ATTRIBUTES),
     Rule("Qwen2MLP", swiglu_mlp_forward, ("gate_proj", "up_proj", "down_proj", "config"), check=mlp_uses_silu),
-    Rule("Qwen2ForCausalLM", causal_lm_forward, ("model", "lm_head"), check=lm_head_is_plain_linear),
+    Rule(
+        "Qwen2ForCausalLM", causal_lm_forward, ("model", "lm_head"), check=lm_head_is_plain_linear,
+        on_patch=bind_generate,
+    ),
     *LINEAR4BIT_RULES,
 )
 

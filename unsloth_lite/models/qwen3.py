@@ -1,5 +1,6 @@
 """Qwen3 (dense): which Hugging Face modules take which fused forward."""
 
+from unsloth_lite.models.decode_loop import bind_generate
 from unsloth_lite.models.layers import (
     causal_lm_forward,
     disable_cpu_repacking,
@@ -28,7 +29,10 @@ RULES = (
         ATTENTION_ATTRIBUTES + ("q_norm.weight", "q_norm.variance_epsilon", "k_norm.weight"),
     ),
     Rule("Qwen3MLP", swiglu_mlp_forward, ("gate_proj", "up_proj", "down_proj", "config"), check=mlp_uses_silu),
-    Rule("Qwen3ForCausalLM", causal_lm_forward, ("model", "lm_head"), check=lm_head_is_plain_linear),
+    Rule(
+        "Qwen3ForCausalLM", causal_lm_forward, ("model", "lm_head"), check=lm_head_is_plain_linear,
+        on_patch=bind_generate,
+    ),
     *LINEAR4BIT_RULES,
 )
 

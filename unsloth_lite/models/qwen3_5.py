@@ -2,6 +2,7 @@
 forward. Every module of the text model runs fused: the zero-centred norms, the MLP, the loss, the gated
 attention and the Gated DeltaNet layers (`qwen3_5_layers.py`)."""
 
+from unsloth_lite.models.decode_loop import bind_generate
 from unsloth_lite.models.layers import (
     causal_lm_forward,
     lm_head_is_plain_linear,
@@ -33,7 +34,10 @@ RULES = (
         check=deltanet_checks,
     ),
     Rule("Qwen3_5MLP", swiglu_mlp_forward, ("gate_proj", "up_proj", "down_proj", "config"), check=mlp_uses_silu),
-    Rule("Qwen3_5ForCausalLM", causal_lm_forward, ("model", "lm_head"), check=lm_head_is_plain_linear),
+    Rule(
+        "Qwen3_5ForCausalLM", causal_lm_forward, ("model", "lm_head"), check=lm_head_is_plain_linear,
+        on_patch=bind_generate,
+    ),
     *LINEAR4BIT_RULES,
 )
 

@@ -1,6 +1,7 @@
 """Generation with a trained adapter: load a base (NF4 by default) and, optionally, the LoRA adapter of a training
-run, unmerged, patched; generate through Hugging Face's `model.generate` (greedy unless a temperature is given),
-streaming the text as it comes; time the first token and the decoding.
+run, unmerged, patched; generate through the patched model's `generate` (Hugging Face's API, the patched
+model's decoding loop: `models/decode_loop.py`; greedy unless a temperature is given), streaming the text as it
+comes; time the first token and the decoding.
 
 `unsloth-lite-generate` (`unsloth_lite.cli`) is a thin shell over `load_for_generation`, `generate` and
 `chat`, and the trainer's answer-accuracy evaluation (`tiny.answer_accuracy`) goes through `generate` too.
@@ -26,6 +27,7 @@ import torch
 from transformers import TextStreamer
 
 from unsloth_lite.errors import InputError, one_line
+from unsloth_lite.models.decode_loop import release_cache
 from unsloth_lite.recipe_checks import HUB_MODEL_NAME, SUPPORTED_MODEL_TYPES
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -175,9 +177,9 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
 
 
 class _TimedStreamer(TextStreamer):
-    """Hugging Face calls `put` with the prompt, then with each new token as soon as it is on the host (so on a
-    GPU each call follows a synchronisation): the times of those calls time the first token and the decoding.
-    Text goes to `on_text` as it is decoded, when given."""
+    """`generate` calls `put` with the prompt, then with each new token once it is on the host (the patched
+    model's loop reads a token two steps after it is chosen, so the GPU never waits for the host): the times of
+    those calls time the first token and the decoding. Text goes to `on_text` as it is decoded, when given."""
 
     def __init__(self, tokenizer, on_text: Callable[[str], None] | None):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -245,6 +247,8 @@ def generate(
         )
     finally:
         model.train(was_training)
+        if was_training:  # an evaluation during training: the decoding cache would hold memory the steps need
+            release_cache(model)
     new_ids = output[0, input_ids.shape[1]:].tolist()
     times = streamer.token_times
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
