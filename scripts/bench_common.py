@@ -231,6 +231,29 @@ def write_json(path: str | None, payload: dict) -> None:
             json.dump(payload, f, indent=2)
 
 
+def resumed_run(path: str | None, env: dict, settings: dict) -> dict:
+    """The JSON of the run in `path` to continue (empty where there is none yet), if it was measured with the same
+    environment as `env` (the date aside: same GPU, code and versions) and the same top-level `settings`; a
+    ValueError naming what differs otherwise."""
+    if not path:
+        raise ValueError("needs --out (the run to continue)")
+    try:
+        with open(path) as f:
+            run = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON ({exc})") from None
+    before = run.get("environment", {})
+    for key in sorted(set(env) - {"date"}):
+        if before.get(key) != env[key]:
+            raise ValueError(f"{path} was measured with {key} {before.get(key)!r}, this run has {env[key]!r}")
+    for key, value in settings.items():
+        if run.get(key) != value:
+            raise ValueError(f"{path} was measured with {key} {run.get(key)!r}, this run has {value!r}")
+    return run
+
+
 def parse_results(lines: list[str], prefix: str) -> list[dict]:
     """The JSON objects printed after `prefix`. The prefix may come mid-line: where several processes share one
     output pipe, another's progress bar (written without a newline) can precede it."""

@@ -52,6 +52,13 @@ unsloth-lite variants on CUDA also report `graph_step_ms`, the median GPU time o
 decode step in one more generation (each replay between two CUDA events: `graph_step_ms()`), and `host_gap_ms` =
 the time a token takes in `generate` minus it: what `generate`'s host loop adds to each step while the GPU waits.
 
+Ratios within the run: `vs_hf` and `vs_unsloth`, decode tokens/s over that variant's on the same shape;
+`lora_cost`, the share of unsloth_lite's decode speed that the unmerged adapter costs (`unsloth_lite_lora`).
+`--resume` continues the run in `--out` where one command's time limit stopped it: on the same GPU, code and
+versions, with the same prompt, new tokens, repeats and bandwidth (refused with one line otherwise), it keeps
+the rows without an error and runs only the (variant, shape) pairs without one. The file is rewritten after
+each worker.
+
 `--tiny`: a CPU smoke run through the same parent/worker path (2-layer models of both shapes, fp32, NF4 through
 bitsandbytes' CPU backend, kernels in Triton's interpreter; prompt 8, 4 new tokens; no memory figures).
 """
@@ -75,6 +82,7 @@ from bench_common import (
     environment,
     markdown_table,
     report_unknown,
+    resumed_run,
     run_worker_process,
     worker_timed_out,
     write_json,
@@ -321,8 +329,8 @@ def worker_main(args) -> int:
 # Parent
 
 
-def run_worker(args, variant: str, checkpoints: dict) -> list[dict]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--shapes", args.shapes,
+def run_worker(args, variant: str, shapes: list[str], checkpoints: dict) -> list[dict]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--shapes", ",".join(shapes),
            "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
            "--checkpoints", json.dumps(checkpoints)] + ["--tiny"] * args.tiny
     if args.profile_dir:
@@ -338,7 +346,7 @@ def run_worker(args, variant: str, checkpoints: dict) -> list[dict]:
         code = f"no result within --worker-timeout {args.worker_timeout:.0f} s"
     done = {r["shape"] for r in results}
     results += [dict(variant=variant, shape=s, error=f"worker: {code}")
-                for s in args.shapes.split(",") if s not in done]
+                for s in shapes if s not in done]
     if any("error" in r for r in results) and not args.verbose:
         print("\n".join(f"{label} {line}" for line in lines[-25:]), flush=True)
     print(f"{label} done in {time.perf_counter() - start:.0f} s", flush=True)
@@ -349,6 +357,7 @@ def summarise(rows: list[dict], bandwidth_gbps: float, prompt: int, new_tokens: 
     """Adds the bandwidth bound and the fraction reached, and how many leading tokens equal hf's (the built
     models share their weights; Unsloth's checkpoint does not)."""
     reference = {r["shape"]: r["tokens"] for r in rows if r["variant"] == "hf" and "tokens" in r}
+    speed = {(r["shape"], r["variant"]): r["decode_tokens_per_s"] for r in rows if "decode_tokens_per_s" in r}
     context = prompt + new_tokens / 2
     for row in rows:
         c = shape_config(row["shape"], tiny)
@@ -357,6 +366,11 @@ def summarise(rows: list[dict], bandwidth_gbps: float, prompt: int, new_tokens: 
         row["bound_tokens_per_s"] = round(bandwidth_gbps * 1e9 / read["total"], 1)
         if "decode_tokens_per_s" in row:
             row["bound_fraction"] = float(f"{row['decode_tokens_per_s'] / row['bound_tokens_per_s']:.3g}")
+            for peer in ("hf", "unsloth"):
+                if (row["shape"], peer) in speed and row["variant"] != peer:
+                    row[f"vs_{peer}"] = round(row["decode_tokens_per_s"] / speed[(row["shape"], peer)], 2)
+            if row["variant"] == "unsloth_lite_lora" and (row["shape"], "unsloth_lite") in speed:
+                row["lora_cost"] = round(1 - row["decode_tokens_per_s"] / speed[(row["shape"], "unsloth_lite")], 3)
             row["decode_tokens_per_s"] = round(row["decode_tokens_per_s"], 2)
         for key in ("graph_step_ms", "host_gap_ms"):
             if key in row:
@@ -392,6 +406,9 @@ def parse_args(argv=None):
                         help="CUDA only: after measuring, profile one 16-token generation per variant and shape and "
                              "write its kernel table here")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out on the same GPU and code: keep its rows, run only the "
+                             "(variant, shape) pairs it lacks (a run longer than one command's time limit)")
     parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoints", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -401,11 +418,11 @@ def parse_args(argv=None):
     return args
 
 
-def unsloth_checkpoints(args, device: torch.device) -> dict:
+def unsloth_checkpoints(args, device: torch.device, shapes: list[str]) -> dict:
     """Shape -> the checkpoint directory Unsloth loads, written where missing."""
     dtype = torch.float32 if args.tiny else torch.bfloat16
     paths = {}
-    for shape in args.shapes.split(","):
+    for shape in shapes:
         c = shape_config(shape, args.tiny)
         if shape == "qwen3_8b":  # bench_train_setup.py's, shared
             paths[shape] = str(ensure_checkpoint(c, args.workdir, dtype, device,
@@ -424,24 +441,46 @@ def main(argv=None) -> int:
     device = bench_device(args.tiny)
     if device is None:
         return 1
-    if report_unknown("shapes", args.shapes.split(","), SHAPES):
+    shapes = args.shapes.split(",")
+    if report_unknown("shapes", shapes, SHAPES):
         return 2
     variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else DEFAULT_VARIANTS)
     variants = drop_missing_unsloth(variants, bool(args.variants), args.unsloth_site)
-    bandwidth = copy_bandwidth_gbps(device) if args.measure_bandwidth else args.bandwidth_gbps
-    checkpoints = unsloth_checkpoints(args, device) if "unsloth" in variants else {}
-    rows = [row for variant in variants for row in run_worker(args, variant, checkpoints)]
-    summarise(rows, bandwidth, args.prompt, args.new_tokens, args.tiny)
-    rows.sort(key=lambda r: (SHAPES.index(r["shape"]), variants.index(r["variant"])))
-    columns = ["shape", "variant", "decode_tokens_per_s", "ttft_ms", "peak_gib", "bound_tokens_per_s",
-               "bound_fraction", "gb_per_token", "graph_step_ms", "host_gap_ms", "same_tokens_as_hf", "error"]
-    print(f"bandwidth {bandwidth:.0f} GB/s ({'measured' if args.measure_bandwidth else 'given'}); prompt "
+    packages = ("torch", "triton", "transformers", "peft", "bitsandbytes", "unsloth")
+    env = environment(device, packages)
+    settings = dict(prompt=args.prompt, new_tokens=args.new_tokens, repeats=args.repeats)
+    rows, bandwidth, measured, checkpoints = [], args.bandwidth_gbps, args.measure_bandwidth, {}
+    if args.resume:
+        try:
+            run = resumed_run(args.out, env, settings)
+        except ValueError as exc:
+            print(f"bench_generate.py: --resume: {exc}", file=sys.stderr)
+            return 2
+        rows = [r for r in run.get("rows", []) if "error" not in r]
+        bandwidth, measured = run.get("bandwidth_gbps", bandwidth), run.get("bandwidth_measured", measured)
+        checkpoints = run.get("checkpoints", {})
+        print(f"resuming {args.out}: {len(rows)} rows kept", flush=True)
+    elif args.measure_bandwidth:
+        bandwidth = copy_bandwidth_gbps(device)
+    done = {(r["variant"], r["shape"]) for r in rows}
+    todo = {v: [s for s in shapes if (v, s) not in done] for v in variants}
+    if todo.get("unsloth"):
+        checkpoints = {**checkpoints, **unsloth_checkpoints(args, device, todo["unsloth"])}
+    for variant in variants:  # the file is rewritten after each worker: a later one's crash loses nothing
+        if todo[variant]:
+            rows = [r for r in rows if (r["variant"], r["shape"]) not in {(variant, s) for s in todo[variant]}]
+            rows += run_worker(args, variant, todo[variant], checkpoints)
+        summarise(rows, bandwidth, args.prompt, args.new_tokens, args.tiny)
+        write_json(args.out, dict(environment=env, bandwidth_gbps=bandwidth, bandwidth_measured=measured,
+                                  **settings, checkpoints=checkpoints, rows=rows))
+    order = list(dict.fromkeys([*variants, *VARIANTS]))
+    rows.sort(key=lambda r: (SHAPES.index(r["shape"]), order.index(r["variant"])))
+    columns = ["shape", "variant", "decode_tokens_per_s", "vs_hf", "vs_unsloth", "lora_cost", "ttft_ms", "peak_gib",
+               "bound_tokens_per_s", "bound_fraction", "gb_per_token", "graph_step_ms", "host_gap_ms",
+               "same_tokens_as_hf", "error"]
+    print(f"bandwidth {bandwidth:.0f} GB/s ({'measured' if measured else 'given'}); prompt "
           f"{args.prompt}, {args.new_tokens} new tokens, batch 1, greedy")
     print(markdown_table(rows, columns))
-    packages = ("torch", "triton", "transformers", "peft", "bitsandbytes", "unsloth")
-    write_json(args.out, dict(environment=environment(device, packages), bandwidth_gbps=bandwidth,
-                              bandwidth_measured=args.measure_bandwidth, prompt=args.prompt,
-                              new_tokens=args.new_tokens, repeats=args.repeats, checkpoints=checkpoints, rows=rows))
     return 0
 
 

@@ -7,9 +7,10 @@ decoder projection shape of the W3 models, with the time each model spends in th
 
 Shapes: the NF4 decoder linears of `bench_generate.py`'s `qwen3_8b` and `qwen3_5_27b` (random weights, bf16
 compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), one row of x. Variants:
-- `unsloth_lite`: `unsloth_lite.kernels.nf4_matvec` (the weight read once, dequantised in registers);
-- `unsloth_lite_flat_absmax`: the same kernel on the same weights quantised without double quantisation (a
-  float32 absmax per block: more bytes, but no dependent second-level lookup before each block's scale);
+- `unsloth_lite`: `unsloth_lite.kernels.nf4_matvec` (the weight read once, dequantised in registers; each
+  block's absmax read as one float32 value, dequantised from the nested form once: `nf4_matvec.FLAT_ABSMAX`);
+- `unsloth_lite_nested_absmax`: the same kernel reading the nested absmax itself (`FLAT_ABSMAX` off: fewer
+  bytes, but a dependent second-level lookup before each block's scale);
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
@@ -22,7 +23,8 @@ the one rounded to bf16 that bf16 weights take (`BF16_CODES` off: more instructi
 bound the kernel).
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
-the bytes a projection must read (packed weights, 8-bit absmax, second-level absmax, x) and write (y) once;
+the bytes a projection must read (packed weights, the absmax in the form the variant reads it: 8-bit with its
+second level, or float32 for `unsloth_lite`; x) and write (y) once;
 "% copy" compares it with a device-to-device copy measured in the same run. `ms_per_token` sums each shape's
 time times the number of such linears in the model: the NF4 projections' share of one decoded token.
 """
@@ -48,14 +50,14 @@ from bench_common import (
 from bench_generate import SHAPES, nf4_bytes, shape_config
 from random_checkpoint import weightless_model
 
-VARIANTS = ("unsloth_lite", "unsloth_lite_flat_absmax", "bitsandbytes", "dequantize_matmul")
-FLAT_ABSMAX = "unsloth_lite_flat_absmax"  # the same weights quantised without double quantisation
+VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "bitsandbytes", "dequantize_matmul")
+NESTED_ABSMAX = "unsloth_lite_nested_absmax"  # the kernel reading the double-quantised absmax itself
 # (features, weights along K, warps, split along K) a program
 SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (32, 512, 4, False),
                (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),
                (8, 512, 4, True), (8, 1024, 4, True), (16, 512, 4, True), (16, 1024, 8, True), (32, 1024, 8, True),
                (16, 2048, 8, True)]
-TINY_VARIANTS = ("unsloth_lite", FLAT_ABSMAX, "dequantize_matmul")
+TINY_VARIANTS = ("unsloth_lite", NESTED_ABSMAX, "dequantize_matmul")
 # `nf4_matvec` settings the sweep times at the chosen tile only (column "chosen, <name>")
 CHOSEN_OPTIONS = {
     "pairs": {"LOOKUP": "pairs"}, "code_book": {"LOOKUP": "code_book"}, "exact codes": {"BF16_CODES": False},
@@ -71,17 +73,17 @@ def projection_shapes(shape: str, tiny: bool) -> collections.Counter:
     )
 
 
-def nf4_weight(n_out: int, n_in: int, device, dtype, nested: bool = True):
+def nf4_weight(n_out: int, n_in: int, device, dtype):
     import bitsandbytes as bnb
 
     weight = torch.randn(n_out, n_in, dtype=dtype, generator=torch.Generator().manual_seed(n_out * n_in)) * 0.02
-    param = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=nested,
+    param = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4", compress_statistics=True,
                               blocksize=64, quant_storage=torch.uint8)
     return param.to(device)
 
 
 def flat_absmax_bytes(n: int) -> float:
-    """Packed weights and a float32 absmax per 64-weight block (no second level)."""
+    """Packed weights and a float32 absmax per 64-weight block (what the kernel reads with `FLAT_ABSMAX`)."""
     return n / 2 + n / 64 * 4
 
 
@@ -89,10 +91,19 @@ def variant_fn(variant: str, x, weight):
     import torch.nn.functional as F
 
     from unsloth_lite.kernels import dequantize_nf4
-    from unsloth_lite.kernels.nf4_matvec import nf4_matvec
+    from unsloth_lite.kernels import nf4_matvec as matvec
 
-    if variant in ("unsloth_lite", FLAT_ABSMAX):
-        return lambda: nf4_matvec(x, weight)
+    if variant == "unsloth_lite":
+        return lambda: matvec.nf4_matvec(x, weight)
+    if variant == NESTED_ABSMAX:
+        def nested():
+            flat, matvec.FLAT_ABSMAX = matvec.FLAT_ABSMAX, False
+            try:
+                return matvec.nf4_matvec(x, weight)
+            finally:
+                matvec.FLAT_ABSMAX = flat
+
+        return nested
     if variant == "bitsandbytes":
         import bitsandbytes as bnb
 
@@ -105,13 +116,12 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
     rows, counts = [], {s: projection_shapes(s, tiny) for s in shapes}
     for n_out, n_in in sorted({key for c in counts.values() for key in c}):
         weight = nf4_weight(n_out, n_in, device, dtype)
-        flat = nf4_weight(n_out, n_in, device, dtype, nested=False) if FLAT_ABSMAX in variants else None
         x = torch.randn(1, n_in, device=device, dtype=dtype)
         for variant in variants:
-            absmax_bytes = flat_absmax_bytes if variant == FLAT_ABSMAX else nf4_bytes
+            absmax_bytes = flat_absmax_bytes if variant == "unsloth_lite" else nf4_bytes
             moved = absmax_bytes(n_out * n_in) + x.element_size() * (n_in + n_out)
             with torch.no_grad():
-                fn = variant_fn(variant, x, flat if variant == FLAT_ABSMAX else weight)
+                fn = variant_fn(variant, x, weight)
                 rows.append(timed_row(fn, device, moved, bandwidth, out=n_out, **{"in": n_in}, variant=variant))
     return rows
 

@@ -78,6 +78,7 @@ from bench_common import (
     markdown_table,
     matmul_tflops,
     memory_peak_report,
+    resumed_run,
     run_worker_process,
     uncheckpointed_suffix,
     worker_failure,
@@ -325,24 +326,10 @@ def summarise(rows: list[dict], seq: int, c: dict, all_linear: bool, offload: bo
     return rows
 
 
-def resumed_run(args, env: dict, c: dict) -> tuple[list[dict], float | None]:
+def resumed_rows(args, env: dict, c: dict) -> tuple[list[dict], float | None]:
     """(rows without an error, matmul rate) of the run in `args.out`, if it was measured on this GPU from the same
     code and versions, model and settings (ValueError naming what differs otherwise)."""
-    if not args.out:
-        raise ValueError("needs --out (the run to continue)")
-    try:
-        with open(args.out) as f:
-            run = json.load(f)
-    except FileNotFoundError:
-        return [], None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{args.out} is not JSON ({exc})") from None
-    before = run.get("environment", {})
-    for key in sorted(set(env) - {"date"}):
-        if before.get(key) != env[key]:
-            raise ValueError(f"{args.out} was measured with {key} {before.get(key)!r}, this run has {env[key]!r}")
-    if run.get("config") != c:
-        raise ValueError(f"{args.out} was measured on another model config")
+    run = resumed_run(args.out, env, dict(config=c)) or dict(config=c)
     rows = [r for r in run.get("rows", []) if "error" not in r]
     for r in rows:
         for key, value in (("seq", args.seq), ("all_linear", args.all_linear)):
@@ -432,7 +419,7 @@ def main(argv=None) -> int:
     rows, peak_tflops = [], None
     if args.resume:
         try:
-            rows, peak_tflops = resumed_run(args, env, c)
+            rows, peak_tflops = resumed_rows(args, env, c)
         except ValueError as exc:
             print(f"bench_train_27b.py: --resume: {exc}", file=sys.stderr)
             return 2

@@ -78,7 +78,7 @@ def test_deltanet_precision_tiny_mode_runs():
 
 def test_bench_nf4_matvec_tiny_mode_runs():
     out = run_tiny("bench_nf4_matvec.py", "--sweep", "--shapes", "qwen3_8b")
-    assert "| unsloth_lite |" in out and "| dequantize_matmul |" in out and "| unsloth_lite_flat_absmax |" in out
+    assert "| unsloth_lite |" in out and "| dequantize_matmul |" in out and "| unsloth_lite_nested_absmax |" in out
     assert "| qwen3_8b | unsloth_lite |" in out
     assert "| out | in | chosen | 4x1024/4w | 8x512/4w |" in out
     assert "| 16x2048/8w split | chosen, pairs | chosen, code_book | chosen, exact codes |" in out

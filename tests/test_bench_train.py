@@ -183,28 +183,40 @@ def test_bench_train_27b_records_a_worker_timeout(tmp_path):
     assert [(r["variant"], r.get("error")) for r in rows] == [("unsloth_lite", "worker timed out")]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
-def test_bench_train_27b_resumes_a_run_on_the_same_machine_only(tmp_path):
-    """--resume keeps the rows of the run in --out and runs only the variants it lacks; a run measured on another
-    machine is refused with one line."""
+def tiny_run(script: str, *options):
+    """A function running `scripts/<script> --tiny *options *more` in the interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
-    out = tmp_path / "out.json"
 
-    def run(*options):
-        return subprocess.run(
-            [sys.executable, "scripts/bench_train_27b.py", "--tiny", "--warmup", "1", "--steps", "1", "--out",
-             str(out), *options], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-        )
+    def run(*more):
+        return subprocess.run([sys.executable, f"scripts/{script}", "--tiny", *options, *more], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
 
+    return run
+
+
+def run_then_resume(run, out):
+    """A run of unsloth_lite, then one of hf and unsloth_lite resuming it: (the first run's row, the second
+    run, its rows by variant), the second having run hf alone."""
     first = run("--variants", "unsloth_lite")
     assert first.returncode == 0, first.stdout + first.stderr
     kept = json.loads(out.read_text())["rows"][0]
     second = run("--variants", "hf,unsloth_lite", "--resume")
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "1 variants kept, running hf" in second.stdout and "[unsloth_lite] starting" not in second.stdout
+    assert "[unsloth_lite] starting" not in second.stdout
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"hf", "unsloth_lite"} and rows["unsloth_lite"]["step_s"] == kept["step_s"]
-    assert "error" not in rows["hf"]
+    assert set(rows) == {"hf", "unsloth_lite"} and "error" not in rows["hf"]
+    return kept, second, rows
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
+def test_bench_train_27b_resumes_a_run_on_the_same_machine_only(tmp_path):
+    """--resume keeps the rows of the run in --out and runs only the variants it lacks; a run measured on another
+    machine is refused with one line."""
+    out = tmp_path / "out.json"
+    run = tiny_run("bench_train_27b.py", "--warmup", "1", "--steps", "1", "--out", str(out))
+    kept, second, rows = run_then_resume(run, out)
+    assert "1 variants kept, running hf" in second.stdout
+    assert rows["unsloth_lite"]["step_s"] == kept["step_s"]
 
     run_file = json.loads(out.read_text())
     run_file["environment"]["machine"] = "another"
@@ -261,6 +273,21 @@ def test_bench_generate_tiny_mode_runs(tmp_path):
         assert 0 < row["bound_fraction"] < 1, row
     for shape in ("qwen3_8b", "qwen3_5_27b"):
         assert rows[(shape, "unsloth_lite")]["same_tokens_as_hf"] == 4, rows[(shape, "unsloth_lite")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
+def test_bench_generate_resumes_a_run_on_the_same_machine_only(tmp_path):
+    """--resume keeps the rows of the run in --out and runs only the (variant, shape) pairs it lacks, with the
+    ratios over all of them; a run with other settings is refused with one line."""
+    out = tmp_path / "out.json"
+    run = tiny_run("bench_generate.py", "--shapes", "qwen3_8b", "--out", str(out))
+    kept, second, rows = run_then_resume(run, out)
+    assert "1 rows kept" in second.stdout
+    assert rows["unsloth_lite"]["decode_tokens_per_s"] == kept["decode_tokens_per_s"]
+    assert rows["unsloth_lite"]["vs_hf"] == round(kept["decode_tokens_per_s"] / rows["hf"]["decode_tokens_per_s"], 2)
+    refused = run("--variants", "hf", "--resume", "--new-tokens", "3")
+    assert refused.returncode == 2
+    assert "--resume:" in refused.stderr and "new_tokens 4" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_bench_generate_bytes_per_token_match_benchmarks():
@@ -528,9 +555,13 @@ def test_bench_generate_summary_keeps_error_rows_and_graph_timing_restores_repla
     bg = bench_generate()
     rows = [dict(variant="unsloth_lite", shape="qwen3_8b", error="worker: 1"),
             dict(variant="unsloth_lite_lora", shape="qwen3_8b", decode_tokens_per_s=100.123, ttft_ms=80.04,
-                 graph_step_ms=7.12345, host_gap_ms=2.87655)]
+                 graph_step_ms=7.12345, host_gap_ms=2.87655),
+            dict(variant="hf", shape="qwen3_8b", decode_tokens_per_s=20.0),
+            dict(variant="unsloth_lite", shape="qwen3_5_27b", decode_tokens_per_s=50.0)]
     bg.summarise(rows, 4270.0, 128, 128, tiny=False)
     assert rows[0]["error"] == "worker: 1" and "decode_tokens_per_s" not in rows[0]
+    assert rows[1]["vs_hf"] == 5.01 and "vs_unsloth" not in rows[1] and "lora_cost" not in rows[1]
+    assert "vs_hf" not in rows[2] and "vs_hf" not in rows[3]  # a peer of another shape is no peer
     assert rows[1]["ttft_ms"] == 80.0 and rows[1]["graph_step_ms"] == 7.123 and rows[1]["host_gap_ms"] == 2.877
     replay = torch.cuda.CUDAGraph.replay
     calls = []

@@ -47,13 +47,16 @@ class RecordingStreamer(BaseStreamer):
         self.ended = True
 
 
-def greedy_path(reference, prompt) -> torch.Tensor:
-    return reference.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[:, prompt.shape[1]:]
+def greedy_path(reference, prompt, pad: int) -> torch.Tensor:
+    """The new tokens of `prompt` without an end token; `pad` must not occur in the prompt (Hugging Face would
+    mask it, and take another path than the runs that have no pad token there)."""
+    assert not (prompt == pad).any()
+    return reference.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad)[:, prompt.shape[1]:]
 
 
 def end_tokens(path: torch.Tensor) -> tuple[int, int, int] | None:
-    """(a, b, step): a token that first ends row 0 at `step`, and one that ends row 1 at a later step, neither
-    occurring in the other row before its own row's end; None where the greedy path has no such pair."""
+    """(a, b, step): a token that first ends row 0 at `step` and never occurs in row 1, and one that ends row 1
+    at a later step and is not in row 0 before `step`; None where the greedy path has no such pair."""
     rows = [row.tolist() for row in path]
     for step in range(1, len(rows[0]) - 2):
         first = rows[0][step]
@@ -61,7 +64,7 @@ def end_tokens(path: torch.Tensor) -> tuple[int, int, int] | None:
             continue
         for later in range(step + 1, len(rows[1]) - 1):
             second = rows[1][later]
-            if second not in rows[1][:later] and first not in rows[1][: later + 1] and second not in rows[0][:step]:
+            if second not in rows[1][:later] and first not in rows[1] and second not in rows[0][:step]:
                 return first, second, step
     return None
 
@@ -74,7 +77,7 @@ def test_sequences_ending_at_different_steps(arch, loop_calls, device):
     reference, patched = model_pair(arch, "dense", device)
     for _ in range(20):  # a prompt whose greedy path has such tokens (random tiny models repeat tokens)
         prompt = torch.randint(0, 150, (2, 7), device=device)  # no pad token (150): a prompt's pads are padding
-        chosen = end_tokens(greedy_path(reference, prompt))
+        chosen = end_tokens(greedy_path(reference, prompt, 150))
         if chosen is not None:
             break
     assert chosen is not None, "no prompt of 20 gives two distinct end tokens"
@@ -96,8 +99,8 @@ def test_sequences_ending_at_different_steps(arch, loop_calls, device):
 def test_end_at_first_token_and_at_last_step(loop_calls, device):
     """Batch 1: an end-of-sequence token as the first new token (one step), and on the last step."""
     reference, patched = model_pair("qwen3", "dense", device)
-    prompt = torch.randint(0, 151, (1, 5), device=device)
-    path = greedy_path(reference, prompt)[0].tolist()
+    prompt = torch.randint(1, 151, (1, 5), device=device)
+    path = greedy_path(reference, prompt, 0)[0].tolist()
     for eos in {path[0], path[-1]}:
         kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos)
         assert torch.equal(patched.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
@@ -127,7 +130,7 @@ def test_min_new_tokens_and_logits_processors(loop_calls, device):
 
     reference, patched = model_pair("qwen3", "dense", device)
     prompt = torch.randint(1, 151, (2, 4), device=device)
-    path = greedy_path(reference, prompt)
+    path = greedy_path(reference, prompt, 0)
     lengths = []
 
     def ban_last_token(input_ids, scores):  # a processor that reads input_ids: no token twice in a row
@@ -224,3 +227,22 @@ def test_evaluation_during_training_frees_the_cache(device):
     assert model.training and decode_loop.CACHE_ATTRIBUTE not in model.__dict__
     generate(model.eval(), tokenizer, prompt, max_new_tokens=6)
     assert decode_loop.CACHE_ATTRIBUTE in model.__dict__
+
+
+def test_evaluation_during_training_frees_the_fp32_absmax(device):
+    """A 4-bit model: decoding keeps each NF4 weight's fp32 absmax (`nf4_matvec.flat_absmax`) for the next call;
+    an evaluation during training frees them with the cache."""
+    from unsloth_lite import patch_model
+    from unsloth_lite.kernels import nf4_matvec
+    from unsloth_lite.models.quantize import quantize_linears_nf4
+    from unsloth_lite.training.generation import generate
+    from unsloth_lite.training.tiny import build_tiny_qwen3, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    model = patch_model(quantize_linears_nf4(build_tiny_qwen3(tokenizer).to(device), torch.float32))
+    absmax = [id(m.weight.quant_state.absmax) for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    prompt = tokenizer("3+4=")["input_ids"]
+    generate(model.eval(), tokenizer, prompt, max_new_tokens=2)
+    assert len(absmax) == 14 and all(key in nf4_matvec._FLAT_ABSMAX for key in absmax)
+    generate(model.train(), tokenizer, prompt, max_new_tokens=2)
+    assert not any(key in nf4_matvec._FLAT_ABSMAX for key in absmax)

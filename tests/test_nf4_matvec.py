@@ -103,6 +103,31 @@ def test_nf4_matvec_blocksize_128_leading_dims_and_strided_x(n_in, device):
     assert_close(got.view(2, 24), float64_reference(x, weight, None, lora_a, lora_b, 2.0), 1e-5, "y")
 
 
+def test_flat_absmax_is_kept_until_the_absmax_changes(device, monkeypatch):
+    """The fp32 absmax the kernels read (`FLAT_ABSMAX`) equals the nested form dequantised (bitsandbytes' own
+    dequantisation on CUDA), is computed once, again (in place) after the weight's absmax changes, and anew after
+    `release_flat_absmax`; the product is the nested kernel's."""
+    x, weight, bias, lora_a, lora_b = make_case((40, 64 * 5), 2, torch.float32, True, 64, True, 4, device)
+    qs = weight.quant_state
+    flat = nf4_matvec_module.flat_absmax(qs)
+    if device == "cuda":
+        import bitsandbytes.functional as F
+
+        assert torch.equal(flat, (F.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset).reshape(-1))
+    assert flat.dtype == torch.float32 and flat.numel() == 40 * 5
+    assert nf4_matvec_module.flat_absmax(qs) is flat
+    with_flat = nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5)
+    monkeypatch.setattr(nf4_matvec_module, "FLAT_ABSMAX", False)
+    assert_close(with_flat, nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5), 1e-6, "y against nested")
+    before = flat.clone()
+    qs.state2.absmax.mul_(2)
+    again = nf4_matvec_module.flat_absmax(qs)
+    assert again is flat  # computed again in place: a captured graph reads it by address
+    assert_close(again, 2 * before - qs.offset, 1e-6, "absmax after the change")  # the offset comes after the scale
+    nf4_matvec_module.release_flat_absmax([qs])
+    assert nf4_matvec_module.flat_absmax(qs) is not again
+
+
 def test_nf4_matvec_refuses_grad_and_too_many_rows(device):
     weight = quantize((8, 64), torch.float32, False, 64, device)
     with pytest.raises(ValueError, match="inference only"):

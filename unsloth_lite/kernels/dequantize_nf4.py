@@ -445,6 +445,18 @@ def dequantize_nf4_rows_reference(packed: torch.Tensor, quant_state, row_ids: to
     return values.to(qs.dtype).reshape(*row_ids.shape, n_cols)
 
 
+def block_absmax(quant_state) -> torch.Tensor:
+    """fp32 absmax of every quantisation block, a double-quantised one dequantised as bitsandbytes does:
+    code₂[q] · absmax₂[block // blocksize₂] + offset."""
+    qs = quant_state
+    if not qs.nested:
+        return qs.absmax.reshape(-1).float()
+    qabsmax = qs.absmax.reshape(-1).to(torch.int64)
+    nested_block = torch.arange(qabsmax.numel(), device=qabsmax.device) // qs.state2.blocksize
+    absmax = qs.state2.code.float()[qabsmax] * qs.state2.absmax.float()[nested_block]
+    return absmax + qs.offset.float()
+
+
 def dequantize_nf4_reference(packed: torch.Tensor, quant_state) -> torch.Tensor:
     """Plain-PyTorch `dequantize_nf4(packed, quant_state)`, same arithmetic (runs on any device, no Triton).
     It is the CPU path's dequantisation, run for every 4-bit product of a training step, hence one gather per
@@ -457,13 +469,7 @@ def dequantize_nf4_reference(packed: torch.Tensor, quant_state) -> torch.Tensor:
     code = qs.code.float()
     byte_values = torch.stack([code.repeat_interleave(16), code.repeat(16)], dim=1)  # byte -> (high, low)
     values = byte_values[data[: (n + 1) // 2].long()].reshape(-1)
-    if qs.nested:
-        qabsmax = qs.absmax.reshape(-1).to(torch.int64)
-        nested_block = torch.arange(qabsmax.numel(), device=qabsmax.device) // qs.state2.blocksize
-        absmax = qs.state2.code.float()[qabsmax] * qs.state2.absmax.float()[nested_block]
-        absmax = absmax + qs.offset.float()
-    else:
-        absmax = qs.absmax.reshape(-1).float()
+    absmax = block_absmax(qs)
     n_blocks = triton.cdiv(n, qs.blocksize)
     if values.numel() != n_blocks * qs.blocksize:  # the last block is partial
         values = torch.nn.functional.pad(values[:n], (0, n_blocks * qs.blocksize - n))

@@ -39,6 +39,9 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from unsloth_lite.kernels.nf4_matvec import release_flat_absmax
+from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
+
 # Steps queued behind the one whose tokens the host reads. Two keep the GPU busy through a host hiccup; each is a
 # step run for nothing after the last sequence finishes.
 IN_FLIGHT = 2
@@ -85,7 +88,7 @@ def bind_generate(model: torch.nn.Module) -> None:
 
 
 def generate(self, *args, **kwargs):
-    """Hugging Face's `generate`, through the loop above where the request is one it implements."""
+    """Hugging Face's `generate`, through `decode` where the request is one it implements (`plan`)."""
     request = plan(self, args, kwargs)
     if request is None:
         return type(self).generate(self, *args, **kwargs)
@@ -94,10 +97,12 @@ def generate(self, *args, **kwargs):
 
 
 def _eos_ids(value) -> list[int]:
+    """The end-of-sequence ids of a setting that holds none, one, or a list (or tensor) of them."""
     if value is None:
         return []
-    return [int(v) for v in (value.tolist() if torch.is_tensor(value) else value if isinstance(value, list)
-                             else [value])]
+    if torch.is_tensor(value):
+        value = value.tolist()
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
 
 
 def _settings_outside_loop(config) -> list[str]:
@@ -127,11 +132,13 @@ def _warpers(config) -> list:
 
 def plan(model, args, kwargs) -> Request | None:
     """The request of a `generate(*args, **kwargs)` call when the loop implements it, else None."""
-    if len(args) > 1 or not torch.is_tensor(input_ids := args[0] if args else kwargs.get("inputs",
-                                                                                         kwargs.get("input_ids"))):
+    input_ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if len(args) > 1 or not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         return None
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.is_floating_point():
+    if input_ids.is_floating_point() or input_ids.device != model.device:
         return None
+    if len(set(getattr(model, "hf_device_map", {}).values())) > 1:
+        return None  # layers over several devices: the cache and masks would have to follow them
     arguments = {k: v for k, v in kwargs.items() if k not in ("inputs", "input_ids")}
     if any(arguments.get(name) is not None for name in OTHER_ARGUMENTS):
         return None
@@ -174,9 +181,17 @@ def plan(model, args, kwargs) -> Request | None:
 
 
 def release_cache(model: torch.nn.Module) -> None:
-    """Frees the decoding cache kept on `model` (any module of it), as training resumes after an evaluation."""
+    """Frees what decoding keeps on `model` for the next call, as training resumes after an evaluation: the
+    cache, the captured decode steps (`decode_graph.py`), and then the fp32 absmax of its NF4 weights that those
+    read (`nf4_matvec.flat_absmax`)."""
+    quant_states = []
     for module in model.modules():
         module.__dict__.pop(CACHE_ATTRIBUTE, None)
+        module.__dict__.pop(GRAPHS_ATTRIBUTE, None)
+        quant_state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if getattr(quant_state, "nested", False):
+            quant_states.append(quant_state)
+    release_flat_absmax(quant_states)
 
 
 def _cache_keyword(model) -> str:
@@ -186,8 +201,9 @@ def _cache_keyword(model) -> str:
 
 
 def _static_cache(model, batch: int, length: int, device, dtype):
-    """The model's decoding cache for `batch` sequences of up to `length` tokens, reset: the one kept from the last
-    call where it fits (same batch, dtype and device, and room), else a new one; and its length."""
+    """The model's decoding cache for `batch` sequences of up to `length` tokens, and its length (`length` rounded
+    up): the one kept from the last call, reset, where it has that batch, length, dtype and device; else a new
+    one (kept in its place)."""
     size = -(-length // CACHE_ROUNDING) * CACHE_ROUNDING
     key = (batch, size, device, dtype)
     kept = model.__dict__.get(CACHE_ATTRIBUTE)
