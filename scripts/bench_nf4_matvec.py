@@ -20,7 +20,7 @@ shape, to choose those tables from one run (`--sweep-chosen-tile`: each shape's 
 chosen tile with each setting of `CHOSEN_OPTIONS`: the codes read from memory instead of looked up in registers
 (`nf4_matvec.LOOKUP` "pairs", the interpreter's lookup, and "code_book"), the exact fp32 code book instead of
 the one rounded to bf16 that bf16 weights take (`BF16_CODES` off: more instructions a weight; whether they
-bound the kernel).
+bound the kernel), and the loop's loads kept 2 to 4 tiles ahead (`PIPELINE_STAGES`).
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, the absmax in the form the variant reads it: 8-bit with its
@@ -61,6 +61,7 @@ TINY_VARIANTS = ("unsloth_lite", NESTED_ABSMAX, "dequantize_matmul")
 # `nf4_matvec` settings the sweep times at the chosen tile only (column "chosen, <name>")
 CHOSEN_OPTIONS = {
     "pairs": {"LOOKUP": "pairs"}, "code_book": {"LOOKUP": "code_book"}, "exact codes": {"BF16_CODES": False},
+    **{f"{n} stages": {"PIPELINE_STAGES": n} for n in (2, 3, 4)},
 }
 
 

@@ -81,14 +81,15 @@ def test_bench_nf4_matvec_tiny_mode_runs():
     assert "| unsloth_lite |" in out and "| dequantize_matmul |" in out and "| unsloth_lite_nested_absmax |" in out
     assert "| qwen3_8b | unsloth_lite |" in out
     assert "| out | in | chosen | 4x1024/4w | 8x512/4w |" in out
-    assert "| 16x2048/8w split | chosen, pairs | chosen, code_book | chosen, exact codes |" in out
+    assert "| 16x2048/8w split | chosen, pairs | chosen, code_book | chosen, exact codes | chosen, 2 stages |" in out
     assert "word lookup" not in out and " tc |" not in out
 
 
 def test_bench_nf4_matvec_sweep_of_the_chosen_tile():
     out = run_tiny("bench_nf4_matvec.py", "--sweep", "--sweep-chosen-tile", "--shapes", "qwen3_8b",
                    "--variants", "unsloth_lite")
-    header = "| out | in | chosen | chosen, pairs | chosen, code_book | chosen, exact codes |"
+    header = ("| out | in | chosen | chosen, pairs | chosen, code_book | chosen, exact codes | chosen, 2 stages | "
+              "chosen, 3 stages | chosen, 4 stages |")
     assert header in out
     assert "4x1024/4w |" not in out and "word lookup" not in out and " tc |" not in out
     rows = [line.strip("|").split("|") for line in out.split(header)[1].splitlines()[2:] if line.startswith("|")]

@@ -182,12 +182,14 @@ def test_bf16_code_book_only_for_bf16_weights(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stages", [1, 3], ids=lambda n: f"{n}stages")
 @pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
-def test_nf4_matvec_programmatic_dependent_launch_chain(split, monkeypatch):
+def test_nf4_matvec_programmatic_dependent_launch_chain(split, stages, monkeypatch):
     """`PDL`: each projection launched while the one before it finishes reads that one's output only after
     waiting for it. A chain of four (y = W4 W3 W2 W1 x, each with bias and adapter, the inputs of one the outputs
     of the one before), eager and replayed as a CUDA graph, against float64."""
     monkeypatch.setattr(nf4_matvec_module, "PDL", True)
+    monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", stages)
     if split:
         monkeypatch.setattr(nf4_matvec_module, "blocked_tile", lambda n_out: (16, 1024, 8, True))
     sizes = [4096, 12288, 4096, 1024, 4096]
@@ -223,6 +225,24 @@ def test_nf4_matvec_split_along_k_cuda(tile, shape, rows, monkeypatch):
     1 to 34 splits."""
     monkeypatch.setattr(nf4_matvec_module, "blocked_tile", lambda n_out: tile)
     check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("shape", [(40, 64 * 37), (1024, 4096), (17408, 5120), (5120, 17408)], ids=str)
+def test_nf4_matvec_pipelined_cuda(shape, rows, dtype, stages, monkeypatch):
+    """`PIPELINE_STAGES`: the blocked kernel's loads kept 2 to 4 tiles ahead (asynchronous copies), compiled, at
+    the W3 models' shapes and a part-filled last tile."""
+    monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", stages)
+    check(shape, rows, dtype, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
+
+
+def test_nf4_matvec_pipelined_loop_runs_everywhere(device, monkeypatch):
+    """The pipelined loop's source runs in the interpreter too (which loads each tile in its own step)."""
+    monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", 3)
+    check((40, 64 * 37), 2, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])

@@ -82,6 +82,12 @@ PDL = True
 # or more); each weight within bf16's rounding of its exact value, as the bf16 weight that `dequantize_nf4` writes
 # is. fp32 and fp16 weights keep the exact code book: rounded, it changes an fp32 model's greedy tokens.
 BF16_CODES = True
+# Tiles along K whose loads the blocked kernel's loop keeps in flight (Triton's software pipelining: asynchronous
+# copies into shared memory, `tl.range(num_stages=)`), where 1 loads each tile in its own step. The loop is bound
+# by the latency of its loads (a program waits for each tile's bytes before decoding them), and pipelining keeps
+# the next tiles' bytes coming meanwhile; compiled offline for sm_90 (triton 3.6, 8 x 512 tile, 17408 x 5120)
+# three stages take 63 registers instead of 80 and 7 KB of shared memory. Not measured yet: 1 until it is.
+PIPELINE_STAGES = 1
 # The kernels read a double-quantised weight's absmax as one fp32 value a block (`flat_absmax`: dequantised once
 # a weight, on its first product, and kept while the weight's absmax is unchanged) instead of the nested form,
 # whose scale is a chain of three dependent loads a tile (8-bit absmax, its second-level code, then the
@@ -161,6 +167,7 @@ def _nf4_matvec_blocked_kernel(
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """SPLIT_K: program (i, j) takes tile j along K of feature block i (`_sum_of_splits`), so that a layer's
     programs are K / tile times as many and each reads its bytes in one step: more bytes in flight per SM, x
@@ -169,7 +176,11 @@ def _nf4_matvec_blocked_kernel(
     PDL (launched as a programmatic dependent launch): nothing the kernel before may still write or read is
     touched before `gdc_wait` (x, the adapter's t, bias, the outputs and the split scratch all come after it);
     only the frozen weight's bytes and absmax are loaded ahead of it. Every program waits once it has issued its
-    first tile's weight loads, and lets the next kernel launch once its loop is done."""
+    first tile's weight loads (before the loop when it is pipelined), and lets the next kernel launch once its
+    loop is done.
+
+    STAGES (`PIPELINE_STAGES`): the loop's loads issued that many tiles ahead, as asynchronous copies to shared
+    memory (Triton's software pipelining); 1 loads each tile in its own step."""
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     mask_features = features < n_out
@@ -182,12 +193,14 @@ def _nf4_matvec_blocked_kernel(
         end_block = blocks_per_row
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, BLOCKSIZE // 2], dtype=tl.float32)  # one row: reduced at the end
-    for b0 in range(first_block, end_block, BLOCKS_PER_TILE):
+    if PDL and STAGES > 1:
+        gdc_wait()  # the pipelined loop loads x for later tiles before its body runs: wait first
+    for b0 in tl.range(first_block, end_block, BLOCKS_PER_TILE, num_stages=STAGES):
         absmax, packed, byte_in_row, mask_blocks = _blocked_tile_loads(
             b0, packed_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, features,
             mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE,
         )
-        if PDL:
+        if PDL and STAGES == 1:
             gdc_wait()  # returns at once after the first tile
         # masked bytes: finite, x is 0
         code_even, code_odd = _nf4_codes(packed, table_ptr, LOOKUP, BF16_CODES)
@@ -436,7 +449,8 @@ def nf4_matvec(
             *args, *((partial, arrivals) if split_k else (out, out)), *sizes,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             LOOKUP=LOOKUPS.index(LOOKUP), BF16_CODES=bf16_codes,
-            SPLIT_K=split_k, PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}), **meta,
+            SPLIT_K=split_k, PDL=pdl, STAGES=PIPELINE_STAGES, num_warps=warps,
+            **({"launch_pdl": True} if pdl else {}), **meta,
         )
     else:
         _nf4_matvec_kernel[(triton.cdiv(n_out, BLOCK_N),)](
