@@ -20,7 +20,8 @@ shape, to choose those tables from one run (`--sweep-chosen-tile`: each shape's 
 chosen tile with each setting of `CHOSEN_OPTIONS`: the codes read from memory instead of looked up in registers
 (`nf4_matvec.LOOKUP` "pairs", the interpreter's lookup, and "code_book"), the exact fp32 code book instead of
 the one rounded to bf16 that bf16 weights take (`BF16_CODES` off: more instructions a weight; whether they
-bound the kernel), and the loop's loads kept 2 to 4 tiles ahead (`PIPELINE_STAGES`).
+bound the kernel), and the loop's loads kept 2 to 4 tiles ahead (`PIPELINE_STAGES`; three also at two other
+tiles).
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, the absmax in the form the variant reads it: 8-bit with its
@@ -58,10 +59,19 @@ SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (3
                (8, 512, 4, True), (8, 1024, 4, True), (16, 512, 4, True), (16, 1024, 8, True), (32, 1024, 8, True),
                (16, 2048, 8, True)]
 TINY_VARIANTS = ("unsloth_lite", NESTED_ABSMAX, "dequantize_matmul")
+def tile_name(tile: tuple[int, int, int, bool]) -> str:
+    features, tile_k, warps, split_k = tile
+    return f"{features}x{tile_k}/{warps}w" + (" split" if split_k else "")
+
+
 # `nf4_matvec` settings the sweep times at the chosen tile only (column "chosen, <name>")
 CHOSEN_OPTIONS = {
     "pairs": {"LOOKUP": "pairs"}, "code_book": {"LOOKUP": "code_book"}, "exact codes": {"BF16_CODES": False},
     **{f"{n} stages": {"PIPELINE_STAGES": n} for n in (2, 3, 4)},
+    # other tiles with three stages, where pipelining frees registers (offline sm_90 at 17408 x 5120: 16x512/8w
+    # 71, 4x1024/4w 64)
+    **{f"3 stages, {tile_name(tile)}": {"PIPELINE_STAGES": 3, "blocked_tile": lambda _n, tile=tile: tile}
+       for tile in ((16, 512, 8, False), (4, 1024, 4, False))},
 }
 
 
@@ -125,11 +135,6 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
                 fn = variant_fn(variant, x, weight)
                 rows.append(timed_row(fn, device, moved, bandwidth, out=n_out, **{"in": n_in}, variant=variant))
     return rows
-
-
-def tile_name(tile: tuple[int, int, int, bool]) -> str:
-    features, tile_k, warps, split_k = tile
-    return f"{features}x{tile_k}/{warps}w" + (" split" if split_k else "")
 
 
 def sweep_tiles(shapes: list[str], device, tiny: bool, chosen_only: bool = False) -> list[dict]:

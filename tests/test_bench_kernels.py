@@ -89,9 +89,9 @@ def test_bench_nf4_matvec_sweep_of_the_chosen_tile():
     out = run_tiny("bench_nf4_matvec.py", "--sweep", "--sweep-chosen-tile", "--shapes", "qwen3_8b",
                    "--variants", "unsloth_lite")
     header = ("| out | in | chosen | chosen, pairs | chosen, code_book | chosen, exact codes | chosen, 2 stages | "
-              "chosen, 3 stages | chosen, 4 stages |")
+              "chosen, 3 stages | chosen, 4 stages | chosen, 3 stages, 16x512/8w | chosen, 3 stages, 4x1024/4w |")
     assert header in out
-    assert "4x1024/4w |" not in out and "word lookup" not in out and " tc |" not in out
+    assert "| 4x1024/4w |" not in out and "word lookup" not in out and " tc |" not in out  # no other tile's column
     rows = [line.strip("|").split("|") for line in out.split(header)[1].splitlines()[2:] if line.startswith("|")]
     assert rows and all(float(cell) > 0 for row in rows for cell in row[2:]), out  # "chosen": the tile's time
 
