@@ -25,12 +25,16 @@ Variants, each in its own process (Unsloth patches transformers on import), each
 - `unsloth_lite`: `unsloth_lite.patch_model`, then `model.generate`.
 - `unsloth_lite_lora`: the same with LoRA r=16 (random B, so the adapters change the output) on q,k,v,o,gate,
   up,down through `unsloth_lite.add_lora`, unmerged.
-- `unsloth_lite_no_pdl`: `unsloth_lite` with the NF4 projections launched as ordinary launches instead of
-  programmatic dependent ones (`nf4_matvec.PDL`: each starts loading its weight while the kernel before it
-  finishes), only when named.
 - `unsloth_lite_hf_loop`: `unsloth_lite` with every call left to Hugging Face's `generate` loop instead of the
   patched model's (`models.decode_loop`), only when named: the same forwards and captured step, the host loop
   of each.
+
+An unsloth-lite variant may carry decoding settings after `@`, `/`-separated, set in its worker so that one run
+compares them (`unsloth_lite@stages=3/lora_stages=3`, `unsloth_lite_lora@flat=0`): `stages=N`
+(`nf4_matvec.PIPELINE_STAGES`, the NF4 loop's loads kept N tiles ahead), `lora_stages=N` (`lora_down`'s), `flat=0`
+(`nf4_matvec.FLAT_ABSMAX` off: the nested absmax read in the kernel), `pdl=0` (`nf4_matvec.PDL` off: ordinary
+launches instead of programmatic dependent ones, each of which starts loading its weight while the kernel before
+it finishes). A suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
 (`min_new_tokens`: random weights may say end-of-sequence at any step), one warm-up generation (compilation,
@@ -96,9 +100,15 @@ from train_timing import _error
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_GENERATE_RESULT "
-VARIANTS = ("hf", "hf_static", "unsloth", "unsloth_lite", "unsloth_lite_lora", "unsloth_lite_no_pdl",
-            "unsloth_lite_hf_loop")
-DEFAULT_VARIANTS = VARIANTS[:-2]
+VARIANTS = ("hf", "hf_static", "unsloth", "unsloth_lite", "unsloth_lite_lora", "unsloth_lite_hf_loop")
+DEFAULT_VARIANTS = VARIANTS[:-1]
+# A variant's "@" settings: key -> (module, attribute, least value); see the module docstring.
+DECODE_SETTINGS = {
+    "stages": ("unsloth_lite.kernels.nf4_matvec", "PIPELINE_STAGES", 1),
+    "lora_stages": ("unsloth_lite.kernels.lora_down", "PIPELINE_STAGES", 1),
+    "flat": ("unsloth_lite.kernels.nf4_matvec", "FLAT_ABSMAX", 0),
+    "pdl": ("unsloth_lite.kernels.nf4_matvec", "PDL", 0),
+}
 TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
 SHAPES = ("qwen3_8b", "qwen3_5_27b")
 H200_COPY_GBPS = 4270.0
@@ -192,6 +202,33 @@ def build_model(shape: str, c: dict, device: torch.device, dtype: torch.dtype):
     return model.eval() if device.type == "cuda" else model
 
 
+def split_variant(variant: str) -> tuple[str, dict]:
+    """(the variant's name, its "@" settings as {key: whole number}); ValueError for an unknown name, key or
+    value, or settings on a variant that is not unsloth-lite's."""
+    name, _, suffix = variant.partition("@")
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}; expected among {', '.join(VARIANTS)}")
+    settings = {}
+    for item in filter(None, suffix.split("/")):
+        key, _, value = item.partition("=")
+        least = DECODE_SETTINGS[key][2] if key in DECODE_SETTINGS else None
+        if least is None or not value.isdigit() or int(value) < least or (least == 0 and int(value) > 1):
+            raise ValueError(f"{variant}: expected @KEY=N/... with KEY among {', '.join(DECODE_SETTINGS)} "
+                             f"(stages at least 1, flat and pdl 0 or 1), got {item!r}")
+        settings[key] = int(value)
+    if settings and not name.startswith("unsloth_lite"):
+        raise ValueError(f"{variant}: only unsloth-lite's variants take @ settings")
+    return name, settings
+
+
+def apply_decode_settings(settings: dict) -> None:
+    import importlib
+
+    for key, value in settings.items():
+        module, attribute, least = DECODE_SETTINGS[key]
+        setattr(importlib.import_module(module), attribute, bool(value) if least == 0 else value)
+
+
 def load(variant: str, shape: str, c: dict, checkpoint: str | None, device, dtype, max_length: int):
     if variant == "unsloth":
         import unsloth  # noqa: F401  (before transformers: it patches it on import)
@@ -204,10 +241,9 @@ def load(variant: str, shape: str, c: dict, checkpoint: str | None, device, dtyp
     if variant.startswith("hf"):
         return model
     import unsloth_lite
-    from unsloth_lite.kernels import nf4_matvec
 
-    if variant == "unsloth_lite_no_pdl":
-        nf4_matvec.PDL = False
+    variant, settings = split_variant(variant)
+    apply_decode_settings(settings)
     if variant == "unsloth_lite_hf_loop":
         from unsloth_lite.models import decode_loop
 
@@ -369,8 +405,10 @@ def summarise(rows: list[dict], bandwidth_gbps: float, prompt: int, new_tokens: 
             for peer in ("hf", "unsloth"):
                 if (row["shape"], peer) in speed and row["variant"] != peer:
                     row[f"vs_{peer}"] = round(row["decode_tokens_per_s"] / speed[(row["shape"], peer)], 2)
-            if row["variant"] == "unsloth_lite_lora" and (row["shape"], "unsloth_lite") in speed:
-                row["lora_cost"] = round(1 - row["decode_tokens_per_s"] / speed[(row["shape"], "unsloth_lite")], 3)
+            name, at, suffix = row["variant"].partition("@")
+            without = (row["shape"], "unsloth_lite" + at + suffix)
+            if name == "unsloth_lite_lora" and without in speed:
+                row["lora_cost"] = round(1 - row["decode_tokens_per_s"] / speed[without], 3)
             row["decode_tokens_per_s"] = round(row["decode_tokens_per_s"], 2)
         for key in ("graph_step_ms", "host_gap_ms"):
             if key in row:
@@ -380,8 +418,8 @@ def summarise(rows: list[dict], bandwidth_gbps: float, prompt: int, new_tokens: 
         if "peak_gib" in row:
             row["peak_gib"] = round(row["peak_gib"], 2)
         ours, theirs = row.get("tokens"), reference.get(row["shape"])
-        if ours and theirs and row["variant"] in ("hf_static", "unsloth_lite", "unsloth_lite_no_pdl",
-                                                          "unsloth_lite_hf_loop"):
+        same_weights = row["variant"].partition("@")[0] in ("hf_static", "unsloth_lite", "unsloth_lite_hf_loop")
+        if ours and theirs and same_weights:
             row["same_tokens_as_hf"] = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False))
                                              if a != b), min(len(ours), len(theirs)))
 
@@ -389,7 +427,8 @@ def summarise(rows: list[dict], bandwidth_gbps: float, prompt: int, new_tokens: 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run (2-layer tiny models, interpreter)")
-    parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated subset of {','.join(VARIANTS)}, unsloth-lite's with @ settings")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {','.join(SHAPES)}")
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 128; tiny 8)")
     parser.add_argument("--new-tokens", type=int, default=None, help="new tokens (default 128; tiny 4)")
@@ -409,7 +448,7 @@ def parse_args(argv=None):
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --out on the same GPU and code: keep its rows, run only the "
                              "(variant, shape) pairs it lacks (a run longer than one command's time limit)")
-    parser.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoints", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name, full, tiny in (("prompt", 128, 8), ("new_tokens", 128, 4), ("repeats", 3, 1)):
@@ -446,6 +485,12 @@ def main(argv=None) -> int:
         return 2
     variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else DEFAULT_VARIANTS)
     variants = drop_missing_unsloth(variants, bool(args.variants), args.unsloth_site)
+    try:
+        for variant in variants:
+            split_variant(variant)
+    except ValueError as exc:
+        print(f"bench_generate.py: --variants: {exc}", file=sys.stderr)
+        return 2
     packages = ("torch", "triton", "transformers", "peft", "bitsandbytes", "unsloth")
     env = environment(device, packages)
     settings = dict(prompt=args.prompt, new_tokens=args.new_tokens, repeats=args.repeats)

@@ -549,6 +549,29 @@ def test_bench_distributed_ratios_over_merged_runs(tmp_path):
     assert set(missing.values()) == {None}
 
 
+def test_bench_generate_variant_settings():
+    """An unsloth-lite variant's "@" settings: parsed, set in the worker's modules, refused in one line when
+    unknown or out of range; a suffixed adapter variant's LoRA cost is against the same suffix."""
+    bg = bench_generate()
+    assert bg.split_variant("unsloth_lite@stages=3/lora_stages=2/flat=0") == (
+        "unsloth_lite", {"stages": 3, "lora_stages": 2, "flat": 0})
+    for bad in ("unsloth_lite@stages=0", "unsloth_lite@flat=2", "unsloth_lite@x=1", "hf@pdl=0", "other"):
+        with pytest.raises(ValueError):
+            bg.split_variant(bad)
+    from unsloth_lite.kernels import lora_down, nf4_matvec
+
+    saved = nf4_matvec.PIPELINE_STAGES, nf4_matvec.FLAT_ABSMAX, lora_down.PIPELINE_STAGES
+    try:
+        bg.apply_decode_settings({"stages": 3, "flat": 0, "lora_stages": 2})
+        assert (nf4_matvec.PIPELINE_STAGES, nf4_matvec.FLAT_ABSMAX, lora_down.PIPELINE_STAGES) == (3, False, 2)
+    finally:
+        nf4_matvec.PIPELINE_STAGES, nf4_matvec.FLAT_ABSMAX, lora_down.PIPELINE_STAGES = saved
+    rows = [dict(variant=v, shape="qwen3_8b", decode_tokens_per_s=speed) for v, speed in
+            (("unsloth_lite@stages=3", 100.0), ("unsloth_lite_lora@stages=3", 90.0), ("unsloth_lite_lora", 80.0))]
+    bg.summarise(rows, 4270.0, 128, 128, tiny=False)
+    assert rows[1]["lora_cost"] == 0.1 and "lora_cost" not in rows[2]  # no unsloth_lite row without a suffix
+
+
 def test_bench_generate_summary_keeps_error_rows_and_graph_timing_restores_replay():
     """A variant that failed (no timings) is summarised as it is; the replay timing patches CUDA graphs' replay
     for one generation only, and reports nothing where no graph was replayed."""

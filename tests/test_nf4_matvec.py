@@ -8,6 +8,7 @@ import torch
 from helpers import TOLERANCE, assert_close, dtype_id
 from test_dequantize_nf4 import quantize
 
+from unsloth_lite.kernels import lora_down as lora_down_module
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.lora_down import lora_down_rows
@@ -245,11 +246,15 @@ def test_nf4_matvec_pipelined_loop_runs_everywhere(device, monkeypatch):
     check((40, 64 * 37), 2, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
 
 
+@pytest.mark.parametrize("stages", [1, 3])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_lora_down_rows_several_adapters(rows, device):
-    """x [A_1; ...; A_n]ᵀ for adapters of different ranks (four adapters: two launches), bf16 rows."""
-    x = torch.randn(rows, 200, device=device).to(torch.bfloat16)
-    adapters = [torch.randn(r, 200, device=device) for r in (4, 16, 2, 8)]
+def test_lora_down_rows_several_adapters(rows, stages, device, monkeypatch):
+    """x [A_1; ...; A_n]ᵀ for adapters of different ranks (four adapters: two launches), bf16 rows, the loop's
+    loads in their own steps or pipelined (`PIPELINE_STAGES`; the interpreter ignores it)."""
+    monkeypatch.setattr(lora_down_module, "PIPELINE_STAGES", stages)
+    n_in = 200 if device != "cuda" else 5120 + 200  # several steps along K where compiled
+    x = torch.randn(rows, n_in, device=device).to(torch.bfloat16)
+    adapters = [torch.randn(r, n_in, device=device) for r in (4, 16, 2, 8)]
     got = lora_down_rows(x, adapters)
     expected = x.double() @ torch.cat(adapters).double().t()
     assert got.dtype == torch.float32 and got.shape == (rows, 30)

@@ -46,9 +46,10 @@ def _store_rows(
 @triton.jit
 def _lora_down_kernel(
     x_ptr, x_row_stride, x_col_stride, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, t_ptr, t_row_stride, n_rows, n_in,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """Column j of t = x [A0; A1; A2]ᵀ: one program per adapter row (the A are `[r_i, K]`, contiguous)."""
+    """Column j of t = x [A0; A1; A2]ᵀ: one program per adapter row (the A are `[r_i, K]`, contiguous); the
+    loop's loads kept STAGES steps ahead (`PIPELINE_STAGES`)."""
     j = tl.program_id(0)
     if j < rank0:
         a_row = a0_ptr + j.to(tl.int64) * n_in
@@ -59,7 +60,7 @@ def _lora_down_kernel(
     rows = tl.arange(0, BLOCK_M)
     mask_rows = rows < n_rows
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, n_in, BLOCK_K):
+    for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
         cols = k0 + tl.arange(0, BLOCK_K)
         mask_cols = cols < n_in
         a = tl.load(a_row + cols, mask=mask_cols, other=0.0).to(tl.float32)
@@ -72,6 +73,10 @@ def _lora_down_kernel(
 MAX_ADAPTERS_PER_LAUNCH = 3  # q, k, v: the most projections that share an input
 # One program walks a whole row of A (up to 17,408 weights at the 27B's down projection): wide steps.
 LORA_BLOCK_K = 256 if INTERPRET else 1024
+# Steps along K whose loads a program keeps in flight (Triton's software pipelining, asynchronous copies to shared
+# memory); 1 loads each step in its own. The launch has fewer programs than the GPU has SMs (one per adapter row),
+# so each program's chain of load latencies is the kernel's time. Not measured yet: 1 until it is.
+PIPELINE_STAGES = 1
 
 
 def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor:
@@ -94,7 +99,7 @@ def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor
         _lora_down_kernel[(width,)](
             x, x.stride(0), x.stride(1), *pointers, group[0].shape[0], group[1].shape[0] if len(group) > 1 else 0,
             t[:, start:], t.stride(0), rows, n_in,
-            BLOCK_M=triton.next_power_of_2(rows), BLOCK_K=LORA_BLOCK_K, num_warps=4,
+            BLOCK_M=triton.next_power_of_2(rows), BLOCK_K=LORA_BLOCK_K, STAGES=PIPELINE_STAGES, num_warps=4,
         )
         start += width
     return t
