@@ -109,13 +109,13 @@ def test_end_at_first_token_and_at_last_step(loop_calls, device):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sampling_draws_hugging_face_samples(arch, loop_calls, monkeypatch, device):
-    """Temperature, top-k, top-p and min-p applied as Hugging Face applies them: the same samples from the same
-    seed. Sampling turns the last bits of the logits into different tokens now and then, so both loops run the
-    same forwards here: the unpatched model's, over a static cache of the same length."""
+    """Temperature, top-k, top-p, min-p and the repetition penalty applied as Hugging Face applies them: the same
+    samples from the same seed. Sampling turns the last bits of the logits into different tokens now and then,
+    so both loops run the same forwards here: the unpatched model's, over a static cache of the same length."""
     reference, _ = model_pair(arch, "dense", device)
     monkeypatch.setattr(decode_loop, "CACHE_ROUNDING", 1)
     prompt = torch.randint(1, 151, (2, 6), device=device)  # no pad token (0)
-    for warpers in (dict(temperature=0.7, top_k=20, top_p=0.9), dict(min_p=0.05), dict()):
+    for warpers in (dict(temperature=0.7, top_k=20, top_p=0.9), dict(min_p=0.05, repetition_penalty=1.3), dict()):
         kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=True, pad_token_id=0, **warpers)
         torch.manual_seed(3)
         expected = reference.generate(prompt, cache_implementation="static", **kwargs)
@@ -125,7 +125,8 @@ def test_sampling_draws_hugging_face_samples(arch, loop_calls, monkeypatch, devi
 
 
 def test_min_new_tokens_and_logits_processors(loop_calls, device):
-    """`min_new_tokens` holds back the end token; a caller's logits processor sees the sequences so far."""
+    """`min_new_tokens` holds back the end token, after the repetition penalty; a caller's logits processor sees
+    the sequences so far."""
     from transformers import LogitsProcessorList
 
     reference, patched = model_pair("qwen3", "dense", device)
@@ -138,7 +139,7 @@ def test_min_new_tokens_and_logits_processors(loop_calls, device):
         return scores.scatter(1, input_ids[:, -1:], float("-inf"))
 
     kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=6, eos_token_id=int(path[0, 1]), pad_token_id=0,
-                  logits_processor=LogitsProcessorList([ban_last_token]))
+                  repetition_penalty=1.5, logits_processor=LogitsProcessorList([ban_last_token]))
     expected = reference.generate(prompt, **kwargs)
     expected_lengths = list(lengths)
     lengths.clear()
@@ -165,14 +166,14 @@ def test_reused_cache_is_reset(arch, loop_calls, device):
 
 
 def test_requests_left_to_hugging_face(loop_calls, device):
-    """Penalties, beams, left padding (a mask, or pad tokens in the prompt) and returned scores go to Hugging
+    """Constraints, beams, left padding (a mask, or pad tokens in the prompt) and returned scores go to Hugging
     Face's `generate`, with its results."""
     reference, patched = model_pair("qwen3", "dense", device)
     prompt = torch.randint(1, 151, (2, 6), device=device)
     padded = torch.ones_like(prompt)
     padded[1, :2] = 0
     requests = [
-        dict(repetition_penalty=1.3),
+        dict(bad_words_ids=[[5]]),
         dict(num_beams=2),
         dict(attention_mask=padded),
         dict(no_repeat_ngram_size=2),
@@ -197,11 +198,13 @@ def test_plan_reads_the_request(device):
     _, patched = model_pair("qwen3", "dense", device)
     patched.generation_config.top_k = 7
     prompt = torch.randint(0, 151, (1, 3), device=device)
-    request = decode_loop.plan(patched, (prompt,), dict(max_new_tokens=5, do_sample=True, eos_token_id=[4, 9]))
+    request = decode_loop.plan(patched, (prompt,), dict(max_new_tokens=5, do_sample=True, eos_token_id=[4, 9],
+                                                        repetition_penalty=1.1, min_new_tokens=2))
     assert request.max_new_tokens == 5 and request.do_sample and request.pad == 4
     assert request.eos.tolist() == [4, 9]
-    assert [type(p).__name__ for p in request.processors] == ["TopKLogitsWarper"]
-    assert request.processors[0].top_k == 7
+    assert [type(p).__name__ for p in request.processors] == [
+        "RepetitionPenaltyLogitsProcessor", "MinNewTokensLengthLogitsProcessor", "TopKLogitsWarper"]
+    assert request.processors[-1].top_k == 7
     greedy = decode_loop.plan(patched, (), dict(input_ids=prompt, max_new_tokens=5, temperature=0.5))
     assert not greedy.do_sample and not greedy.processors and greedy.eos is None
     assert decode_loop.plan(patched, (prompt,), dict(max_new_tokens=5, low_memory=True)) is None

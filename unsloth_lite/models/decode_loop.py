@@ -14,10 +14,11 @@ asynchronously, and the host reads them `IN_FLIGHT` steps later, so that many st
 running. When the read shows every sequence finished, the steps queued after it are dropped: their tokens are
 not returned nor streamed, and what they wrote to the cache is reset by the next call.
 
-The result is Hugging Face's: the same logits processing in the same order (the minimum-new-tokens mask, the
-caller's processors, then temperature, top-k, top-p and min-p when sampling), scores in fp32, finished sequences
-padded, the same output length, tokens streamed in order (later, in bursts). Sampling consumes the random
-generator for the dropped steps too. Requests outside that (beam search, penalties, stop strings, a cache passed
+The result is Hugging Face's: the same logits processing, by its own processors in its order (the repetition
+penalty, the minimum-new-tokens mask, the caller's processors, then temperature, top-k, top-p and min-p when
+sampling), scores in fp32, finished sequences padded, the same output length, tokens streamed in order (later, in
+bursts). Sampling consumes the random generator for the dropped steps too. Requests outside that (beam search,
+other penalties and constraints, stop strings, a cache passed
 in, left padding or pad tokens in the prompt, returned scores, another attention implementation, sliding
 windows...) go to Hugging Face's `generate` unchanged.
 """
@@ -32,7 +33,9 @@ import types
 import torch
 from transformers import (
     LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     StaticCache,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -52,7 +55,8 @@ CACHE_ATTRIBUTE = "_unsloth_lite_decode_cache"
 
 # Generation settings the loop implements; every other setting must keep its default.
 HANDLED_SETTINGS = frozenset({
-    "max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
+    "max_new_tokens", "max_length", "min_new_tokens", "repetition_penalty", "do_sample", "temperature", "top_k",
+    "top_p", "min_p",
     "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "cache_implementation", "use_cache",
     "disable_compile", "compile_config", "transformers_version",
 })
@@ -73,10 +77,9 @@ LAYER_TYPES = ("full_attention", "linear_attention")
 class Request:
     input_ids: torch.Tensor  # [B, L]
     max_new_tokens: int
-    min_new_tokens: int
     eos: torch.Tensor | None  # end-of-sequence ids, on the device
     pad: int | None
-    processors: LogitsProcessorList  # applied to the fp32 scores of each step
+    processors: LogitsProcessorList  # applied to the fp32 scores of each step, in Hugging Face's order
     do_sample: bool
     streamer: object | None
     attention_mask: torch.Tensor | None  # the caller's 2-D mask (all ones), for the prefill
@@ -170,12 +173,18 @@ def plan(model, args, kwargs) -> Request | None:
         if bool((input_ids == config.pad_token_id).any()):
             return None  # Hugging Face reads pad tokens in a prompt as padding, masked
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
-    processors = LogitsProcessorList(arguments.get("logits_processor") or [])
+    eos_ids = torch.tensor(eos, device=input_ids.device) if eos else None
+    processors = LogitsProcessorList()
+    if config.repetition_penalty not in (None, 1.0):
+        processors.append(RepetitionPenaltyLogitsProcessor(penalty=float(config.repetition_penalty)))
+    if eos and config.min_new_tokens:
+        processors.append(MinNewTokensLengthLogitsProcessor(input_ids.shape[1], int(config.min_new_tokens), eos_ids,
+                                                            device=input_ids.device))
+    processors.extend(arguments.get("logits_processor") or [])
     if config.do_sample:
         processors.extend(_warpers(config))
     return Request(
-        input_ids=input_ids, max_new_tokens=int(config.max_new_tokens), min_new_tokens=int(config.min_new_tokens or 0),
-        eos=torch.tensor(eos, device=input_ids.device) if eos else None, pad=pad, processors=processors,
+        input_ids=input_ids, max_new_tokens=int(config.max_new_tokens), eos=eos_ids, pad=pad, processors=processors,
         do_sample=bool(config.do_sample), streamer=arguments.get("streamer"), attention_mask=mask,
     )
 
@@ -260,11 +269,10 @@ def _decode_mask(model, batch: int, size: int, prompt: int, device):
     return mask, opened
 
 
-def _choose(logits: torch.Tensor, ids: torch.Tensor, step: int, request: Request) -> torch.Tensor:
-    """The next token of each sequence from the step's logits `[B, V]`, as Hugging Face chooses it."""
+def _choose(logits: torch.Tensor, ids: torch.Tensor, request: Request) -> torch.Tensor:
+    """The next token of each sequence from the step's logits `[B, V]` after `ids` `[B, L + step]`, as Hugging
+    Face chooses it."""
     scores = logits.to(dtype=torch.float32, copy=True)
-    if request.eos is not None and step < request.min_new_tokens:
-        scores[:, request.eos] = float("-inf")
     scores = request.processors(ids, scores) if request.processors else scores
     if request.do_sample:
         return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
@@ -295,7 +303,7 @@ def decode(model, request: Request) -> torch.Tensor:
     reads = _HostReads(batch, new, device)
     steps = new
     for step in range(new):
-        token = _choose(logits, ids[:, : length + step], step, request)
+        token = _choose(logits, ids[:, : length + step], request)
         if request.eos is not None:
             token = torch.where(unfinished, token, request.pad)
             unfinished &= ~torch.isin(token, request.eos)
