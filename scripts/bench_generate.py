@@ -397,7 +397,7 @@ def summarise(rows: list[dict], bandwidth_gbps: float, prompt: int, new_tokens: 
     context = prompt + new_tokens / 2
     for row in rows:
         c = shape_config(row["shape"], tiny)
-        read = bytes_per_token(row["shape"], c, context, lora=row["variant"] == "unsloth_lite_lora")
+        read = bytes_per_token(row["shape"], c, context, lora=row["variant"].startswith("unsloth_lite_lora"))
         row["gb_per_token"] = float(f"{read['total'] / 1e9:.4g}")
         row["bound_tokens_per_s"] = round(bandwidth_gbps * 1e9 / read["total"], 1)
         if "decode_tokens_per_s" in row:

@@ -570,6 +570,7 @@ def test_bench_generate_variant_settings():
             (("unsloth_lite@stages=3", 100.0), ("unsloth_lite_lora@stages=3", 90.0), ("unsloth_lite_lora", 80.0))]
     bg.summarise(rows, 4270.0, 128, 128, tiny=False)
     assert rows[1]["lora_cost"] == 0.1 and "lora_cost" not in rows[2]  # no unsloth_lite row without a suffix
+    assert rows[1]["gb_per_token"] == rows[2]["gb_per_token"] > rows[0]["gb_per_token"]  # the adapters' bytes
 
 
 def test_bench_generate_summary_keeps_error_rows_and_graph_timing_restores_replay():
