@@ -62,24 +62,37 @@ def kept_mlp_options(variant: str) -> tuple[str, dict]:
     return name, options
 
 
+# The module settings a kept_mlp variant's `@` suffix may carry: option -> (module, attribute, least value).
+MODULE_SETTINGS = {
+    "kept_sets": ("unsloth_lite.training.layer_graphs", "KEPT_SETS", 1),
+    "offload_lead": ("unsloth_lite.training.checkpointing", "MAX_PENDING_OFFLOADS", 1),
+    "device_gather": ("unsloth_lite.models.host_embeddings", "DEVICE_GATHER", 0),
+}
+
+
+def setting_in_range(value: int, least: int) -> bool:
+    """Whether `value` suits a module setting of least value `least` (0: a switch, 0 or 1)."""
+    return value >= least and (least > 0 or value <= 1)
+
+
+def set_module_settings(values: dict, table: dict) -> None:
+    """Sets each `values[key]` as the module attribute `table[key]` names ((module, attribute, least value)), a
+    switch (least 0) as a bool; ValueError for a value out of range."""
+    for key, value in values.items():
+        module, attribute, least = table[key]
+        if not setting_in_range(value, least):
+            raise ValueError(f"{key}={value}: " + ("0 or 1" if least == 0 else f"at least {least}"))
+        setattr(importlib.import_module(module), attribute, bool(value) if least == 0 else value)
+
+
 def apply_module_settings(options: dict) -> dict:
     """`options` without the module settings a variant's `@` suffix may carry, which it sets in this worker so
     that one run compares them: "kept_sets" (`@sets=S`: `layer_graphs.KEPT_SETS`, the graphed layers' sets of
     kept-tensor buffers), "offload_lead" (`@lead=L`: `checkpointing.MAX_PENDING_OFFLOADS`, offloads the host may
     queue ahead) and "device_gather" (`@gather=0|1`: `host_embeddings.DEVICE_GATHER`, the host table's rows read
     by the GPU)."""
-    from unsloth_lite.models import host_embeddings
-    from unsloth_lite.training import checkpointing, layer_graphs
-
     options = dict(options)
-    for key, module, name, least in (("kept_sets", layer_graphs, "KEPT_SETS", 1),
-                                     ("offload_lead", checkpointing, "MAX_PENDING_OFFLOADS", 1),
-                                     ("device_gather", host_embeddings, "DEVICE_GATHER", 0)):
-        value = options.pop(key, None)
-        if value is not None:
-            if value < least:
-                raise ValueError(f"{key}={value}: at least {least}")
-            setattr(module, name, bool(value) if least == 0 else value)
+    set_module_settings({key: options.pop(key) for key in MODULE_SETTINGS if key in options}, MODULE_SETTINGS)
     return options
 
 

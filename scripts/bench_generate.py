@@ -88,6 +88,8 @@ from bench_common import (
     report_unknown,
     resumed_run,
     run_worker_process,
+    set_module_settings,
+    setting_in_range,
     worker_timed_out,
     write_json,
 )
@@ -212,21 +214,13 @@ def split_variant(variant: str) -> tuple[str, dict]:
     for item in filter(None, suffix.split("/")):
         key, _, value = item.partition("=")
         least = DECODE_SETTINGS[key][2] if key in DECODE_SETTINGS else None
-        if least is None or not value.isdigit() or int(value) < least or (least == 0 and int(value) > 1):
+        if least is None or not value.isdigit() or not setting_in_range(int(value), least):
             raise ValueError(f"{variant}: expected @KEY=N/... with KEY among {', '.join(DECODE_SETTINGS)} "
                              f"(stages at least 1, flat and pdl 0 or 1), got {item!r}")
         settings[key] = int(value)
     if settings and not name.startswith("unsloth_lite"):
         raise ValueError(f"{variant}: only unsloth-lite's variants take @ settings")
     return name, settings
-
-
-def apply_decode_settings(settings: dict) -> None:
-    import importlib
-
-    for key, value in settings.items():
-        module, attribute, least = DECODE_SETTINGS[key]
-        setattr(importlib.import_module(module), attribute, bool(value) if least == 0 else value)
 
 
 def load(variant: str, shape: str, c: dict, checkpoint: str | None, device, dtype, max_length: int):
@@ -243,7 +237,7 @@ def load(variant: str, shape: str, c: dict, checkpoint: str | None, device, dtyp
     import unsloth_lite
 
     variant, settings = split_variant(variant)
-    apply_decode_settings(settings)
+    set_module_settings(settings, DECODE_SETTINGS)
     if variant == "unsloth_lite_hf_loop":
         from unsloth_lite.models import decode_loop
 

@@ -59,6 +59,8 @@ SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (3
                (8, 512, 4, True), (8, 1024, 4, True), (16, 512, 4, True), (16, 1024, 8, True), (32, 1024, 8, True),
                (16, 2048, 8, True)]
 TINY_VARIANTS = ("unsloth_lite", NESTED_ABSMAX, "dequantize_matmul")
+
+
 def tile_name(tile: tuple[int, int, int, bool]) -> str:
     features, tile_k, warps, split_k = tile
     return f"{features}x{tile_k}/{warps}w" + (" split" if split_k else "")

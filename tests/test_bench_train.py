@@ -562,7 +562,7 @@ def test_bench_generate_variant_settings():
 
     saved = nf4_matvec.PIPELINE_STAGES, nf4_matvec.FLAT_ABSMAX, lora_down.PIPELINE_STAGES
     try:
-        bg.apply_decode_settings({"stages": 3, "flat": 0, "lora_stages": 2})
+        bg.set_module_settings({"stages": 3, "flat": 0, "lora_stages": 2}, bg.DECODE_SETTINGS)
         assert (nf4_matvec.PIPELINE_STAGES, nf4_matvec.FLAT_ABSMAX, lora_down.PIPELINE_STAGES) == (3, False, 2)
     finally:
         nf4_matvec.PIPELINE_STAGES, nf4_matvec.FLAT_ABSMAX, lora_down.PIPELINE_STAGES = saved

@@ -17,15 +17,14 @@ the weight bytes read (half a byte per element here, against two for a dequantis
 and by the instructions spent on each weight.
 
 Each program owns BLOCK_N output features for all M rows (a matrix-vector product has too few rows for tensor
-cores). Where K is a multiple of the quantisation block (every real model), the blocked kernel walks K a few
-whole blocks at a time: it loads the tile's bytes as they lie (two weights a byte: the high nibble is the even
-element, the low nibble the odd one, multiplied by x's even and odd elements), reads each block's absmax once
-(not once per weight; as one fp32 value, `FLAT_ABSMAX`, where the nested form costs three dependent loads) and
-applies it once per weight pair, maps
-each nibble to its code-book value (`LOOKUP`: in registers with `prmt` where compiled, else from a table), and
-for one row keeps elementwise partial sums that it reduces once at the end; for several rows each tile's
-decoded weights serve every row. At batch 1 the kernel is bound by instructions per weight, not by bytes (the
-lookup is most of them), so each weight costs its lookup and a fused multiply-add, little more. Other
+cores). Where K is a multiple of the quantisation block (every real model), the blocked kernel walks K a few whole
+blocks at a time: it loads the tile's bytes as they lie (two weights a byte: the high nibble is the even element,
+the low nibble the odd one, multiplied by x's even and odd elements), reads each block's absmax once (not once per
+weight; as one fp32 value, `FLAT_ABSMAX`, where the nested form costs three dependent loads) and applies it once
+per weight pair, maps each nibble to its code-book value (`LOOKUP`: in registers with `prmt` where compiled, else
+from a table), and for one row keeps elementwise partial sums that it reduces once at the end; for several rows
+each tile's decoded weights serve every row. At batch 1 the kernel is bound by instructions per weight, not by
+bytes (the lookup is most of them), so each weight costs its lookup and a fused multiply-add, little more. Other
 shapes (rows that split a quantisation block, odd element counts) take the general kernel: element e from byte
 e // 2, absmax per element, one reduction per tile.
 

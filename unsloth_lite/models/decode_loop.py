@@ -18,9 +18,9 @@ The result is Hugging Face's: the same logits processing, by its own processors 
 penalty, the minimum-new-tokens mask, the caller's processors, then temperature, top-k, top-p and min-p when
 sampling), scores in fp32, finished sequences padded, the same output length, tokens streamed in order (later, in
 bursts). Sampling consumes the random generator for the dropped steps too. Requests outside that (beam search,
-other penalties and constraints, stop strings, a cache passed
-in, left padding or pad tokens in the prompt, returned scores, another attention implementation, sliding
-windows...) go to Hugging Face's `generate` unchanged.
+other penalties and constraints, stop strings, a cache passed in, left padding or pad tokens in the prompt,
+returned scores, another attention implementation, sliding windows...) go to Hugging Face's `generate`
+unchanged.
 """
 
 from __future__ import annotations
@@ -56,9 +56,8 @@ CACHE_ATTRIBUTE = "_unsloth_lite_decode_cache"
 # Generation settings the loop implements; every other setting must keep its default.
 HANDLED_SETTINGS = frozenset({
     "max_new_tokens", "max_length", "min_new_tokens", "repetition_penalty", "do_sample", "temperature", "top_k",
-    "top_p", "min_p",
-    "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "cache_implementation", "use_cache",
-    "disable_compile", "compile_config", "transformers_version",
+    "top_p", "min_p", "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id",
+    "cache_implementation", "use_cache", "disable_compile", "compile_config", "transformers_version",
 })
 # Arguments of `generate` that are not settings: those the loop takes, and those it leaves to Hugging Face unless
 # they are None.
