@@ -11,17 +11,20 @@ compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), 
   block's absmax read as one float32 value, dequantised from the nested form once: `nf4_matvec.FLAT_ABSMAX`);
 - `unsloth_lite_nested_absmax`: the same kernel reading the nested absmax itself (`FLAT_ABSMAX` off: fewer
   bytes, but a dependent second-level lookup before each block's scale);
+- `unsloth_lite_words`: the word kernel (`nf4_matvec.WORD_KERNEL`: the weight read as 32-bit words, eight codes
+  decoded at once, 30% fewer instructions a weight);
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
 `--sweep` also times the unsloth-lite kernel at each tile of `SWEEP_TILES` (features x weights along K / warps
 of a program, and whether K is split over programs, one tile each: `nf4_matvec.blocked_tile`'s choice) per
-shape, to choose those tables from one run (`--sweep-chosen-tile`: each shape's chosen tile only); and at the
+shape, and the word kernel at each tile of `WORD_SWEEP_TILES` (columns "words <tile>"), to choose those tables
+from one run (`--sweep-chosen-tile`: each shape's chosen tile only); and at the
 chosen tile with each setting of `CHOSEN_OPTIONS`: the codes read from memory instead of looked up in registers
 (`nf4_matvec.LOOKUP` "pairs", the interpreter's lookup, and "code_book"), the exact fp32 code book instead of
 the one rounded to bf16 that bf16 weights take (`BF16_CODES` off: more instructions a weight; whether they
-bound the kernel), and the loop's loads kept 2 to 4 tiles ahead (`PIPELINE_STAGES`; three also at two other
-tiles).
+bound the kernel), the loop's loads kept 2 to 4 tiles ahead (`PIPELINE_STAGES`; three also at two other
+tiles), and the word kernel at its chosen tile (`word_tile`), looped and with three stages.
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, the absmax in the form the variant reads it: 8-bit with its
@@ -51,14 +54,21 @@ from bench_common import (
 from bench_generate import SHAPES, nf4_bytes, shape_config
 from random_checkpoint import weightless_model
 
-VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "bitsandbytes", "dequantize_matmul")
+VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "bitsandbytes", "dequantize_matmul")
 NESTED_ABSMAX = "unsloth_lite_nested_absmax"  # the kernel reading the double-quantised absmax itself
+# `nf4_matvec` settings of the unsloth-lite variants
+KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False},
+                   "unsloth_lite_words": {"WORD_KERNEL": True}}
 # (features, weights along K, warps, split along K) a program
 SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (32, 512, 4, False),
                (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),
                (8, 512, 4, True), (8, 1024, 4, True), (16, 512, 4, True), (16, 1024, 8, True), (32, 1024, 8, True),
                (16, 2048, 8, True)]
-TINY_VARIANTS = ("unsloth_lite", NESTED_ABSMAX, "dequantize_matmul")
+# the word kernel's tiles (same form; offline for sm_90, instructions a word of the loop: 8x512/4w 54, 16x256/4w 53,
+# 32x256/4w 50 with 2 features a thread, 32x512/4w 50 at 128 registers)
+WORD_SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 256, 4, False), (32, 256, 4, False),
+                    (32, 512, 4, False), (16, 512, 8, False), (8, 512, 4, True), (16, 1024, 8, True)]
+TINY_VARIANTS = ("unsloth_lite", NESTED_ABSMAX, "unsloth_lite_words", "dequantize_matmul")
 
 
 def tile_name(tile: tuple[int, int, int, bool]) -> str:
@@ -74,6 +84,7 @@ CHOSEN_OPTIONS = {
     # 71, 4x1024/4w 64)
     **{f"3 stages, {tile_name(tile)}": {"PIPELINE_STAGES": 3, "blocked_tile": lambda _n, tile=tile: tile}
        for tile in ((16, 512, 8, False), (4, 1024, 4, False))},
+    "words": {"WORD_KERNEL": True}, "words, 3 stages": {"WORD_KERNEL": True, "PIPELINE_STAGES": 3},
 }
 
 
@@ -106,17 +117,18 @@ def variant_fn(variant: str, x, weight):
     from unsloth_lite.kernels import dequantize_nf4
     from unsloth_lite.kernels import nf4_matvec as matvec
 
-    if variant == "unsloth_lite":
-        return lambda: matvec.nf4_matvec(x, weight)
-    if variant == NESTED_ABSMAX:
-        def nested():
-            flat, matvec.FLAT_ABSMAX = matvec.FLAT_ABSMAX, False
+    if variant in KERNEL_SETTINGS:
+        def product():
+            saved = {name: getattr(matvec, name) for name in KERNEL_SETTINGS[variant]}
             try:
+                for name, value in KERNEL_SETTINGS[variant].items():
+                    setattr(matvec, name, value)
                 return matvec.nf4_matvec(x, weight)
             finally:
-                matvec.FLAT_ABSMAX = flat
+                for name, value in saved.items():
+                    setattr(matvec, name, value)
 
-        return nested
+        return product
     if variant == "bitsandbytes":
         import bitsandbytes as bnb
 
@@ -131,7 +143,8 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
         weight = nf4_weight(n_out, n_in, device, dtype)
         x = torch.randn(1, n_in, device=device, dtype=dtype)
         for variant in variants:
-            absmax_bytes = flat_absmax_bytes if variant == "unsloth_lite" else nf4_bytes
+            reads_flat = variant in KERNEL_SETTINGS and KERNEL_SETTINGS[variant].get("FLAT_ABSMAX", True)
+            absmax_bytes = flat_absmax_bytes if reads_flat else nf4_bytes
             moved = absmax_bytes(n_out * n_in) + x.element_size() * (n_in + n_out)
             with torch.no_grad():
                 fn = variant_fn(variant, x, weight)
@@ -143,7 +156,8 @@ def sweep_tiles(shapes: list[str], device, tiny: bool, chosen_only: bool = False
     """Device time of the blocked kernel at every tile of SWEEP_TILES, per projection shape, one row of x
     (columns: the tiles' names; column "chosen": the chosen tile's name); and at the chosen tile with each
     setting of CHOSEN_OPTIONS (columns "chosen, <name>"). `chosen_only`: the chosen tile only, its time in
-    column "chosen" instead of its name, a sweep of minutes instead of a quarter of an hour of compilation."""
+    column "chosen" instead of its name, a sweep of minutes instead of a quarter of an hour of compilation. The word
+    kernel likewise at WORD_SWEEP_TILES (columns "words <tile>"; `chosen_only`: none)."""
     from unsloth_lite.kernels import nf4_matvec as matvec
 
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -151,9 +165,9 @@ def sweep_tiles(shapes: list[str], device, tiny: bool, chosen_only: bool = False
     rows = []
 
     def time_us(x, weight, tile, options):
-        saved = {name: getattr(matvec, name) for name in ("blocked_tile", *options)}
+        saved = {name: getattr(matvec, name) for name in ("blocked_tile", "word_tile", *options)}
         try:
-            matvec.blocked_tile = lambda _n: tile
+            matvec.blocked_tile = matvec.word_tile = lambda _n: tile
             for name, value in options.items():
                 setattr(matvec, name, value)
             with torch.no_grad():
@@ -174,8 +188,11 @@ def sweep_tiles(shapes: list[str], device, tiny: bool, chosen_only: bool = False
         else:
             for tile in SWEEP_TILES:
                 row[tile_name(tile)] = time_us(x, weight, tile, {})
+            for tile in WORD_SWEEP_TILES:
+                row[f"words {tile_name(tile)}"] = time_us(x, weight, tile, {"WORD_KERNEL": True})
         for name, options in CHOSEN_OPTIONS.items():
-            row[f"chosen, {name}"] = time_us(x, weight, chosen, options)
+            tile = matvec.word_tile(n_out) if options.get("WORD_KERNEL") else chosen
+            row[f"chosen, {name}"] = time_us(x, weight, tile, options)
         rows.append(row)
     return rows
 
@@ -221,7 +238,8 @@ def main(argv=None) -> int:
     print(markdown_table(totals, ["model", "variant", "ms_per_token"]))
     sweep = sweep_tiles(shapes, device, args.tiny, args.sweep_chosen_tile) if args.sweep else []
     if sweep:
-        tiles = [] if args.sweep_chosen_tile else [tile_name(t) for t in SWEEP_TILES]
+        tiles = [] if args.sweep_chosen_tile else [
+            *(tile_name(t) for t in SWEEP_TILES), *(f"words {tile_name(t)}" for t in WORD_SWEEP_TILES)]
         print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *(f"chosen, {n}" for n in CHOSEN_OPTIONS)]))
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
                               copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, sweep=sweep))

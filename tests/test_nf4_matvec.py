@@ -9,6 +9,7 @@ from helpers import TOLERANCE, assert_close, dtype_id
 from test_dequantize_nf4 import quantize
 
 from unsloth_lite.kernels import lora_down as lora_down_module
+from unsloth_lite.kernels import matvec_epilogue
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.lora_down import lora_down_rows
@@ -69,11 +70,17 @@ def test_nf4_matvec_split_along_k(rows, device, monkeypatch):
     program of each feature block sums the splits in order, so two calls give the same bits, and leaves the
     arrival counters at 0 for the next launch."""
     monkeypatch.setattr(nf4_matvec_module, "blocked_tile", lambda n_out: (16, 128, 4, True))
+    check_split_along_k(rows, device)
+
+
+def check_split_along_k(rows, device):
+    """The product with K split (the tile set by the caller) against float64; two calls give the same bits and
+    leave the arrival counters at 0."""
     check((40, 64 * 37), rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
     x, weight, bias, lora_a, lora_b = make_case((40, 64 * 37), rows, torch.float32, True, 64, True, 4, device)
     first = nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5)
     assert torch.equal(first, nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5))
-    assert all(int(counters.abs().sum()) == 0 for counters in nf4_matvec_module._ARRIVALS.values())
+    assert all(int(counters.abs().sum()) == 0 for counters in matvec_epilogue._ARRIVALS.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
@@ -183,16 +190,19 @@ def test_bf16_code_book_only_for_bf16_weights(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("words", [False, True], ids=["blocked", "words"])
 @pytest.mark.parametrize("stages", [1, 3], ids=lambda n: f"{n}stages")
 @pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
-def test_nf4_matvec_programmatic_dependent_launch_chain(split, stages, monkeypatch):
+def test_nf4_matvec_programmatic_dependent_launch_chain(split, stages, words, monkeypatch):
     """`PDL`: each projection launched while the one before it finishes reads that one's output only after
     waiting for it. A chain of four (y = W4 W3 W2 W1 x, each with bias and adapter, the inputs of one the outputs
-    of the one before), eager and replayed as a CUDA graph, against float64."""
+    of the one before), eager and replayed as a CUDA graph, against float64; the blocked and the word kernel."""
     monkeypatch.setattr(nf4_matvec_module, "PDL", True)
     monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", stages)
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", words)
     if split:
-        monkeypatch.setattr(nf4_matvec_module, "blocked_tile", lambda n_out: (16, 1024, 8, True))
+        for tile in ("blocked_tile", "word_tile"):
+            monkeypatch.setattr(nf4_matvec_module, tile, lambda n_out: (16, 1024, 8, True))
     sizes = [4096, 12288, 4096, 1024, 4096]
     layers = [make_case((n_out, n_in), 1, torch.bfloat16, True, 64, True, 16, "cuda")[1:]
               for n_in, n_out in itertools.pairwise(sizes)]

@@ -1,7 +1,8 @@
 """The PTX that decodes NF4 codes in registers (`nf4_codes._nf4_lookup_ptx`), run on the CPU by a small
 interpreter of the instructions it uses: every byte value, in every byte of the word, decodes to the code
 book's fp32 bit patterns (or, with `bf16_codes`, those of the codes rounded to bf16) for its high and its low
-nibble. The GPU tests run the same PTX compiled."""
+nibble; and the word lookup (`nf4_codes._nf4_word_lookup_ptx`) every code in every nibble of a word, in
+element order. The GPU tests run the same PTX compiled."""
 
 import struct
 
@@ -38,9 +39,9 @@ OPS = {
 }
 
 
-def run_ptx(ptx: str, word: int) -> list[int]:
-    """The output registers $0..$3 of `ptx` with its input register `$4` holding `word`."""
-    registers = {"$4": word}
+def run_ptx(ptx: str, inputs: dict[str, int], outputs: int) -> list[int]:
+    """The output registers $0..$(outputs - 1) of `ptx` with its input registers holding `inputs`."""
+    registers = dict(inputs)
     for line in ptx.strip("{}\n").splitlines():
         line = line.strip().rstrip(";")
         if line.startswith(".reg"):
@@ -49,7 +50,7 @@ def run_ptx(ptx: str, word: int) -> list[int]:
         dest, *sources = (token.strip() for token in rest.split(","))
         values = [registers[s] if s in registers else int(s, 0) for s in sources]
         registers[dest] = OPS[op](*values) & MASK
-    return [registers[f"${i}"] for i in range(4)]
+    return [registers[f"${i}"] for i in range(outputs)]
 
 
 def fp32_bits(value: float) -> int:
@@ -67,7 +68,40 @@ def test_lookup_decodes_every_byte_in_every_position(high_nibbles, bf16_codes):
             others = [(value * 37 + 11 * i) & 0xFF for i in range(4)]  # the other bytes vary too
             others[position] = value
             word = sum(byte << (8 * i) for i, byte in enumerate(others))
-            decoded = run_ptx(ptx, word)
+            decoded = run_ptx(ptx, {"$4": word}, 4)
             for i, byte in enumerate(others):
                 nibble = byte >> 4 if high_nibbles else byte & 0xF
                 assert decoded[i] == expected[nibble], (hex(word), i)
+
+
+def expected_codes(bf16_codes: bool) -> list[int]:
+    codes = torch.tensor(nf4_codes.NF4_CODE, dtype=torch.float32)
+    return [fp32_bits(c) for c in (codes.to(torch.bfloat16).float() if bf16_codes else codes).tolist()]
+
+
+@pytest.mark.parametrize("bf16_codes", [False, True], ids=["fp32", "bf16"])
+def test_word_lookup_decodes_every_code_in_every_nibble(bf16_codes):
+    """Weight j of a word (the high nibble of byte j // 2 for even j, the low one for odd j) decodes to its code's
+    fp32 bit pattern, for every code in every position while the other seven vary, with the code-book tables in
+    the registers the kernel loads them into (`word_lookup_tables`, as unsigned 32-bit values)."""
+    ptx = nf4_codes._nf4_word_lookup_ptx(bf16_codes)
+    tables = {f"${9 + i}": t & MASK for i, t in enumerate(nf4_codes.word_lookup_tables(bf16_codes))}
+    expected = expected_codes(bf16_codes)
+    for code in range(16):
+        for position in range(8):
+            for seed in range(4):
+                nibbles = [(code * 7 + 5 * i + 3 * seed) & 0xF for i in range(8)]
+                nibbles[position] = code
+                word = sum(((nibbles[2 * j] << 4) | nibbles[2 * j + 1]) << (8 * j) for j in range(4))
+                decoded = run_ptx(ptx, {"$8": word, **tables}, 8)
+                assert decoded == [expected[n] for n in nibbles], (hex(word), position)
+
+
+def test_word_lookup_tables_fill_the_registers_the_ptx_reads():
+    """Two table registers per byte plane (bf16: planes 2 and 3; exact: all four), each in int32 range, and the
+    PTX reads exactly those registers."""
+    for bf16_codes, planes in ((True, 2), (False, 4)):
+        tables = nf4_codes.word_lookup_tables(bf16_codes)
+        assert len(tables) == 2 * planes and all(-(1 << 31) <= t < 1 << 31 for t in tables)
+        ptx = nf4_codes._nf4_word_lookup_ptx(bf16_codes)
+        assert f"${8 + 2 * planes}" in ptx and f"${9 + 2 * planes}" not in ptx

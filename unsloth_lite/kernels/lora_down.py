@@ -18,32 +18,6 @@ MAX_ROWS = 8  # rows of x (tokens of all sequences together) the decoding kernel
 
 
 @triton.jit
-def _store_rows(
-    acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
-    lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """y = acc + b + s · t Bᵀ for the program's rows and features, stored in y's dtype: the end of a decoding
-    matrix-vector product (`nf4_matvec`) with t = x Aᵀ from `lora_down_rows` (or any fp32 `[rows, r]`)."""
-    mask_rows = rows < n_rows
-    mask_features = features < n_out
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + features, mask=mask_features, other=0.0).to(tl.float32)[None, :]
-    if HAS_LORA:
-        ranks = tl.arange(0, BLOCK_R)
-        mask_ranks = ranks < rank
-        t = tl.load(t_ptr + rows[:, None] * t_row_stride + ranks[None, :],
-                    mask=mask_rows[:, None] & mask_ranks[None, :], other=0.0)
-        lora_b = tl.load(
-            lora_b_ptr + features[:, None] * lora_b_row_stride + ranks[None, :] * lora_b_col_stride,
-            mask=mask_features[:, None] & mask_ranks[None, :], other=0.0,
-        ).to(tl.float32)
-        acc += scale * tl.sum(t[:, None, :] * lora_b[None, :, :], axis=2)
-    out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_rows[:, None] & mask_features[None, :])
-
-
-@triton.jit
 def _lora_down_kernel(
     x_ptr, x_row_stride, x_col_stride, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, t_ptr, t_row_stride, n_rows, n_in,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,

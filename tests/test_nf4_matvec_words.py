@@ -1,0 +1,142 @@
+"""`nf4_matvec`'s word kernel (`WORD_KERNEL`: the weight read as 32-bit words of eight codes) against the product
+with the dequantised weight in float64, as the blocked kernel is checked: whole-block shapes, 1 to 8 rows, bias,
+adapter, the nested and the flat absmax, bf16 x read as pairs or element by element, the K split. The PTX
+lookup runs compiled only: its bits are checked on the CPU by `test_nf4_ptx_lookup.py`, the compiled kernel at
+every tile of the benchmark's sweep on the GPU."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TOLERANCE, assert_close, dtype_id
+from test_nf4_matvec import check, check_split_along_k, float64_reference, make_case
+
+from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
+from unsloth_lite.kernels.nf4_matvec import nf4_matvec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def word_kernel(monkeypatch):
+    """The word kernel on, its launches counted (a product that fell back to another kernel fails the test)."""
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", True)
+    launches = []
+    kernel = nf4_matvec_module._nf4_matvec_words_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(nf4_matvec_module, "_nf4_matvec_words_kernel", Counted())
+    return launches
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat_absmax", "nested_absmax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_word_kernel(rows, dtype, flat, device, word_kernel, monkeypatch):
+    """Several tiles along K, the last part-filled, 40 features (a part-filled feature block where compiled)."""
+    monkeypatch.setattr(nf4_matvec_module, "FLAT_ABSMAX", flat)
+    check((40, 64 * 37), rows, dtype, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
+    assert len(word_kernel) == 1
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("shape", [(130, 64), (20, 320), (2050, 128)], ids=str)
+def test_word_kernel_shapes_and_rows(shape, rows, device, word_kernel):
+    check(shape, rows, torch.bfloat16, nested=False, blocksize=64, with_bias=rows % 2 == 0, rank=rows % 3,
+          device=device)
+    assert word_kernel
+
+
+def test_word_kernel_reads_unaligned_bf16_x_element_by_element(device, word_kernel):
+    """bf16 x whose rows do not start on 4 bytes (odd row stride) cannot be read as pairs: read as elements."""
+    x, weight, bias, lora_a, lora_b = make_case((24, 128), 3, torch.bfloat16, True, 64, True, 4, device)
+    wide = torch.randn(3, 129, dtype=torch.bfloat16, device=device)
+    wide[:, :128] = x
+    got = nf4_matvec(wide[:, :128], weight, bias, lora_a, lora_b, scale=0.5)
+    assert_close(got, float64_reference(x, weight, bias, lora_a, lora_b, 0.5), TOLERANCE[torch.bfloat16], "y")
+    assert word_kernel
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_word_kernel_split_along_k(rows, device, word_kernel, monkeypatch):
+    """K split over programs (19 splits of 2 blocks, the last part-filled): deterministic, counters left at 0."""
+    monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda n_out: (16, 128, 4, True))
+    check_split_along_k(rows, device)
+    assert word_kernel
+
+
+def test_lane_tables_hold_the_lookup_tables_once_per_lane():
+    tables = nf4_matvec_module.lane_tables(torch.device("cpu"), True)
+    assert tables.shape == (32, 8) and tables.dtype == torch.int32
+    expected = nf4_matvec_module.word_lookup_tables(True)
+    assert all(row[:4] == expected and row[4:] == [0] * 4 for row in tables.tolist())
+
+
+def sweep_word_tiles():
+    """Every tile `bench_nf4_matvec.py --sweep` times the word kernel at: each may be chosen from its results."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module("bench_nf4_matvec").WORD_SWEEP_TILES
+
+
+W3_SHAPES = [(48, 5120), (1024, 4096), (4096, 4096), (5120, 5120), (17408, 5120), (5120, 17408), (12288, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("shape", [(40, 64 * 37), (130, 64), (2050, 128), *W3_SHAPES], ids=str)
+def test_word_kernel_cuda(shape, rows, dtype, word_kernel):
+    """Compiled, the PTX lookup: bf16 weights with the code book rounded to bf16, fp32 ones with the exact one."""
+    check(shape, rows, dtype, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
+    assert word_kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("shape", W3_SHAPES, ids=str)
+def test_word_kernel_exact_codes_cuda(shape, rows, word_kernel, monkeypatch):
+    monkeypatch.setattr(nf4_matvec_module, "BF16_CODES", False)
+    check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [1, 3], ids=lambda n: f"{n}stages")
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("shape", [(1024, 4096), (17408, 5120), (5120, 17408)], ids=str)
+def test_word_kernel_every_swept_tile_cuda(shape, rows, stages, word_kernel, monkeypatch):
+    """Every tile of the benchmark's sweep (split along K or not, 1 to 8 warps), looped and pipelined."""
+    monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", stages)
+    for tile in sweep_word_tiles():
+        monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda n_out, tile=tile: tile)
+        check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
+
+
+@pytest.mark.gpu
+def test_word_kernel_first_called_in_a_capture_takes_the_blocked_kernel(word_kernel, monkeypatch):
+    """The lane tables are copied from the host: a first product inside a CUDA graph capture cannot make them and
+    takes the blocked kernel; the next product outside a capture makes them and takes the word kernel."""
+    monkeypatch.setattr(nf4_matvec_module, "_LANE_TABLES", {})
+    x, weight, bias, lora_a, lora_b = make_case((1024, 4096), 1, torch.bfloat16, True, 64, True, 16, "cuda")
+    expected = float64_reference(x, weight, bias, lora_a, lora_b, 0.5)
+    nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5)  # both kernels compiled before the capture
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", False)
+    nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5)
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", True)
+    nf4_matvec_module._LANE_TABLES.clear()
+    word_kernel.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5)
+    assert not word_kernel
+    captured.fill_(float("nan"))
+    graph.replay()
+    assert_close(captured, expected, TOLERANCE[torch.bfloat16], "replayed y")
+    assert_close(nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5), expected, TOLERANCE[torch.bfloat16], "y")
+    assert word_kernel

@@ -1,0 +1,113 @@
+"""The ends of the decoding matrix-vector products (`nf4_matvec`'s kernels): the K split's sum and the output.
+
+With the K split, program (i, j) of a product holds the sums of feature block i over tile j of K; instead of
+a second launch, each stores its sums `[rows, features]` to its slot of an fp32 scratch `[splits, rows, N]`
+and counts itself on the feature block's counter; the last to arrive adds the slots in split order and writes y.
+Then y = acc + b + s · t Bᵀ with t = x Aᵀ (`lora_down_rows`): the unmerged adapter's second product, rank r.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda.gdc import gdc_launch_dependents
+
+_ARRIVALS: dict = {}
+
+
+def _arrival_counters(device: torch.device, blocks: int) -> torch.Tensor:
+    """int32 zeros, at least `blocks` of them, one set per (device, stream): the split kernel's arrival counters,
+    which each launch leaves at 0. Launches on one stream run in order; another stream gets its own set."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, stream)
+    counters = _ARRIVALS.get(key)
+    if counters is None or counters.numel() < blocks:
+        counters = _ARRIVALS[key] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+    return counters
+
+
+@triton.jit
+def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, BLOCK_M: tl.constexpr):
+    """(sum over the K splits of each program's sums, whether this program finishes the feature block): each
+    split stores its sums `[BLOCK_M, BLOCK_N]` in its slot of `partial_ptr` ([splits, BLOCK_M, n_out] fp32) and
+    counts itself in the block's arrival counter; the last to arrive adds every slot in split order (the same
+    bits whichever program comes last) and sets the counter back to 0 for the next launch (no memset: a
+    replayed CUDA graph finds it at 0)."""
+    split = tl.program_id(1)
+    mask = (rows < n_rows)[:, None] & (features < n_out)[None, :]
+    slot = (rows[:, None] * n_out + features[None, :]).to(tl.int64)
+    tl.store(partial_ptr + split * BLOCK_M * n_out + slot, acc, mask=mask)
+    tl.debug_barrier()  # every thread's stores before the arrival (released at GPU scope by the atomic)
+    arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+    last = arrived == tl.num_programs(1) - 1
+    total = tl.zeros_like(acc)
+    if last:
+        for s in range(0, tl.num_programs(1)):  # .cg: from L2, where the other SMs' stores are
+            total += tl.load(partial_ptr + s * BLOCK_M * n_out + slot, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(arrivals_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+    return total, last
+
+
+@triton.jit
+def _store_rows(
+    acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
+    lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """y = acc + b + s · t Bᵀ for the program's rows and features, stored in y's dtype: the end of a decoding
+    matrix-vector product (`nf4_matvec`) with t = x Aᵀ from `lora_down_rows` (or any fp32 `[rows, r]`)."""
+    mask_rows = rows < n_rows
+    mask_features = features < n_out
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + features, mask=mask_features, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        ranks = tl.arange(0, BLOCK_R)
+        mask_ranks = ranks < rank
+        t = tl.load(t_ptr + rows[:, None] * t_row_stride + ranks[None, :],
+                    mask=mask_rows[:, None] & mask_ranks[None, :], other=0.0)
+        lora_b = tl.load(
+            lora_b_ptr + features[:, None] * lora_b_row_stride + ranks[None, :] * lora_b_col_stride,
+            mask=mask_features[:, None] & mask_ranks[None, :], other=0.0,
+        ).to(tl.float32)
+        acc += scale * tl.sum(t[:, None, :] * lora_b[None, :, :], axis=2)
+    out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_rows[:, None] & mask_features[None, :])
+
+
+@triton.jit
+def _tile_range(blocks_per_row, BLOCKS_PER_TILE: tl.constexpr, SPLIT_K: tl.constexpr):
+    """(first, end) quantisation block of the program's walk along K: its own tile with SPLIT_K (program (i, j)
+    takes tile j), else the whole row."""
+    if SPLIT_K:
+        first_block = tl.program_id(1) * BLOCKS_PER_TILE
+        end_block = tl.minimum(first_block + BLOCKS_PER_TILE, blocks_per_row)
+    else:
+        first_block = 0
+        end_block = blocks_per_row
+    return first_block, end_block
+
+
+@triton.jit
+def _finish_product(
+    acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
+    lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
+    BLOCK_M: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """The end of a program of the blocked or the word kernel: one row's elementwise `partial` sums reduced into
+    `acc`, the next kernel let launch (PDL), the K splits summed (`_sum_of_splits`) and y written by the program
+    that finishes the feature block (`_store_rows`)."""
+    if BLOCK_M == 1:
+        acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
+    if PDL:
+        gdc_launch_dependents()
+    if SPLIT_K:
+        acc, last = _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, BLOCK_M)
+    else:
+        last = True
+    if last:
+        _store_rows(
+            acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr,
+            lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS, HAS_LORA, BLOCK_R,
+        )

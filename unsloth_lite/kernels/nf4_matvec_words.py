@@ -1,0 +1,154 @@
+"""`nf4_matvec`'s word kernel: the blocked NF4 matrix-vector product (same forward as `nf4_matvec.py`,
+y[m, n] = Σ_k x[m, k] · code[q[n, k]] · absmax[n, k // blocksize] + b[n] + s · (x Aᵀ Bᵀ)[m, n], no backward:
+inference only) with the weight read as 32-bit words of eight codes each, decoded eight at a time.
+
+Why: where the blocked kernel is bound by the instructions it spends on each weight (on the H200 the bf16 code
+book's fewer instructions took 14-29% off its time; with the nested absmax of the time, a fifth fewer bought
+nothing), most of them are the code lookup and the handling of x (compiled offline for sm_90, 8 x 512 tile: 310
+instructions for the 32 weights of a thread's step). Read as words, the nibbles of two bytes are already a
+`prmt` selector in element order (`nf4_codes._nf4_word_lookup_ptx`: 27 instructions for eight bf16 codes instead
+of 41), bf16 x comes as four 32-bit pairs a word, and a block's scale multiplies each word's sum of eight
+products once (offline, the same tile: 216 instructions for the thread's 32 weights):
+
+    s[n, w]  = Σ_{j<8} code[q[n, 8w + j]] · x[8w + j]          (fp32, one multiply then seven fused adds)
+    acc[n]  += s[n, w] · absmax[n, 8w // blocksize]
+
+Programs, tiles along K, the K split with its arrival counter, PDL and software pipelining are the blocked
+kernel's (`_nf4_matvec_blocked_kernel`); the layout must be the blocked kernel's too: K a multiple of the
+quantisation block, x's columns contiguous.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda.gdc import gdc_wait
+
+from unsloth_lite.kernels.dequantize_nf4 import _block_absmax
+from unsloth_lite.kernels.matvec_epilogue import _finish_product, _tile_range
+from unsloth_lite.kernels.nf4_codes import _nf4_word_codes
+
+
+@triton.jit
+def _x_elements(x, X_PAIRS: tl.constexpr):
+    """The eight fp32 tensors x[..., j], j = 0..7, of each word's x elements (nested splits of the last axis, in
+    registers). X_PAIRS: x `[A, B, 4]` int32, bf16 pairs with the even element in the low half (a shift or a mask
+    each); else x `[A, B, 8]` in any float dtype."""
+    if X_PAIRS:
+        a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2)))
+        p0, p2 = tl.split(a)
+        p1, p3 = tl.split(b)
+        x0, x1, x2, x3 = _low_bf16(p0), _high_bf16(p0), _low_bf16(p1), _high_bf16(p1)
+        x4, x5, x6, x7 = _low_bf16(p2), _high_bf16(p2), _low_bf16(p3), _high_bf16(p3)
+    else:
+        a, b = tl.split(tl.reshape(x.to(tl.float32), (x.shape[0], x.shape[1], 2, 2, 2)))
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        x0, x4 = tl.split(a0)
+        x2, x6 = tl.split(a1)
+        x1, x5 = tl.split(b0)
+        x3, x7 = tl.split(b1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _low_bf16(pair):
+    return (pair << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _high_bf16(pair):
+    return (pair & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _word_sums(codes, x, X_PAIRS: tl.constexpr):
+    """Σ_j codes[j] · x[j] over the eight weights of each word: codes `[N, B, W]` each, x `[B, W, 8 or 4]`
+    (`_x_elements`)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_elements(x, X_PAIRS)
+    c0, c1, c2, c3, c4, c5, c6, c7 = codes
+    s = c0 * x0[None, :, :]  # one chain of fused multiply-adds
+    s = c1 * x1[None, :, :] + s
+    s = c2 * x2[None, :, :] + s
+    s = c3 * x3[None, :, :] + s
+    s = c4 * x4[None, :, :] + s
+    s = c5 * x5[None, :, :] + s
+    s = c6 * x6[None, :, :] + s
+    return c7 * x7[None, :, :] + s
+
+
+@triton.jit
+def _nf4_matvec_words_kernel(
+    x_ptr, x_row_stride,
+    words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
+    nested_blocksize: tl.constexpr,
+    bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
+    out_ptr, out_row_stride, partial_ptr, arrivals_ptr,
+    n_rows, n_out, n_in, rank,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
+    PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
+):
+    """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) for all rows, walking K BLOCKS_PER_TILE quantisation
+    blocks at a time (with SPLIT_K, program (i, j) takes tile j alone, `_sum_of_splits`). `words_ptr`: the packed
+    weight as int32 words; PTX: the lookup in registers (compiled only), else from the code book `code_ptr`.
+    PDL and STAGES as in `_nf4_matvec_blocked_kernel`: nothing another kernel may write is read before
+    `gdc_wait`. WHOLE_TILES: N a multiple of BLOCK_N and K of the tile (every projection of the Qwen models):
+    no masks. X_PAIRS: x is bf16, read as int32 pairs (`x_ptr` int32, its row stride in pairs)."""
+    WORDS: tl.constexpr = BLOCKSIZE // 8  # words of one quantisation block
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    mask_features = (features < n_out) | WHOLE_TILES
+    blocks_per_row = n_in // BLOCKSIZE
+    first_block, end_block = _tile_range(blocks_per_row, BLOCKS_PER_TILE, SPLIT_K)
+    row_words = features.to(tl.int64) * (blocks_per_row * WORDS)
+    word_in_block = tl.arange(0, WORDS)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)  # one row: reduced at the end
+    if PTX:  # the lookup's tables, in registers for the whole loop
+        lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+        tables_ptr += lane * 8
+        t0, t1, t2, t3 = tl.load(tables_ptr), tl.load(tables_ptr + 1), tl.load(tables_ptr + 2), tl.load(tables_ptr + 3)
+        if BF16_CODES:
+            t4, t5, t6, t7 = t0, t0, t0, t0
+        else:
+            t4, t5 = tl.load(tables_ptr + 4), tl.load(tables_ptr + 5)
+            t6, t7 = tl.load(tables_ptr + 6), tl.load(tables_ptr + 7)
+    else:
+        t0, t1, t2, t3, t4, t5, t6, t7 = 0, 0, 0, 0, 0, 0, 0, 0
+    if PDL and STAGES > 1:
+        gdc_wait()  # the pipelined loop loads x for later tiles before its body runs: wait first
+    for b0 in tl.range(first_block, end_block, BLOCKS_PER_TILE, num_stages=STAGES):
+        blocks = b0 + tl.arange(0, BLOCKS_PER_TILE)
+        mask_blocks = (blocks < blocks_per_row) | WHOLE_TILES
+        mask_nb = mask_features[:, None] & mask_blocks[None, :]
+        absmax = _block_absmax(
+            absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+            features[:, None].to(tl.int64) * blocks_per_row + blocks[None, :], mask_nb, NESTED,
+        )[:, :, None]
+        word_in_row = blocks[:, None] * WORDS + word_in_block[None, :]  # [BLOCKS_PER_TILE, WORDS]
+        words = tl.load(words_ptr + row_words[:, None, None] + word_in_row[None, :, :], mask=mask_nb[:, :, None],
+                        other=0)
+        if PDL and STAGES == 1:
+            gdc_wait()  # returns at once after the first tile
+        # masked words: finite codes, x is 0
+        codes = _nf4_word_codes(words, code_ptr, t0, t1, t2, t3, t4, t5, t6, t7, PTX, BF16_CODES)
+        X_WIDTH: tl.constexpr = 4 if X_PAIRS else 8  # x's values for one word
+        x_offsets = word_in_row[:, :, None] * X_WIDTH + tl.arange(0, X_WIDTH)[None, None, :]
+        mask_x = mask_blocks[:, None, None]
+        if BLOCK_M == 1:
+            x = tl.load(x_ptr + x_offsets, mask=mask_x, other=0)
+            partial = _word_sums(codes, x, X_PAIRS) * absmax + partial
+        else:
+            for m in tl.static_range(BLOCK_M):
+                mask_row = mask_x & ((tl.arange(0, BLOCKS_PER_TILE) * 0 + m) < n_rows)[:, None, None]
+                x = tl.load(x_ptr + m * x_row_stride + x_offsets, mask=mask_row, other=0)
+                row_sum = tl.sum(tl.sum(_word_sums(codes, x, X_PAIRS) * absmax, axis=2), axis=1)
+                acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
+    _finish_product(
+        acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
+        lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
+        BLOCK_M, PDL, SPLIT_K, HAS_BIAS, HAS_LORA, BLOCK_R,
+    )
