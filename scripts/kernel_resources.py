@@ -1,8 +1,10 @@
-"""Registers, spilled bytes and shared memory of the Gated DeltaNet's kernels, compiled for a GPU without one.
+"""Registers, spilled bytes and shared memory of the Gated DeltaNet's kernels, compiled for a GPU without one;
+with `--nf4-matvec`, those of the decoding NF4 matrix-vector kernels and the instructions of their loop.
 
     python scripts/kernel_resources.py                                  # W2's shape, sm_90, LAUNCH as shipped
     python scripts/kernel_resources.py --precision bf16x3,tf32_rounded --launch '{"values_warps": 8}'
     python scripts/kernel_resources.py --tiny                           # seconds: the test's run
+    python scripts/kernel_resources.py --nf4-matvec                     # W3's projection shapes, both kernels
 
 The library's launchers run on CPU tensors with every Triton launch captured instead of run; each captured launch
 is compiled by Triton's own toolchain (ptxas included in its wheel) for the target architecture, and
@@ -14,11 +16,20 @@ shipped launch settings; the figures are those of the installed Triton (the GPU 
 (integer arguments equal to 1, such as the batch size, become constants): so compiled with triton 3.6 at 6a99c7f,
 every DeltaNet kernel's registers and shared memory equal those the H200 reported in the same launch settings
 (`docs/results/deltanet_launch_sweep_2026-12-02b.json`, rounded products).
+
+`--nf4-matvec`: `nf4_matvec` at every decoder projection shape of W3's models (bf16, one row, flat absmax as
+shipped; `--matvec-shapes` for others), through the blocked kernel and the word kernel (`WORD_KERNEL`), each at
+its tile as shipped; the SASS (`cuobjdump -sass`) gives the instructions of the kernel and of its loop over K
+(the longest backward branch), and of the loop per eight weights of a thread (`per_8_weights`: the loop's
+instructions over the weights a thread decodes in one step, times 8). Launched from a CPU, the kernels are
+compiled without programmatic dependent launch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import re
@@ -37,7 +48,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from unsloth_lite.kernels import gated_delta_rule  # noqa: E402
+from unsloth_lite.kernels import gated_delta_rule, nf4_matvec  # noqa: E402
+
+dequantize_module = importlib.import_module("unsloth_lite.kernels.dequantize_nf4")  # the function shadows it
 
 ARGUMENT_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
                   torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8", torch.float64: "fp64"}
@@ -124,6 +137,78 @@ def deltanet_launches(seq, key_heads, value_heads, head_dim, dtype):
     return launches
 
 
+@contextlib.contextmanager
+def compiled_on_cpu():
+    """CPU tensors taken by the launchers that check for CUDA (the launches are captured, never run)."""
+    saved = {module: module.check_kernel_device for module in (nf4_matvec, dequantize_module)}
+    try:
+        for module in saved:
+            module.check_kernel_device = lambda _name, _tensor: None
+        yield
+    finally:
+        for module, check in saved.items():
+            module.check_kernel_device = check
+
+
+def nf4_weight(n_out: int, n_in: int):
+    """A CPU bf16 NF4 weight `[n_out, n_in]` of uninitialised bytes and an fp32 absmax a 64-weight block (the form
+    the kernels read with `FLAT_ABSMAX`); only its layout matters to a compilation."""
+    from bitsandbytes.functional import QuantState
+
+    packed = torch.empty(n_out * n_in // 2, 1, dtype=torch.uint8)
+    state = QuantState(absmax=torch.empty(n_out * n_in // 64), shape=torch.Size((n_out, n_in)),
+                       code=torch.empty(16), blocksize=64, quant_type="nf4", dtype=torch.bfloat16)
+    return packed, state
+
+
+def loop_instructions(sass: str) -> tuple[int, int]:
+    """(instructions of the kernel, of its longest loop: the span of its longest backward branch)."""
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)([^;]*);", sass)
+    addresses = [int(address, 16) for address, _, _ in lines]
+    longest = 0
+    for address, (_, op, operands) in zip(addresses, lines, strict=True):
+        target = re.search(r"0x([0-9a-f]+)", operands)
+        if op == "BRA" and target and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            longest = max(longest, sum(start <= a <= address for a in addresses))
+    return len(lines), longest
+
+
+def matvec_rows(shapes, arch: int) -> list[dict]:
+    """One row per (projection shape, kernel): `nf4_matvec`'s launches compiled for `arch` (module docstring)."""
+    rows = []
+    for n_out, n_in in shapes:
+        packed, state = nf4_weight(n_out, n_in)
+        x = torch.empty(1, n_in, dtype=torch.bfloat16)
+        for name, words in (("blocked", False), ("words", True)):
+            saved = nf4_matvec.WORD_KERNEL
+            try:
+                nf4_matvec.WORD_KERNEL = words
+                with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
+                    nf4_matvec.nf4_matvec(x, packed, quant_state=state)
+            finally:
+                nf4_matvec.WORD_KERNEL = saved
+            (kernel, kernel_args, kernel_kwargs), = launches
+            compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
+            registers, stack = resource_usage(compiled)
+            total, loop = loop_instructions(sass_of(compiled))
+            tile = (nf4_matvec.word_tile if words else nf4_matvec.blocked_tile)(n_out)
+            weights = kernel_kwargs["BLOCK_N"] * kernel_kwargs["BLOCKS_PER_TILE"] * kernel_kwargs["BLOCKSIZE"]
+            per_thread = weights / (32 * kernel_kwargs["num_warps"])
+            rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=f"{tile[0]}x{tile[1]}/{tile[2]}w",
+                             registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared,
+                             instructions=total, loop=loop, per_8_weights=round(8 * loop / per_thread, 1)))
+    return rows
+
+
+def sass_of(compiled) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-sass", cubin.name],
+                              capture_output=True, text=True, check=True).stdout
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="128 tokens, 1 key / 3 value heads of 16, one precision")
@@ -135,12 +220,42 @@ def parse_args(argv=None):
     parser.add_argument("--precision", default=None,
                         help="comma-separated LAUNCH['precision'] values for bf16 inputs (default: as shipped)")
     parser.add_argument("--launch", default="{}", help="JSON of LAUNCH overrides, e.g. '{\"values_warps\": 8}'")
+    parser.add_argument("--nf4-matvec", action="store_true",
+                        help="the NF4 matrix-vector kernels instead of the DeltaNet's (module docstring)")
+    parser.add_argument("--matvec-shapes", default=None,
+                        help="with --nf4-matvec: comma-separated OUTxIN (default: W3's projection shapes)")
     parser.add_argument("--out", default=None, help="JSON file for the rows")
     return parser.parse_args(argv)
 
 
+def matvec_shapes(text: str | None) -> list[tuple[int, int]] | None:
+    """The projection shapes of `--matvec-shapes` (None where one is not OUTxIN with IN a multiple of 64)."""
+    if text is None:
+        from bench_nf4_matvec import projection_shapes
+
+        return sorted({key for shape in ("qwen3_8b", "qwen3_5_27b") for key in projection_shapes(shape, False)})
+    shapes = []
+    for item in text.split(","):
+        match = re.fullmatch(r"(\d+)x(\d+)", item.strip())
+        if match is None or int(match.group(2)) % 64 or not int(match.group(1)):
+            return None
+        shapes.append((int(match.group(1)), int(match.group(2))))
+    return shapes
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.nf4_matvec:
+        shapes = matvec_shapes(args.matvec_shapes)
+        if shapes is None:
+            print(f"kernel_resources.py: --matvec-shapes {args.matvec_shapes!r}: expected OUTxIN,... with IN a "
+                  "multiple of 64", file=sys.stderr)
+            return 2
+        rows = matvec_rows(shapes, args.arch)
+        print(markdown_table(rows, ["out", "in", "kernel", "tile", "registers", "stack_bytes", "shared_bytes",
+                                    "instructions", "loop", "per_8_weights"]))
+        write_json(args.out, dict(arch=args.arch, triton=triton.__version__, rows=rows))
+        return 0
     try:
         overrides = json.loads(args.launch)
     except json.JSONDecodeError as exc:

@@ -134,3 +134,21 @@ def test_kernel_resources_refuses_unknown_launch_settings():
     result = run_compiled("--tiny", "--launch", '{"value_warps": 4}')
     assert result.returncode == 2
     assert "unknown settings ['value_warps']" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_kernel_resources_counts_the_nf4_matvec_kernels_loops(tmp_path):
+    """`--nf4-matvec`: both NF4 matrix-vector kernels compiled for sm_90 with no GPU, their loop found in the SASS;
+    the word kernel decodes eight weights in fewer instructions than the blocked one (its reason to exist)."""
+    out = tmp_path / "matvec.json"
+    result = run_compiled("--nf4-matvec", "--matvec-shapes", "4096x512", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = {row["kernel"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"blocked", "words"}
+    assert all(0 < row["registers"] <= 255 and 0 < row["loop"] < row["instructions"] for row in rows.values()), rows
+    assert rows["words"]["per_8_weights"] < 0.85 * rows["blocked"]["per_8_weights"], rows
+
+
+def test_kernel_resources_refuses_a_matvec_shape_off_the_blocks():
+    result = run_compiled("--nf4-matvec", "--matvec-shapes", "64x100")
+    assert result.returncode == 2
+    assert "expected OUTxIN" in result.stderr and "Traceback" not in result.stderr
