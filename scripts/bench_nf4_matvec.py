@@ -64,10 +64,12 @@ SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (3
                (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),
                (8, 512, 4, True), (8, 1024, 4, True), (16, 512, 4, True), (16, 1024, 8, True), (32, 1024, 8, True),
                (16, 2048, 8, True)]
-# the word kernel's tiles (same form; offline for sm_90, instructions a word of the loop: 8x512/4w 54, 16x256/4w 53,
-# 32x256/4w 50 with 2 features a thread, 32x512/4w 50 at 128 registers)
-WORD_SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 256, 4, False), (32, 256, 4, False),
-                    (32, 512, 4, False), (16, 512, 8, False), (8, 512, 4, True), (16, 1024, 8, True)]
+# the word kernel's tiles (same form). Offline for sm_90 (triton 3.6), the loop's instructions per eight weights and
+# the registers: 8x512/4w 54 at 47, 16x256/4w 53, 32x256/4w 50 (two features a thread share x), 32x512/4w 50 at
+# 128; 8x1024/4w 47 at 80 (two words a step in flight per thread: for the projections of few programs)
+WORD_SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (8, 1024, 4, False), (16, 256, 4, False),
+                    (32, 256, 4, False), (32, 512, 4, False), (16, 512, 8, False), (8, 512, 4, True),
+                    (16, 1024, 8, True)]
 TINY_VARIANTS = ("unsloth_lite", NESTED_ABSMAX, "unsloth_lite_words", "dequantize_matmul")
 
 
