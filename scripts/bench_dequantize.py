@@ -39,8 +39,8 @@ from bench_common import (
     timed_row,
     write_json,
 )
-from bench_generate import SHAPES, nf4_bytes
 from bench_nf4_matvec import nf4_weight, per_token, projection_shapes
+from decode_shapes import SHAPES, nf4_bytes
 
 # variant -> `unsloth_lite.kernels.dequantize_nf4` settings it runs with
 OPTIONS = {

@@ -5,7 +5,7 @@ decoder projection shape of the W3 models, with the time each model spends in th
     python scripts/bench_nf4_matvec.py --out bench_nf4_matvec.json              # on a GPU: both W3 shapes
     TRITON_INTERPRET=1 python scripts/bench_nf4_matvec.py --tiny               # CPU smoke run
 
-Shapes: the NF4 decoder linears of `bench_generate.py`'s `qwen3_8b` and `qwen3_5_27b` (random weights, bf16
+Shapes: the NF4 decoder linears of `decode_shapes.py`'s `qwen3_8b` and `qwen3_5_27b` (random weights, bf16
 compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), one row of x. Variants:
 - `unsloth_lite`: `unsloth_lite.kernels.nf4_matvec` (the weight read once, dequantised in registers; each
   block's absmax read as one float32 value, dequantised from the nested form once: `nf4_matvec.FLAT_ABSMAX`);
@@ -51,7 +51,7 @@ from bench_common import (
     timed_row,
     write_json,
 )
-from bench_generate import SHAPES, nf4_bytes, shape_config
+from decode_shapes import SHAPES, nf4_bytes, shape_config
 from random_checkpoint import weightless_model
 
 VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "bitsandbytes", "dequantize_matmul")

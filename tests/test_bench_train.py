@@ -290,10 +290,10 @@ def test_bench_generate_resumes_a_run_on_the_same_machine_only(tmp_path):
     assert "--resume:" in refused.stderr and "new_tokens 4" in refused.stderr and "Traceback" not in refused.stderr
 
 
-def test_bench_generate_bytes_per_token_match_benchmarks():
+def test_decode_bytes_per_token_match_benchmarks():
     """BENCHMARKS.md's W3 reads: 3.6 GB of NF4 decoder weights + 1.24 GB lm_head at the 8B shape (~870 tokens/s
     at 4.27 TB/s), 12.6 GB of NF4 at the 27B shape; LoRA r=16 adds its adapters."""
-    bg = bench_generate()
+    bg = script("decode_shapes")
     w3b = bg.bytes_per_token("qwen3_8b", bg.shape_config("qwen3_8b", False), context=192)
     assert w3b["nf4_linears"] == pytest.approx(3.6e9, rel=0.01) and w3b["lm_head"] == 2 * 4096 * 151936
     assert 4270e9 / w3b["total"] == pytest.approx(870, rel=0.02)
