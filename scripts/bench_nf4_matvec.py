@@ -26,6 +26,10 @@ the one rounded to bf16 that bf16 weights take (`BF16_CODES` off: more instructi
 bound the kernel), the loop's loads kept 2 to 4 tiles ahead (`PIPELINE_STAGES`; three also at two other
 tiles), and the word kernel at its chosen tile (`word_tile`), looped and with three stages.
 
+Each model's MLP input (gate and up) is also timed as decoding runs it: the two products and `swiglu` (three
+launches) against `nf4_gated_matvec` (one launch, `decode.GATED_MATVEC`), with and without LoRA adapters of rank
+16 on both.
+
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, the absmax in the form the variant reads it: 8-bit with its
 second level, or float32 for `unsloth_lite`; x) and write (y) once;
@@ -199,6 +203,62 @@ def sweep_tiles(shapes: list[str], device, tiny: bool, chosen_only: bool = False
     return rows
 
 
+def mlp_shapes(shapes: list[str], tiny: bool) -> list[tuple[str, int, int, int]]:
+    """(model, intermediate, hidden, layers) of each model's MLP: its gate and up projections' shape."""
+    found = []
+    for shape in shapes:
+        model = weightless_model(shape, shape_config(shape, tiny))
+        gates = [m for n, m in model.named_modules() if n.endswith("gate_proj")]
+        found.append((shape, gates[0].out_features, gates[0].in_features, len(gates)))
+    return found
+
+
+def mlp_input_calls(x, gate, up, rank: int):
+    """(three launches, one launch): the MLP input `silu(x Gᵀ) · x Uᵀ` with adapters of `rank` on both (none at
+    0) as decoding runs it without and with `nf4_gated_matvec`; their first products from one `lora_down_rows`."""
+    from unsloth_lite.kernels.lora_down import lora_down_rows
+    from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
+    from unsloth_lite.kernels.nf4_matvec import nf4_matvec
+    from unsloth_lite.kernels.swiglu import swiglu
+
+    a = [0.01 * torch.randn(rank, x.shape[-1], device=x.device) for _ in range(2)]
+    b = [0.01 * torch.randn(gate.quant_state.shape[0], rank, device=x.device) for _ in range(2)]
+
+    def adapters():
+        if not rank:
+            return [None, None]
+        t = lora_down_rows(x, a)
+        return [(b[0], t[:, :rank], 1.0), (b[1], t[:, rank:], 1.0)]
+
+    def three():
+        products = [nf4_matvec(x, weight, **(dict(lora_b=lora[0], lora_t=lora[1]) if lora else {}))
+                    for weight, lora in zip((gate, up), adapters(), strict=True)]
+        return swiglu(*products)
+
+    return three, lambda: nf4_gated_matvec(x, gate, up, None, None, *adapters())
+
+
+def measure_gated(shapes: list[str], device, tiny: bool) -> list[dict]:
+    """Per model: the MLP input's three launches against `nf4_gated_matvec`, one row of x, without and with an
+    adapter on both projections (us, and ms a token over the model's layers)."""
+    dtype = torch.float32 if tiny else torch.bfloat16
+    rows = []
+    for model, n_out, n_in, layers in mlp_shapes(shapes, tiny):
+        gate, up = nf4_weight(n_out, n_in, device, dtype), nf4_weight(n_out, n_in, device, dtype)
+        x = torch.randn(1, n_in, device=device, dtype=dtype)
+        for rank in (0, 16):
+            with torch.no_grad():
+                times = [graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
+                         for fn in mlp_input_calls(x, gate, up, rank)]
+            if None in times:
+                continue
+            rows.append(dict(model=model, out=n_out, **{"in": n_in}, rank=rank,
+                             three_launches_us=round(1e3 * times[0], 2), gated_us=round(1e3 * times[1], 2),
+                             gated_vs_three=round(times[0] / times[1], 3),
+                             ms_per_token_saved=round(layers * (times[0] - times[1]), 3)))
+    return rows
+
+
 def per_token(rows: list[dict], shapes: list[str], variants: list[str], tiny: bool,
               column: str = "ms_per_token") -> list[dict]:
     """Per model and variant, the sum over its decoder projections of each shape's time (`us` of `rows`) times
@@ -238,13 +298,18 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bandwidth:.0f} GB/s; one row of x; device times")
     print(markdown_table(rows, ["out", "in", "variant", "us", "gb_per_s", "copy_fraction"]))
     print(markdown_table(totals, ["model", "variant", "ms_per_token"]))
+    gated = measure_gated(shapes, device, args.tiny) if "unsloth_lite" in variants else []
+    if gated:
+        print(markdown_table(gated, ["model", "out", "in", "rank", "three_launches_us", "gated_us", "gated_vs_three",
+                                     "ms_per_token_saved"]))
     sweep = sweep_tiles(shapes, device, args.tiny, args.sweep_chosen_tile) if args.sweep else []
     if sweep:
         tiles = [] if args.sweep_chosen_tile else [
             *(tile_name(t) for t in SWEEP_TILES), *(f"words {tile_name(t)}" for t in WORD_SWEEP_TILES)]
         print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *(f"chosen, {n}" for n in CHOSEN_OPTIONS)]))
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
-                              copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, sweep=sweep))
+                              copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, gated=gated,
+                              sweep=sweep))
     return 0
 
 

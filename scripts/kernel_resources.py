@@ -18,8 +18,9 @@ every DeltaNet kernel's registers and shared memory equal those the H200 reporte
 (`docs/results/deltanet_launch_sweep_2026-12-02b.json`, rounded products).
 
 `--nf4-matvec`: `nf4_matvec` at every decoder projection shape of W3's models (bf16, one row, flat absmax as
-shipped; `--matvec-shapes` for others), through the blocked kernel and the word kernel (`WORD_KERNEL`), each at
-its tile as shipped; the SASS (`cuobjdump -sass`) gives the instructions of the kernel and of its loop over K
+shipped; `--matvec-shapes` for others), through the blocked kernel, the word kernel (`WORD_KERNEL`) and the
+gate-and-up kernel (`nf4_gated_matvec`, the shape as both weights' and the instructions per weight over both),
+each at its tile as shipped; the SASS (`cuobjdump -sass`) gives the instructions of the kernel and of its loop over K
 (the longest backward branch), and of the loop per eight weights of a thread (`per_8_weights`: the loop's
 instructions over the weights a thread decodes in one step, times 8). Launched from a CPU, the kernels are
 compiled without programmatic dependent launch.
@@ -48,7 +49,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from unsloth_lite.kernels import gated_delta_rule, nf4_matvec  # noqa: E402
+from unsloth_lite.kernels import gated_delta_rule, nf4_gated_matvec, nf4_matvec  # noqa: E402
 
 dequantize_module = importlib.import_module("unsloth_lite.kernels.dequantize_nf4")  # the function shadows it
 
@@ -141,13 +142,16 @@ def deltanet_launches(seq, key_heads, value_heads, head_dim, dtype):
 def compiled_on_cpu():
     """CPU tensors taken by the launchers that check for CUDA (the launches are captured, never run)."""
     saved = {module: module.check_kernel_device for module in (nf4_matvec, dequantize_module)}
+    supported = nf4_gated_matvec.gated_matvec_supported
     try:
         for module in saved:
             module.check_kernel_device = lambda _name, _tensor: None
+        nf4_gated_matvec.gated_matvec_supported = lambda *_args: True
         yield
     finally:
         for module, check in saved.items():
             module.check_kernel_device = check
+        nf4_gated_matvec.gated_matvec_supported = supported
 
 
 def nf4_weight(n_out: int, n_in: int):
@@ -180,12 +184,17 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
     for n_out, n_in in shapes:
         packed, state = nf4_weight(n_out, n_in)
         x = torch.empty(1, n_in, dtype=torch.bfloat16)
-        for name, words in (("blocked", False), ("words", True)):
+        for name, words in (("blocked", False), ("words", True), ("gated", False)):
             saved = nf4_matvec.WORD_KERNEL
             try:
                 nf4_matvec.WORD_KERNEL = words
                 with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
-                    nf4_matvec.nf4_matvec(x, packed, quant_state=state)
+                    if name == "gated":  # gate and up: two weights a program
+                        weight = torch.nn.Parameter(packed, requires_grad=False)
+                        weight.quant_state = state
+                        nf4_gated_matvec.nf4_gated_matvec(x, weight, weight)
+                    else:
+                        nf4_matvec.nf4_matvec(x, packed, quant_state=state)
             finally:
                 nf4_matvec.WORD_KERNEL = saved
             (kernel, kernel_args, kernel_kwargs), = launches
@@ -194,6 +203,7 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
             total, loop = loop_instructions(sass_of(compiled))
             tile = (nf4_matvec.word_tile if words else nf4_matvec.blocked_tile)(n_out)
             weights = kernel_kwargs["BLOCK_N"] * kernel_kwargs["BLOCKS_PER_TILE"] * kernel_kwargs["BLOCKSIZE"]
+            weights *= 2 if name == "gated" else 1
             per_thread = weights / (32 * kernel_kwargs["num_warps"])
             rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=f"{tile[0]}x{tile[1]}/{tile[2]}w",
                              registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared,

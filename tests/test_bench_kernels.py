@@ -85,6 +85,8 @@ def test_bench_nf4_matvec_tiny_mode_runs():
     assert ("| words 16x1024/8w split | chosen, pairs | chosen, code_book | chosen, exact codes | chosen, 2 stages |"
             in out)
     assert "| chosen, words | chosen, words, 3 stages |" in out
+    assert "| model | out | in | rank | three_launches_us | gated_us | gated_vs_three | ms_per_token_saved |" in out
+    assert "| qwen3_8b | 128 | 64 | 16 |" in out  # the MLP input with adapters on gate and up
 
 
 def test_bench_nf4_matvec_sweep_of_the_chosen_tile():
@@ -137,15 +139,17 @@ def test_kernel_resources_refuses_unknown_launch_settings():
 
 
 def test_kernel_resources_counts_the_nf4_matvec_kernels_loops(tmp_path):
-    """`--nf4-matvec`: both NF4 matrix-vector kernels compiled for sm_90 with no GPU, their loop found in the SASS;
-    the word kernel decodes eight weights in fewer instructions than the blocked one (its reason to exist)."""
+    """`--nf4-matvec`: the NF4 matrix-vector kernels compiled for sm_90 with no GPU, their loop found in the SASS;
+    the word kernel decodes eight weights in fewer instructions than the blocked one (its reason to exist), the
+    gate-and-up kernel too (x converted once for both weights)."""
     out = tmp_path / "matvec.json"
     result = run_compiled("--nf4-matvec", "--matvec-shapes", "4096x512", "--out", str(out))
     assert result.returncode == 0, result.stderr
     rows = {row["kernel"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"blocked", "words"}
+    assert set(rows) == {"blocked", "words", "gated"}
     assert all(0 < row["registers"] <= 255 and 0 < row["loop"] < row["instructions"] for row in rows.values()), rows
     assert rows["words"]["per_8_weights"] < 0.85 * rows["blocked"]["per_8_weights"], rows
+    assert rows["gated"]["per_8_weights"] < rows["blocked"]["per_8_weights"], rows  # x decoded once for two
 
 
 def test_kernel_resources_refuses_a_matvec_shape_off_the_blocks():

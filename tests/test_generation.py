@@ -24,8 +24,10 @@ from helpers import assert_close
 from peft import LoraConfig, get_peft_model
 from test_patch_model import tiny_model, tiny_qwen3_5
 
+from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
-from unsloth_lite.models import patch_model
+from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
+from unsloth_lite.models import decode, patch_model
 from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
 from unsloth_lite.models.quantize import quantize_linears_nf4
 
@@ -183,6 +185,16 @@ def test_greedy_tokens_match_on_decoding_kernels(arch, cache_implementation, dev
         assert calls["conv_state_update"] and calls["delta_rule_step"]
 
 
+def test_greedy_tokens_match_with_the_gated_mlp_kernel(device, monkeypatch):
+    """`decode.GATED_MATVEC`: each MLP's gate and up products and SwiGLU in one `nf4_gated_matvec` launch, the
+    greedy tokens those of the unpatched model (the tiny Qwen3.5: its MLP's input, 64 wide, holds whole blocks)."""
+    monkeypatch.setattr(decode, "GATED_MATVEC", True)
+    calls = []
+    monkeypatch.setattr(decode, "nf4_gated_matvec", lambda *args: calls.append(1) or nf4_gated_matvec(*args))
+    assert_same_greedy_tokens("qwen3_5", "4bit+lora", "static", 3, device, prompt_shape=(2, 4))
+    assert calls
+
+
 def test_sampling_runs_and_is_reproducible(device):
     _, patched = model_pair("qwen3", "dense+lora", device)
     prompt = torch.randint(0, 151, (1, 5), device=device)
@@ -266,6 +278,18 @@ def test_bf16_greedy_path_matches_cuda(arch, variant, torch_delta_rule):
 def test_bf16_greedy_path_check_runs_on_cpu():
     """The bf16 check above on the CPU, a few tokens (the CUDA graph is CUDA only)."""
     assert_greedy_path_followed("qwen3", "4bit+lora", "static", 4, "cpu", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", [(decode, "GATED_MATVEC"), (nf4_matvec_module, "WORD_KERNEL")],
+                         ids=["gated_mlp", "word_kernel"])
+def test_bf16_greedy_path_matches_cuda_with_the_kernels_not_yet_default(setting, torch_delta_rule, monkeypatch):
+    """The decoding kernels that are off until measured (`decode.GATED_MATVEC`, `nf4_matvec.WORD_KERNEL`), on:
+    32 bf16 tokens along the reference's greedy path through the captured step (the tiny Qwen3.5, whose
+    projections of a 64-wide input hold whole blocks)."""
+    monkeypatch.setattr(*setting, True)
+    patched = assert_greedy_path_followed("qwen3_5", "4bit+lora", "static", 32, "cuda", torch.bfloat16)
+    assert captured_decode_steps(patched) == 1
 
 
 @pytest.mark.gpu

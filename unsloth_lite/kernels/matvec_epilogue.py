@@ -50,13 +50,12 @@ def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr
 
 
 @triton.jit
-def _store_rows(
+def _output_values(
     acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
-    lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    lora_b_col_stride, scale, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """y = acc + b + s · t Bᵀ for the program's rows and features, stored in y's dtype: the end of a decoding
-    matrix-vector product (`nf4_matvec`) with t = x Aᵀ from `lora_down_rows` (or any fp32 `[rows, r]`)."""
+    """y = acc + b + s · t Bᵀ in fp32 for the program's rows and features, with t = x Aᵀ from `lora_down_rows`
+    (or any fp32 `[rows, r]`)."""
     mask_rows = rows < n_rows
     mask_features = features < n_out
     if HAS_BIAS:
@@ -71,8 +70,20 @@ def _store_rows(
             mask=mask_features[:, None] & mask_ranks[None, :], other=0.0,
         ).to(tl.float32)
         acc += scale * tl.sum(t[:, None, :] * lora_b[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _store_rows(
+    acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
+    lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """`_output_values` stored in y's dtype: the end of a decoding matrix-vector product (`nf4_matvec`)."""
+    y = _output_values(acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr,
+                       lora_b_row_stride, lora_b_col_stride, scale, HAS_BIAS, HAS_LORA, BLOCK_R)
     out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_rows[:, None] & mask_features[None, :])
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (features < n_out)[None, :])
 
 
 @triton.jit

@@ -35,7 +35,13 @@ from unsloth_lite.kernels.rms_norm import rms_norm, rms_norm_reference
 from unsloth_lite.kernels.rope import apply_rope, apply_rope_reference
 from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
-from unsloth_lite.models.decode import grouped_attention, grouped_attention_applies, is_decode_rows, project_rows
+from unsloth_lite.models.decode import (
+    gated_rows,
+    grouped_attention,
+    grouped_attention_applies,
+    is_decode_rows,
+    project_rows,
+)
 from unsloth_lite.models.decode_graph import decode_graph_applies, graphed_decode_step
 from unsloth_lite.models.packing import packed_sequence_kwargs, varlen_attention
 from unsloth_lite.models.quantized_embeddings import is_nf4_linear, nf4_linear
@@ -238,8 +244,7 @@ def zero_centred_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Te
 def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     projections = _lora_projections(self, ("gate_proj", "up_proj", "down_proj"), x)
     if projections is not None and is_decode_rows(x):
-        gate, up = project_rows(projections[:2], x)
-        return project_rows(projections[2:], (swiglu if use_kernels(gate) else swiglu_reference)(gate, up))[0]
+        return project_rows(projections[2:], gated_rows(projections[:2], x))[0]
     if projections is not None:
         kept, into = getattr(_MLP_PREACTIVATIONS, "kept", None), getattr(_MLP_PREACTIVATIONS, "into", None)
         return lora_mlp(

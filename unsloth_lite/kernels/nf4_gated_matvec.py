@@ -1,0 +1,194 @@
+"""The first half of a decoding MLP in one launch: both NF4 projections of x and the SwiGLU between them.
+
+For x `[M, K]` (M ≤ 8 rows), NF4 gate and up weights G, U `[N, K]` (`nf4_matvec`'s layout, whole quantisation
+blocks along K), biases, unmerged adapters (B `[N, r]`, t = x Aᵀ from `lora_down_rows`, scale s):
+
+    g = round(x Gᵀ + b_g + s_g · t_g B_gᵀ)        u = round(x Uᵀ + b_u + s_u · t_u B_uᵀ)
+    h = round(g · σ(g) · u)                        (fp32, σ the logistic sigmoid)
+
+`round` is to x's dtype: g and u are rounded as `nf4_matvec` writes them and h is computed from them as
+`swiglu` computes it, so h has the bits of the three launches it replaces (two products and the activation).
+Each program owns BLOCK_N features of both projections: it walks K once, loads each tile of x once for both
+weights (and has both weights' bytes in flight), and writes h without writing g or u. No backward: inference
+only. The absmax is read flat (one fp32 value a block, `nf4_matvec.flat_absmax` for double-quantised
+weights); the K split and the nested absmax stay with `nf4_matvec`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
+
+from unsloth_lite.kernels import nf4_matvec as matvec  # its settings (tiles, lookup, PDL) are read at each call
+from unsloth_lite.kernels.dequantize_nf4 import _launch, _quant_state_of
+from unsloth_lite.kernels.matvec_epilogue import _output_values
+from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
+from unsloth_lite.kernels.nf4_matvec import _blocked_tile_loads
+from unsloth_lite.kernels.utils import INTERPRET, empty
+
+
+@triton.jit
+def _tile_codes(b0, packed_ptr, absmax_ptr, table_ptr, features, mask_features, blocks_per_row,
+                BLOCKSIZE: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, LOOKUP: tl.constexpr,
+                BF16_CODES: tl.constexpr):
+    """(code_even · absmax, code_odd · absmax) `[N, B, HALF]` of one weight's tile of quantisation blocks at b0:
+    its decoded even and odd weights (the high and the low nibble of each byte)."""
+    absmax, packed, _, _ = _blocked_tile_loads(
+        b0, packed_ptr, absmax_ptr, absmax_ptr, absmax_ptr, absmax_ptr, 1, features, mask_features,
+        blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE,
+    )
+    code_even, code_odd = _nf4_codes(packed, table_ptr, LOOKUP, BF16_CODES)
+    return code_even, code_odd, absmax
+
+
+@triton.jit
+def _tile_products(code_even, code_odd, absmax, x_even, x_odd):
+    return (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
+
+
+@triton.jit
+def _nf4_gated_matvec_kernel(
+    x_ptr, x_row_stride, x_col_stride,
+    gate_packed_ptr, gate_absmax_ptr, up_packed_ptr, up_absmax_ptr, table_ptr,
+    gate_bias_ptr, up_bias_ptr, gate_t_ptr, up_t_ptr, t_row_stride, gate_rank, up_rank,
+    gate_b_ptr, gate_b_row_stride, gate_b_col_stride, gate_scale,
+    up_b_ptr, up_b_row_stride, up_b_col_stride, up_scale,
+    out_ptr, out_row_stride,
+    n_rows, n_out, n_in,
+    BLOCKSIZE: tl.constexpr, GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr, GATE_LORA: tl.constexpr,
+    UP_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
+    GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) of both projections for all rows (module docstring).
+    PDL as in `nf4_matvec`'s blocked kernel: only the frozen weights are read before `gdc_wait`."""
+    HALF: tl.constexpr = BLOCKSIZE // 2
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    mask_features = features < n_out
+    blocks_per_row = n_in // BLOCKSIZE
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    partial_gate = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, HALF], dtype=tl.float32)  # one row: reduced at the end
+    partial_up = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, HALF], dtype=tl.float32)
+    for b0 in range(0, blocks_per_row, BLOCKS_PER_TILE):
+        gate_even, gate_odd, gate_absmax = _tile_codes(
+            b0, gate_packed_ptr, gate_absmax_ptr, table_ptr, features, mask_features, blocks_per_row, BLOCKSIZE,
+            BLOCKS_PER_TILE, LOOKUP, BF16_CODES)
+        up_even, up_odd, up_absmax = _tile_codes(
+            b0, up_packed_ptr, up_absmax_ptr, table_ptr, features, mask_features, blocks_per_row, BLOCKSIZE,
+            BLOCKS_PER_TILE, LOOKUP, BF16_CODES)
+        if PDL:
+            gdc_wait()  # returns at once after the first tile
+        blocks = b0 + tl.arange(0, BLOCKS_PER_TILE)
+        mask_x = (blocks < blocks_per_row)[:, None, None]
+        byte_in_row = blocks[:, None] * HALF + tl.arange(0, HALF)[None, :]
+        x_pairs_ptr = x_ptr + (2 * byte_in_row[:, :, None] + tl.arange(0, 2)[None, None, :]) * x_col_stride
+        for m in tl.static_range(BLOCK_M):
+            mask_row = mask_x & ((tl.arange(0, BLOCKS_PER_TILE) * 0 + m) < n_rows)[:, None, None]
+            x_even, x_odd = tl.split(tl.load(x_pairs_ptr + m * x_row_stride, mask=mask_row, other=0.0).to(tl.float32))
+            gate = _tile_products(gate_even, gate_odd, gate_absmax, x_even, x_odd)
+            up = _tile_products(up_even, up_odd, up_absmax, x_even, x_odd)
+            if BLOCK_M == 1:
+                partial_gate += gate
+                partial_up += up
+            else:
+                acc_gate += tl.where(rows[:, None] == m, tl.sum(tl.sum(gate, axis=2), axis=1)[None, :], 0.0)
+                acc_up += tl.where(rows[:, None] == m, tl.sum(tl.sum(up, axis=2), axis=1)[None, :], 0.0)
+    if BLOCK_M == 1:
+        acc_gate += tl.sum(tl.sum(partial_gate, axis=2), axis=1)[None, :]
+        acc_up += tl.sum(tl.sum(partial_up, axis=2), axis=1)[None, :]
+    if PDL:
+        gdc_launch_dependents()
+    dtype = out_ptr.dtype.element_ty
+    g = _output_values(acc_gate, rows, features, n_rows, n_out, gate_bias_ptr, gate_t_ptr, t_row_stride, gate_rank,
+                       gate_b_ptr, gate_b_row_stride, gate_b_col_stride, gate_scale, GATE_BIAS, GATE_LORA, GATE_BLOCK_R)
+    u = _output_values(acc_up, rows, features, n_rows, n_out, up_bias_ptr, up_t_ptr, t_row_stride, up_rank,
+                       up_b_ptr, up_b_row_stride, up_b_col_stride, up_scale, UP_BIAS, UP_LORA, UP_BLOCK_R)
+    g = g.to(dtype).to(tl.float32)  # as the two products would write them
+    u = u.to(dtype).to(tl.float32)
+    h = g * tl.sigmoid(g) * u
+    mask = (rows < n_rows)[:, None] & mask_features[None, :]
+    tl.store(out_ptr + rows[:, None] * out_row_stride + features[None, :], h.to(dtype), mask=mask)
+
+
+def _fp32_absmax(weight) -> torch.Tensor | None:
+    """The fp32 absmax a block the kernel reads: the weight's own, or the kept flat form of a double-quantised
+    one (`nf4_matvec.flat_absmax`); None where that is off or cannot be made now (during a capture)."""
+    quant_state = _quant_state_of(weight, None)
+    if not quant_state.nested:
+        return quant_state.absmax
+    return matvec.flat_absmax(quant_state) if matvec.FLAT_ABSMAX else None
+
+
+def gated_matvec_supported(x: torch.Tensor, gate, up) -> bool:
+    """Whether `nf4_gated_matvec` takes x and these weights: NF4 weights of one 2-D shape, dtype and block size
+    whose rows hold whole blocks (and whose tile along K does), 1 to 8 rows of x on a kernel device, and an fp32
+    absmax at hand for both (`_fp32_absmax`)."""
+    states = [getattr(w, "quant_state", None) for w in (gate, up)]
+    if any(s is None or s.quant_type != "nf4" for s in states) or x.dtype == torch.float64:
+        return False
+    shape, blocksize = tuple(states[0].shape), states[0].blocksize
+    if len(shape) != 2 or any((tuple(s.shape), s.blocksize, s.dtype) != (shape, blocksize, states[0].dtype)
+                              for s in states):
+        return False
+    tile_k = matvec.blocked_tile(shape[0])[1]
+    rows = x.numel() // max(shape[1], 1)
+    if shape[1] % blocksize or tile_k % blocksize or x.shape[-1] != shape[1] or not 1 <= rows <= matvec.MAX_ROWS:
+        return False
+    if not (x.is_cuda or (INTERPRET and x.device.type == "cpu")) or not x.device == gate.device == up.device:
+        return False
+    return all(_fp32_absmax(w) is not None for w in (gate, up))
+
+
+def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None = None,
+                     up_bias: torch.Tensor | None = None, gate_lora=None, up_lora=None) -> torch.Tensor:
+    """`silu(x Gᵀ + b_g + s_g t_g B_gᵀ) · (x Uᵀ + b_u + s_u t_u B_uᵀ)` for x `[..., K]` and NF4 `Params4bit`
+    gate and up `[N, K]` (module docstring); returns `[..., N]` in x's dtype. `gate_lora`, `up_lora`: None or
+    (B `[N, r]`, t `[rows, r]` fp32 with unit column stride, scale). Inputs `gated_matvec_supported` refuses
+    raise ValueError. No autograd."""
+    if not gated_matvec_supported(x, gate, up):
+        raise ValueError("nf4_gated_matvec takes 1 to 8 rows of x and two NF4 weights of one shape, dtype and "
+                         "block size, whole blocks along K, on x's kernel device (gated_matvec_supported)")
+    n_out, n_in = (int(n) for n in gate.quant_state.shape)
+    x2d = x.reshape(-1, n_in)
+    n_rows = x2d.shape[0]
+    loras = [gate_lora, up_lora]
+    for lora in loras:
+        if lora is not None:
+            matvec._check_args(x, gate, None, None, lora[0], lora[1], n_out, n_in)
+    for bias in (gate_bias, up_bias):
+        matvec._check_args(x, gate, bias, None, None, None, n_out, n_in)
+    out = empty((n_rows, n_out), x.dtype, x.device)
+    launches = [_launch(w, None) for w in (gate, up)]
+    code = launches[0].inputs[2]
+    table = code_pairs(code) if matvec.LOOKUP == "pairs" else code
+    t_row_stride = next((lora[1].stride(0) for lora in loras if lora is not None), 0)
+    adapters = []
+    for lora in loras:
+        b, t, scale = lora if lora is not None else (out, out, 0.0)
+        adapters.append((t, t.shape[1] if lora is not None else 0, b, b.stride(0), b.stride(1), float(scale)))
+    if all(lora is not None for lora in loras) and loras[0][1].stride(0) != loras[1][1].stride(0):
+        raise ValueError("gate_lora's and up_lora's t must share a row stride (slices of one lora_down_rows)")
+    block_n, tile_k, warps, _ = matvec.blocked_tile(n_out)
+    blocksize = 2 * launches[0].meta["HALF_BLOCK"]
+    pdl = matvec.uses_pdl(x.device)
+    ranks = [a[1] for a in adapters]
+    _nf4_gated_matvec_kernel[(triton.cdiv(n_out, block_n),)](
+        x2d, x2d.stride(0), x2d.stride(1),
+        launches[0].inputs[0], _fp32_absmax(gate), launches[1].inputs[0], _fp32_absmax(up), table,
+        gate_bias if gate_bias is not None else out, up_bias if up_bias is not None else out,
+        adapters[0][0], adapters[1][0], t_row_stride, ranks[0], ranks[1],
+        *adapters[0][2:], *adapters[1][2:],
+        out, out.stride(0),
+        n_rows, n_out, n_in,
+        BLOCKSIZE=blocksize, GATE_BIAS=gate_bias is not None, UP_BIAS=up_bias is not None,
+        GATE_LORA=ranks[0] > 0, UP_LORA=ranks[1] > 0, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n,
+        BLOCKS_PER_TILE=tile_k // blocksize, GATE_BLOCK_R=max(2, triton.next_power_of_2(ranks[0])),
+        UP_BLOCK_R=max(2, triton.next_power_of_2(ranks[1])),
+        LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=matvec.uses_bf16_codes(launches[0].dtype), PDL=pdl,
+        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+    )
+    return out.view(*x.shape[:-1], n_out)
