@@ -28,7 +28,8 @@ tiles), and the word kernel at its chosen tile (`word_tile`), looped and with th
 
 Each model's MLP input (gate and up) is also timed as decoding runs it: the two products and `swiglu` (three
 launches) against `nf4_gated_matvec` (one launch, `decode.GATED_MATVEC`), with and without LoRA adapters of rank
-16 on both.
+16 on both; and each group of projections of one input (q/k/v; the DeltaNet's qkv/z/b/a): one `nf4_matvec` each
+against `nf4_grouped_matvec` (one launch, `decode.GROUPED_MATVEC`), without and with rank-16 adapters on all.
 
 Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
 the bytes a projection must read (packed weights, the absmax in the form the variant reads it: 8-bit with its
@@ -259,6 +260,64 @@ def measure_gated(shapes: list[str], device, tiny: bool) -> list[dict]:
     return rows
 
 
+def projection_groups(shapes: list[str], tiny: bool) -> list[tuple[str, str, tuple, int, int]]:
+    """(model, group, widths, input width, layers) of each model's groups of projections of one input."""
+    names = {"attention": ("q_proj", "k_proj", "v_proj"),
+             "deltanet": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+    found = []
+    for shape in shapes:
+        modules = dict(weightless_model(shape, shape_config(shape, tiny)).named_modules())
+        for group, members in names.items():
+            owners = [n for n in modules if n.endswith("." + members[0])]
+            if owners:
+                linears = [modules[owners[0].rsplit(".", 1)[0] + "." + m] for m in members]
+                found.append((shape, group, tuple(m.out_features for m in linears), linears[0].in_features,
+                              len(owners)))
+    return found
+
+
+def measure_grouped(shapes: list[str], device, tiny: bool) -> list[dict]:
+    """Per model and group: one `nf4_matvec` per projection against `nf4_grouped_matvec`, one row of x, without
+    and with rank-16 adapters on all (their first products from one `lora_down_rows` in both)."""
+    from unsloth_lite.kernels.lora_down import lora_down_rows
+    from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
+    from unsloth_lite.kernels.nf4_matvec import nf4_matvec
+
+    dtype = torch.float32 if tiny else torch.bfloat16
+    rows = []
+    for model, group, widths, n_in, layers in projection_groups(shapes, tiny):
+        weights = [nf4_weight(n, n_in, device, dtype) for n in widths]
+        x = torch.randn(1, n_in, device=device, dtype=dtype)
+        for rank in (0, 16):
+            a = [0.01 * torch.randn(rank, n_in, device=device) for _ in widths]
+            loras = [(0.01 * torch.randn(n, rank, device=device), 1.0) if rank else None for n in widths]
+            calls = grouped_calls(x, weights, a, loras, lora_down_rows, nf4_matvec, nf4_grouped_matvec)
+            with torch.no_grad():
+                times = [graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device) for fn in calls]
+            if None in times:
+                continue
+            rows.append(dict(model=model, group=group, widths="/".join(map(str, widths)), rank=rank,
+                             separate_us=round(1e3 * times[0], 2), grouped_us=round(1e3 * times[1], 2),
+                             grouped_vs_separate=round(times[0] / times[1], 3),
+                             ms_per_token_saved=round(layers * (times[0] - times[1]), 3)))
+    return rows
+
+
+def grouped_calls(x, weights, a, loras, lora_down_rows, nf4_matvec, nf4_grouped_matvec):
+    """(one launch a projection, one for all) of a group, adapters' first products from one launch in both."""
+    rank = loras[0][0].shape[1] if loras[0] else 0
+
+    def separate():
+        t = lora_down_rows(x, a) if rank else None
+        return [nf4_matvec(x, w, **(dict(lora_b=lora[0], lora_t=t[:, i * rank:(i + 1) * rank]) if rank else {}))
+                for i, (w, lora) in enumerate(zip(weights, loras, strict=True))]
+
+    def grouped():
+        return nf4_grouped_matvec(x, weights, [None] * len(weights), loras, lora_down_rows(x, a) if rank else None)
+
+    return separate, grouped
+
+
 def per_token(rows: list[dict], shapes: list[str], variants: list[str], tiny: bool,
               column: str = "ms_per_token") -> list[dict]:
     """Per model and variant, the sum over its decoder projections of each shape's time (`us` of `rows`) times
@@ -302,13 +361,17 @@ def main(argv=None) -> int:
     if gated:
         print(markdown_table(gated, ["model", "out", "in", "rank", "three_launches_us", "gated_us", "gated_vs_three",
                                      "ms_per_token_saved"]))
+    grouped = measure_grouped(shapes, device, args.tiny) if "unsloth_lite" in variants else []
+    if grouped:
+        print(markdown_table(grouped, ["model", "group", "widths", "rank", "separate_us", "grouped_us",
+                                       "grouped_vs_separate", "ms_per_token_saved"]))
     sweep = sweep_tiles(shapes, device, args.tiny, args.sweep_chosen_tile) if args.sweep else []
     if sweep:
         tiles = [] if args.sweep_chosen_tile else [
             *(tile_name(t) for t in SWEEP_TILES), *(f"words {tile_name(t)}" for t in WORD_SWEEP_TILES)]
         print(markdown_table(sweep, ["out", "in", "chosen", *tiles, *(f"chosen, {n}" for n in CHOSEN_OPTIONS)]))
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")),
-                              copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, gated=gated,
+                              copy_bandwidth_gbps=bandwidth, rows=rows, per_token=totals, gated=gated, grouped=grouped,
                               sweep=sweep))
     return 0
 

@@ -20,7 +20,8 @@ every DeltaNet kernel's registers and shared memory equal those the H200 reporte
 `--nf4-matvec`: `nf4_matvec` at every decoder projection shape of W3's models (bf16, one row, flat absmax as
 shipped; `--matvec-shapes` for others), through the blocked kernel, the word kernel (`WORD_KERNEL`) and the
 gate-and-up kernel (`nf4_gated_matvec`, the shape as both weights' and the instructions per weight over both),
-each at its tile as shipped; the SASS (`cuobjdump -sass`) gives the instructions of the kernel and of its loop over K
+each at its tile as shipped, and (without `--matvec-shapes`) `nf4_grouped_matvec` at W3's groups of projections
+of one input; the SASS (`cuobjdump -sass`) gives the instructions of the kernel and of its loop over K
 (the longest backward branch), and of the loop per eight weights of a thread (`per_8_weights`: the loop's
 instructions over the weights a thread decodes in one step, times 8). Launched from a CPU, the kernels are
 compiled without programmatic dependent launch.
@@ -49,7 +50,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from unsloth_lite.kernels import gated_delta_rule, nf4_gated_matvec, nf4_matvec  # noqa: E402
+from unsloth_lite.kernels import gated_delta_rule, nf4_gated_matvec, nf4_grouped_matvec, nf4_matvec  # noqa: E402
 
 dequantize_module = importlib.import_module("unsloth_lite.kernels.dequantize_nf4")  # the function shadows it
 
@@ -142,16 +143,16 @@ def deltanet_launches(seq, key_heads, value_heads, head_dim, dtype):
 def compiled_on_cpu():
     """CPU tensors taken by the launchers that check for CUDA (the launches are captured, never run)."""
     saved = {module: module.check_kernel_device for module in (nf4_matvec, dequantize_module)}
-    supported = nf4_gated_matvec.gated_matvec_supported
+    supported = nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported
     try:
         for module in saved:
             module.check_kernel_device = lambda _name, _tensor: None
-        nf4_gated_matvec.gated_matvec_supported = lambda *_args: True
+        nf4_gated_matvec.gated_matvec_supported = nf4_grouped_matvec.grouped_matvec_supported = lambda *_: True
         yield
     finally:
         for module, check in saved.items():
             module.check_kernel_device = check
-        nf4_gated_matvec.gated_matvec_supported = supported
+        nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported = supported
 
 
 def nf4_weight(n_out: int, n_in: int):
@@ -211,6 +212,33 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
     return rows
 
 
+def grouped_rows(groups, arch: int) -> list[dict]:
+    """One row per group of projections of one input ((widths, input width)): `nf4_grouped_matvec` compiled for
+    `arch`, without adapters."""
+    rows = []
+    for widths, n_in in groups:
+        weights = []
+        for n_out in widths:
+            packed, state = nf4_weight(n_out, n_in)
+            weights.append(torch.nn.Parameter(packed, requires_grad=False))
+            weights[-1].quant_state = state
+        x = torch.empty(1, n_in, dtype=torch.bfloat16)
+        with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
+            nf4_grouped_matvec.nf4_grouped_matvec(x, weights, [None] * len(weights), [None] * len(weights))
+        (kernel, kernel_args, kernel_kwargs), = launches
+        compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
+        registers, stack = resource_usage(compiled)
+        total, loop = loop_instructions(sass_of(compiled))
+        per_thread = kernel_kwargs["BLOCK_N"] * kernel_kwargs["BLOCKS_PER_TILE"] * kernel_kwargs["BLOCKSIZE"] / (
+            32 * kernel_kwargs["num_warps"])
+        tile = nf4_matvec.blocked_tile(max(widths))
+        rows.append(dict(out="/".join(map(str, widths)), **{"in": n_in}, kernel="grouped",
+                         tile=f"{tile[0]}x{tile[1]}/{tile[2]}w", registers=registers, stack_bytes=stack,
+                         shared_bytes=compiled.metadata.shared, instructions=total, loop=loop,
+                         per_8_weights=round(8 * loop / per_thread, 1)))
+    return rows
+
+
 def sass_of(compiled) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -262,6 +290,11 @@ def main(argv=None) -> int:
                   "multiple of 64", file=sys.stderr)
             return 2
         rows = matvec_rows(shapes, args.arch)
+        if args.matvec_shapes is None:  # W3's groups of projections of one input
+            from bench_nf4_matvec import projection_groups
+
+            rows += grouped_rows([(widths, n_in) for _, _, widths, n_in, _ in projection_groups(
+                ["qwen3_8b", "qwen3_5_27b"], False)], args.arch)
         print(markdown_table(rows, ["out", "in", "kernel", "tile", "registers", "stack_bytes", "shared_bytes",
                                     "instructions", "loop", "per_8_weights"]))
         write_json(args.out, dict(arch=args.arch, triton=triton.__version__, rows=rows))

@@ -27,6 +27,7 @@ from test_patch_model import tiny_model, tiny_qwen3_5
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
+from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
 from unsloth_lite.models import decode, patch_model
 from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
 from unsloth_lite.models.quantize import quantize_linears_nf4
@@ -195,6 +196,17 @@ def test_greedy_tokens_match_with_the_gated_mlp_kernel(device, monkeypatch):
     assert calls
 
 
+def test_greedy_tokens_match_with_grouped_projections(device, monkeypatch):
+    """`decode.GROUPED_MATVEC`: the projections of one input (the DeltaNet's four, q/k/v, gate/up) in one
+    `nf4_grouped_matvec` launch each, the greedy tokens those of the unpatched model."""
+    monkeypatch.setattr(decode, "GROUPED_MATVEC", True)
+    groups = []
+    monkeypatch.setattr(decode, "nf4_grouped_matvec",
+                        lambda x, weights, *args: groups.append(len(weights)) or nf4_grouped_matvec(x, weights, *args))
+    assert_same_greedy_tokens("qwen3_5", "4bit+lora", "static", 3, device, prompt_shape=(2, 4))
+    assert {4, 3, 2} <= set(groups)
+
+
 def test_sampling_runs_and_is_reproducible(device):
     _, patched = model_pair("qwen3", "dense+lora", device)
     prompt = torch.randint(0, 151, (1, 5), device=device)
@@ -281,10 +293,12 @@ def test_bf16_greedy_path_check_runs_on_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("setting", [(decode, "GATED_MATVEC"), (nf4_matvec_module, "WORD_KERNEL")],
-                         ids=["gated_mlp", "word_kernel"])
+@pytest.mark.parametrize("setting", [(decode, "GATED_MATVEC"), (decode, "GROUPED_MATVEC"),
+                                     (nf4_matvec_module, "WORD_KERNEL")],
+                         ids=["gated_mlp", "grouped_projections", "word_kernel"])
 def test_bf16_greedy_path_matches_cuda_with_the_kernels_not_yet_default(setting, torch_delta_rule, monkeypatch):
-    """The decoding kernels that are off until measured (`decode.GATED_MATVEC`, `nf4_matvec.WORD_KERNEL`), on:
+    """The decoding kernels that are off until measured (`decode.GATED_MATVEC` and `GROUPED_MATVEC`,
+    `nf4_matvec.WORD_KERNEL`), on:
     32 bf16 tokens along the reference's greedy path through the captured step (the tiny Qwen3.5, whose
     projections of a 64-wide input hold whole blocks)."""
     monkeypatch.setattr(*setting, True)

@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
 from unsloth_lite.kernels import nf4_matvec as matvec  # its settings (tiles, lookup, PDL) are read at each call
-from unsloth_lite.kernels.dequantize_nf4 import _launch, _quant_state_of
+from unsloth_lite.kernels.dequantize_nf4 import _launch
 from unsloth_lite.kernels.matvec_epilogue import _output_values
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
 from unsloth_lite.kernels.nf4_matvec import _blocked_tile_loads
@@ -114,19 +114,10 @@ def _nf4_gated_matvec_kernel(
     tl.store(out_ptr + rows[:, None] * out_row_stride + features[None, :], h.to(dtype), mask=mask)
 
 
-def _fp32_absmax(weight) -> torch.Tensor | None:
-    """The fp32 absmax a block the kernel reads: the weight's own, or the kept flat form of a double-quantised
-    one (`nf4_matvec.flat_absmax`); None where that is off or cannot be made now (during a capture)."""
-    quant_state = _quant_state_of(weight, None)
-    if not quant_state.nested:
-        return quant_state.absmax
-    return matvec.flat_absmax(quant_state) if matvec.FLAT_ABSMAX else None
-
-
 def gated_matvec_supported(x: torch.Tensor, gate, up) -> bool:
     """Whether `nf4_gated_matvec` takes x and these weights: NF4 weights of one 2-D shape, dtype and block size
     whose rows hold whole blocks (and whose tile along K does), 1 to 8 rows of x on a kernel device, and an fp32
-    absmax at hand for both (`_fp32_absmax`)."""
+    absmax at hand for both (`nf4_matvec.fp32_absmax`)."""
     states = [getattr(w, "quant_state", None) for w in (gate, up)]
     if any(s is None or s.quant_type != "nf4" for s in states) or x.dtype == torch.float64:
         return False
@@ -140,7 +131,7 @@ def gated_matvec_supported(x: torch.Tensor, gate, up) -> bool:
         return False
     if not (x.is_cuda or (INTERPRET and x.device.type == "cpu")) or not x.device == gate.device == up.device:
         return False
-    return all(_fp32_absmax(w) is not None for w in (gate, up))
+    return all(matvec.fp32_absmax(w) is not None for w in (gate, up))
 
 
 def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None = None,
@@ -178,7 +169,7 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     ranks = [a[1] for a in adapters]
     _nf4_gated_matvec_kernel[(triton.cdiv(n_out, block_n),)](
         x2d, x2d.stride(0), x2d.stride(1),
-        launches[0].inputs[0], _fp32_absmax(gate), launches[1].inputs[0], _fp32_absmax(up), table,
+        launches[0].inputs[0], matvec.fp32_absmax(gate), launches[1].inputs[0], matvec.fp32_absmax(up), table,
         gate_bias if gate_bias is not None else out, up_bias if up_bias is not None else out,
         adapters[0][0], adapters[1][0], t_row_stride, ranks[0], ranks[1],
         *adapters[0][2:], *adapters[1][2:],

@@ -195,11 +195,35 @@ def _nf4_matvec_blocked_kernel(
     memory (Triton's software pipelining); 1 loads each tile in its own step."""
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
+    first_block, end_block = _tile_range(n_in // BLOCKSIZE, BLOCKS_PER_TILE, SPLIT_K)
+    acc, partial = _blocked_sums(
+        x_ptr, x_row_stride, x_col_stride, packed_ptr, absmax_ptr, table_ptr, nested_code_ptr, nested_absmax_ptr,
+        offset_ptr, nested_blocksize, features, n_rows, n_out, n_in, first_block, end_block,
+        BLOCKSIZE, NESTED, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP, BF16_CODES, PDL, STAGES,
+    )
+    _finish_product(
+        acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
+        lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
+        BLOCK_M, PDL, SPLIT_K, HAS_BIAS, HAS_LORA, BLOCK_R,
+    )
+
+
+@triton.jit
+def _blocked_sums(
+    x_ptr, x_row_stride, x_col_stride, packed_ptr, absmax_ptr, table_ptr, nested_code_ptr, nested_absmax_ptr,
+    offset_ptr, nested_blocksize: tl.constexpr, features, n_rows, n_out, n_in, first_block, end_block,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """(acc `[BLOCK_M, BLOCK_N]`, partial `[BLOCK_N, BLOCKS_PER_TILE, HALF]`): the blocked kernel's walk over
+    quantisation blocks [first_block, end_block) of the rows `features` of one weight, its sums for several rows
+    in acc, for one row kept elementwise in partial (`_finish_product` reduces them)."""
+    rows = tl.arange(0, BLOCK_M)
     mask_features = features < n_out
     blocks_per_row = n_in // BLOCKSIZE
-    first_block, end_block = _tile_range(blocks_per_row, BLOCKS_PER_TILE, SPLIT_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, BLOCKSIZE // 2], dtype=tl.float32)  # one row: reduced at the end
+    partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, BLOCKSIZE // 2], dtype=tl.float32)
     if PDL and STAGES > 1:
         gdc_wait()  # the pipelined loop loads x for later tiles before its body runs: wait first
     for b0 in tl.range(first_block, end_block, BLOCKS_PER_TILE, num_stages=STAGES):
@@ -225,11 +249,7 @@ def _nf4_matvec_blocked_kernel(
                 products = (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
                 row_sum = tl.sum(tl.sum(products, axis=2), axis=1)
                 acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
-    _finish_product(
-        acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
-        lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-        BLOCK_M, PDL, SPLIT_K, HAS_BIAS, HAS_LORA, BLOCK_R,
-    )
+    return acc, partial
 
 
 @triton.jit
@@ -337,6 +357,16 @@ def flat_absmax(quant_state) -> torch.Tensor | None:
     flat = block_absmax(quant_state)
     _FLAT_ABSMAX[key] = (weakref.ref(absmax), versions, flat)
     return flat
+
+
+def fp32_absmax(weight) -> torch.Tensor | None:
+    """The fp32 absmax a block of an NF4 `Params4bit`, as the kernels that read it flat take it: its own, or
+    the kept flat form of a double-quantised weight (`flat_absmax`); None where that is off (`FLAT_ABSMAX`) or
+    cannot be made now (during a capture)."""
+    quant_state = _quant_state_of(weight, None)
+    if not quant_state.nested:
+        return quant_state.absmax
+    return flat_absmax(quant_state) if FLAT_ABSMAX else None
 
 
 def release_flat_absmax(quant_states) -> None:

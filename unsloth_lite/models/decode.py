@@ -17,6 +17,7 @@ import torch
 from unsloth_lite.kernels.lora import LoRAProjection
 from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
 from unsloth_lite.kernels.nf4_gated_matvec import gated_matvec_supported, nf4_gated_matvec
+from unsloth_lite.kernels.nf4_grouped_matvec import grouped_matvec_supported, nf4_grouped_matvec
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec, nf4_matvec_reference
 from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
@@ -26,6 +27,11 @@ from unsloth_lite.kernels.utils import INTERPRET
 # offline for sm_90 (8 x 512 tile): 122 registers, 68.9 loop instructions per eight weights against the
 # blocked kernel's 77.2. Not measured yet: off until it is.
 GATED_MATVEC = False
+# The projections of one input (q, k, v; the DeltaNet's qkv, z, b, a) in one launch (`nf4_grouped_matvec`) where
+# all are NF4: each the bits of its own product at the widest one's tile, one launch instead of three or four, the
+# small ones beside the large. Compiled offline for sm_90: the blocked kernel's loop (307 instructions against
+# 309) at 77 registers. Not measured yet: off until it is.
+GROUPED_MATVEC = False
 # Attention implementations whose mask (None, or 4-D boolean or additive) SDPA reads as they do.
 GROUPED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
@@ -38,13 +44,19 @@ def is_decode_rows(x: torch.Tensor) -> bool:
 
 def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`x Wᵀ + b + s (x Aᵀ) Bᵀ` for each projection of the rows `x`: NF4 bases through `nf4_matvec` (its
-    PyTorch reference off the kernels' devices, and for float64), dense bases through one product each."""
+    PyTorch reference off the kernels' devices, and for float64), or all in one `nf4_grouped_matvec` launch with
+    `GROUPED_MATVEC` where it takes them; dense bases through one product each."""
     kernels = (x.is_cuda or INTERPRET) and x.dtype != torch.float64
     quantized = [getattr(p.base, "quant_state", None) is not None for p in projections]
     adapted = [i for i, p in enumerate(projections) if kernels and quantized[i] and p.rank]
-    products = {}
-    if adapted:  # x Aᵀ of every adapted NF4 projection from one launch
-        t = lora_down_rows(x.reshape(-1, x.shape[-1]), [projections[i].lora_a for i in adapted])
+    t = lora_down_rows(x.reshape(-1, x.shape[-1]), [projections[i].lora_a for i in adapted]) if adapted else None
+    if GROUPED_MATVEC and kernels and all(quantized):
+        bases, biases = [p.base for p in projections], [p.bias for p in projections]
+        loras = [(p.lora_b, p.scale) if p.rank else None for p in projections]
+        if grouped_matvec_supported(x, bases, biases, loras):
+            return tuple(nf4_grouped_matvec(x, bases, biases, loras, t))
+    products = {}  # x Aᵀ of every adapted NF4 projection came from one launch
+    if adapted:
         products = dict(zip(adapted, t.split([projections[i].rank for i in adapted], dim=1), strict=True))
     outputs = []
     for i, p in enumerate(projections):

@@ -1,0 +1,110 @@
+"""`nf4_grouped_matvec` (the projections of one input in one launch) against `nf4_matvec` on each weight: the
+same bits in the interpreter, float64 everywhere; two to four weights of different widths, adapters on some,
+biases on all or none, 1 to 8 rows; and what it refuses."""
+
+import pytest
+import torch
+from helpers import TOLERANCE, assert_close, dtype_id
+from test_dequantize_nf4 import quantize
+from test_nf4_matvec import float64_reference
+
+from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
+from unsloth_lite.kernels.lora_down import lora_down_rows
+from unsloth_lite.kernels.nf4_grouped_matvec import grouped_matvec_supported, nf4_grouped_matvec
+from unsloth_lite.kernels.nf4_matvec import nf4_matvec
+
+
+def group_case(widths, n_in, ranks, rows, dtype, nested, with_bias, device):
+    weights = [quantize((n, n_in), dtype, nested, 64, device) for n in widths]
+    x = torch.randn(rows, n_in, dtype=dtype, device=device)
+    a = {i: 0.3 * torch.randn(r, n_in, device=device) for i, r in enumerate(ranks) if r}
+    t = lora_down_rows(x, list(a.values())) if a else None
+    loras = [(0.3 * torch.randn(n, r, device=device), 0.5 + i) if r else None
+             for i, (n, r) in enumerate(zip(widths, ranks, strict=True))]
+    biases = [torch.randn(n, dtype=dtype, device=device) if with_bias else None for n in widths]
+    return x, weights, biases, loras, t, a
+
+
+def check(widths, ranks, rows, dtype, nested, with_bias, device, exact, n_in=64 * 5):
+    x, weights, biases, loras, t, a = group_case(widths, n_in, ranks, rows, dtype, nested, with_bias, device)
+    outputs = nf4_grouped_matvec(x, weights, biases, loras, t)
+    first = 0
+    for i, (weight, bias, lora, y) in enumerate(zip(weights, biases, loras, outputs, strict=True)):
+        rank = ranks[i]
+        assert y.dtype == dtype and y.shape == (rows, widths[i])
+        adapter = dict(lora_b=lora[0], lora_t=t[:, first:first + rank], scale=lora[1]) if rank else {}
+        alone = nf4_matvec(x, weight, bias, **adapter)
+        if exact:  # the same walk at the same tile in the interpreter
+            assert torch.equal(y, alone), i
+        else:
+            assert_close(y, alone, TOLERANCE[dtype], f"y{i} against its own product")
+        expected = float64_reference(x, weight, bias, a.get(i), lora[0] if lora else None, lora[1] if lora else 0)
+        assert_close(y, expected, TOLERANCE[dtype], f"y{i}")
+        first += rank
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_four_projections_of_different_widths(rows, dtype, nested, device):
+    """The DeltaNet's four (one wide, one narrower, two a few features wide); adapters on three, biases."""
+    check((96, 40, 8, 130), (4, 0, 4, 4), rows, dtype, nested, True, device, exact=device == "cpu")
+
+
+def test_adapters_of_different_ranks(device):
+    """Ranks 4 and 8 in one group: the rank-4 adapter's sum runs over 8 lanes (the group's widest), so only its
+    last bits may differ from its own product's."""
+    check((96, 40), (4, 8), 3, torch.float32, True, False, device, exact=False)
+
+
+@pytest.mark.parametrize("widths,ranks", [((40, 24), (0, 0)), ((96, 16, 16), (4, 4, 4))], ids=["two", "three"])
+def test_two_and_three_projections(widths, ranks, device):
+    check(widths, ranks, 2, torch.bfloat16, True, False, device, exact=device == "cpu")
+
+
+def test_grouped_matvec_refuses_what_it_does_not_take(device, monkeypatch):
+    x, weights, biases, loras, t, _ = group_case((24, 40, 8), 128, (4, 0, 4), 1, torch.float32, True, False, device)
+    assert grouped_matvec_supported(x, weights, biases, loras)
+    other_width = quantize((24, 192), torch.float32, True, 64, device)
+    assert not grouped_matvec_supported(x, weights[:1], biases[:1], loras[:1])  # one weight: nf4_matvec's
+    assert not grouped_matvec_supported(x, weights * 2, biases * 2, loras * 2)  # six: more than four
+    assert not grouped_matvec_supported(x, [weights[0], other_width], biases[:2], loras[:2])
+    assert not grouped_matvec_supported(x, weights, [torch.randn(24, device=device), None, None], loras)
+    assert not grouped_matvec_supported(x, weights, biases, [(loras[0][0].double(), 1.0), None, loras[2]])
+    assert not grouped_matvec_supported(torch.randn(9, 128, device=device), weights, biases, loras)
+    dense = torch.nn.Parameter(torch.randn(24, 128, device=device), requires_grad=False)
+    assert not grouped_matvec_supported(x, [weights[0], dense], biases[:2], loras[:2])
+    with pytest.raises(ValueError, match="lora_t must hold the adapters' 8 columns"):
+        nf4_grouped_matvec(x, weights, biases, loras, t[:, :4])
+    with pytest.raises(ValueError, match="2 to 4 NF4 weights"):
+        nf4_grouped_matvec(x, [weights[0], other_width], biases[:2], loras[:2], t[:, :4])
+    monkeypatch.setattr(nf4_matvec_module, "FLAT_ABSMAX", False)  # nested absmax: the kernel reads flat only
+    assert not grouped_matvec_supported(x, weights, biases, loras)
+
+
+W3_GROUPS = {"qwen3_8b_qkv": ((4096, 1024, 1024), 4096), "qwen3_5_27b_attention": ((12288, 1024, 1024), 5120),
+             "qwen3_5_27b_deltanet": ((10240, 6144, 48, 48), 5120)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("group", list(W3_GROUPS))
+def test_grouped_matvec_cuda(group, rows):
+    """Compiled at the W3 models' groups (bf16 codes, PDL on Hopper), adapters on all but the last."""
+    widths, n_in = W3_GROUPS[group]
+    ranks = (16,) * (len(widths) - 1) + (0,)
+    check(widths, ranks, rows, torch.bfloat16, True, False, "cuda", exact=False, n_in=n_in)
+
+
+@pytest.mark.gpu
+def test_grouped_matvec_replayed_in_a_cuda_graph():
+    x, weights, biases, loras, t, _ = group_case((10240, 6144, 48, 48), 5120, (16, 16, 0, 0), 1, torch.bfloat16,
+                                                 True, False, "cuda")
+    expected = nf4_grouped_matvec(x, weights, biases, loras, t)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = nf4_grouped_matvec(x, weights, biases, loras, t)
+    for y in captured:
+        y.fill_(float("nan"))
+    graph.replay()
+    assert all(torch.equal(y, e) for y, e in zip(captured, expected, strict=True))

@@ -1,0 +1,145 @@
+"""Several NF4 projections of one input in one launch, for decoding: q, k and v of an attention layer, or the
+four input projections of a Gated DeltaNet layer (qkv, z, and the 48-feature b and a).
+
+For x `[M, K]` (M ≤ 8 rows) and up to four NF4 weights W_i `[N_i, K]` (`nf4_matvec`'s forward for each):
+
+    y_i = x W_iᵀ + b_i + s_i · t_i B_iᵀ        t_i: columns of one t = x [A_1; ...]ᵀ (`lora_down_rows`)
+
+The launch's programs are those of the weights' blocked kernels side by side: program p belongs to the first weight
+whose range of programs holds it and runs `nf4_matvec`'s blocked walk over that weight's rows (`_blocked_sums`, the
+same tile for all: the widest weight's), so each y_i has the bits of its own `nf4_matvec` at that tile where the
+adapters share a rank (a smaller one's sum runs over the group's widest). Why: one launch instead of up to four,
+and the small projections (k and v of 1,024 features, the DeltaNet's b and a of 48) run beside the large one
+instead of after it; launched one after the other, each waits for the one before (programmatic dependent launch
+orders them) though none reads another's output. No backward: inference only. The absmax is read flat
+(`nf4_matvec.fp32_absmax`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from unsloth_lite.kernels import nf4_matvec as matvec  # its settings (tiles, lookup, PDL) are read at each call
+from unsloth_lite.kernels.dequantize_nf4 import _launch
+from unsloth_lite.kernels.matvec_epilogue import _finish_product
+from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
+from unsloth_lite.kernels.nf4_matvec import _blocked_sums
+from unsloth_lite.kernels.utils import INTERPRET, empty
+
+MAX_WEIGHTS = 4  # the DeltaNet's four input projections
+
+
+@triton.jit
+def _nf4_grouped_matvec_kernel(
+    x_ptr, x_row_stride, x_col_stride, table_ptr, t_ptr, t_row_stride,
+    packed0, absmax0, bias0, b0, b0_row_stride, b0_col_stride, scale0, out0, n_out0, t_col0, rank0, end0,
+    packed1, absmax1, bias1, b1, b1_row_stride, b1_col_stride, scale1, out1, n_out1, t_col1, rank1, end1,
+    packed2, absmax2, bias2, b2, b2_row_stride, b2_col_stride, scale2, out2, n_out2, t_col2, rank2, end2,
+    packed3, absmax3, bias3, b3, b3_row_stride, b3_col_stride, scale3, out3, n_out3, t_col3, rank3,
+    n_rows, n_in,
+    BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr,
+    BF16_CODES: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Program p: weight i, the first with p < end_i (the slots past the last weight repeat it and are never
+    reached), features [(p - end_{i-1}) · BLOCK_N, ...) of it for all rows."""
+    pid = tl.program_id(0)
+    if pid < end0:
+        packed, absmax, bias, lora_b, scale, out, n_out = packed0, absmax0, bias0, b0, scale0, out0, n_out0
+        b_row_stride, b_col_stride, t_col, rank, start = b0_row_stride, b0_col_stride, t_col0, rank0, 0
+    elif pid < end1:
+        packed, absmax, bias, lora_b, scale, out, n_out = packed1, absmax1, bias1, b1, scale1, out1, n_out1
+        b_row_stride, b_col_stride, t_col, rank, start = b1_row_stride, b1_col_stride, t_col1, rank1, end0
+    elif pid < end2:
+        packed, absmax, bias, lora_b, scale, out, n_out = packed2, absmax2, bias2, b2, scale2, out2, n_out2
+        b_row_stride, b_col_stride, t_col, rank, start = b2_row_stride, b2_col_stride, t_col2, rank2, end1
+    else:
+        packed, absmax, bias, lora_b, scale, out, n_out = packed3, absmax3, bias3, b3, scale3, out3, n_out3
+        b_row_stride, b_col_stride, t_col, rank, start = b3_row_stride, b3_col_stride, t_col3, rank3, end2
+    features = (pid - start) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    acc, partial = _blocked_sums(
+        x_ptr, x_row_stride, x_col_stride, packed, absmax, table_ptr, absmax, absmax, absmax, 1, features, n_rows,
+        n_out, n_in, 0, n_in // BLOCKSIZE, BLOCKSIZE, False, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP, BF16_CODES,
+        PDL, STAGES,
+    )
+    _finish_product(
+        acc, partial, rows, features, n_rows, n_out, absmax, absmax, bias, t_ptr + t_col, t_row_stride, rank,
+        lora_b, b_row_stride, b_col_stride, scale, out, n_out, BLOCK_M, PDL, False, HAS_BIAS, HAS_LORA, BLOCK_R,
+    )
+
+
+def grouped_matvec_supported(x: torch.Tensor, weights, biases, loras) -> bool:
+    """Whether `nf4_grouped_matvec` takes x and these weights: 2 to MAX_WEIGHTS NF4 weights of one input width,
+    dtype and block size whose rows hold whole blocks (and the tile along K too), biases on all or none (of one
+    dtype), adapters' B of one dtype, 1 to 8 rows of x on a kernel device, and an fp32 absmax at hand for each
+    (`nf4_matvec.fp32_absmax`)."""
+    if not 2 <= len(weights) <= MAX_WEIGHTS or x.dtype == torch.float64:
+        return False
+    if len({lora[0].dtype for lora in loras if lora is not None}) > 1:
+        return False
+    states = [getattr(w, "quant_state", None) for w in weights]
+    if any(s is None or s.quant_type != "nf4" or len(s.shape) != 2 for s in states):
+        return False
+    n_in, blocksize, dtype = states[0].shape[1], states[0].blocksize, states[0].dtype
+    if any((s.shape[1], s.blocksize, s.dtype) != (n_in, blocksize, dtype) for s in states):
+        return False
+    if len({None if b is None else b.dtype for b in biases}) != 1:
+        return False
+    tile_k = matvec.blocked_tile(max(s.shape[0] for s in states))[1]
+    rows = x.numel() // max(n_in, 1)
+    if n_in % blocksize or tile_k % blocksize or x.shape[-1] != n_in or not 1 <= rows <= matvec.MAX_ROWS:
+        return False
+    if not (x.is_cuda or (INTERPRET and x.device.type == "cpu")) or any(w.device != x.device for w in weights):
+        return False
+    return all(matvec.fp32_absmax(w) is not None for w in weights)
+
+
+def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Tensor | None = None):
+    """`[x W_iᵀ + b_i + s_i t_i B_iᵀ for each weight]` for x `[..., K]` and 2 to 4 NF4 `Params4bit` W_i
+    (module docstring), each `[..., N_i]` in x's dtype. `biases`: one per weight (all None or all tensors);
+    `loras`: one per weight, None or (B_i `[N_i, r_i]`, s_i); `lora_t`: fp32 `[rows, Σ r_i]` with unit column
+    stride, the adapted weights' t side by side in their order (`lora_down_rows`). Inputs
+    `grouped_matvec_supported` refuses raise ValueError. No autograd."""
+    if not grouped_matvec_supported(x, weights, biases, loras):
+        raise ValueError("nf4_grouped_matvec takes 1 to 8 rows of x and 2 to 4 NF4 weights of one input width, "
+                         "dtype and block size, whole blocks along K, biases on all or none "
+                         "(grouped_matvec_supported)")
+    n_in = int(weights[0].quant_state.shape[1])
+    x2d = x.reshape(-1, n_in)
+    n_rows = x2d.shape[0]
+    ranks = [lora[0].shape[1] if lora is not None else 0 for lora in loras]
+    if sum(ranks) and (lora_t is None or lora_t.shape[1] != sum(ranks)):
+        raise ValueError(f"lora_t must hold the adapters' {sum(ranks)} columns side by side")
+    outputs, slots, first, end = [], [], 0, 0
+    block_n, tile_k, warps, _ = matvec.blocked_tile(max(int(w.quant_state.shape[0]) for w in weights))
+    for weight, bias, lora, rank in zip(weights, biases, loras, ranks, strict=True):
+        n_out = int(weight.quant_state.shape[0])
+        t_cols = lora_t[:, first:first + rank] if rank else None
+        matvec._check_args(x, weight, bias, None, lora[0] if lora else None, t_cols, n_out, n_in)
+        out = empty((n_rows, n_out), x.dtype, x.device)
+        # a weight without an adapter reads none (rank 0) but passes a B of the others' dtype
+        lora_b = lora[0] if lora is not None else next((lo[0] for lo in loras if lo is not None), out)
+        end += triton.cdiv(n_out, block_n)
+        slots.append((_launch(weight, None).inputs[0], matvec.fp32_absmax(weight), bias if bias is not None else out,
+                      lora_b, lora_b.stride(0), lora_b.stride(-1), float(lora[1]) if lora else 0.0, out, n_out,
+                      first, rank, end))
+        outputs.append(out.view(*x.shape[:-1], n_out))
+        first += rank
+    slots += [slots[-1]] * (MAX_WEIGHTS - len(slots))
+    code = _launch(weights[0], None).inputs[2]
+    blocksize = int(weights[0].quant_state.blocksize)
+    t = lora_t if lora_t is not None else slots[0][7]
+    pdl = matvec.uses_pdl(x.device)
+    _nf4_grouped_matvec_kernel[(end,)](
+        x2d, x2d.stride(0), x2d.stride(1), code_pairs(code) if matvec.LOOKUP == "pairs" else code,
+        t, t.stride(0), *(arg for slot in slots[:-1] for arg in slot), *slots[-1][:-1], n_rows, n_in,
+        BLOCKSIZE=blocksize, HAS_BIAS=biases[0] is not None, HAS_LORA=sum(ranks) > 0,
+        BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
+        BLOCK_R=max(2, triton.next_power_of_2(max(ranks))), LOOKUP=LOOKUPS.index(matvec.LOOKUP),
+        BF16_CODES=matvec.uses_bf16_codes(weights[0].quant_state.dtype), PDL=pdl, STAGES=matvec.PIPELINE_STAGES,
+        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+    )
+    return outputs
