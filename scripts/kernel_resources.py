@@ -4,7 +4,7 @@ with `--nf4-matvec`, those of the decoding NF4 matrix-vector kernels and the ins
     python scripts/kernel_resources.py                                  # W2's shape, sm_90, LAUNCH as shipped
     python scripts/kernel_resources.py --precision bf16x3,tf32_rounded --launch '{"values_warps": 8}'
     python scripts/kernel_resources.py --tiny                           # seconds: the test's run
-    python scripts/kernel_resources.py --nf4-matvec                     # W3's projection shapes, both kernels
+    python scripts/kernel_resources.py --nf4-matvec                     # W3's projection shapes, every decoding kernel
 
 The library's launchers run on CPU tensors with every Triton launch captured instead of run; each captured launch
 is compiled by Triton's own toolchain (ptxas included in its wheel) for the target architecture, and

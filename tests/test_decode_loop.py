@@ -233,10 +233,10 @@ def test_evaluation_during_training_frees_the_cache(device):
 
 
 def test_evaluation_during_training_frees_the_fp32_absmax(device):
-    """A 4-bit model: decoding keeps each NF4 weight's fp32 absmax (`nf4_matvec.flat_absmax`) for the next call;
-    an evaluation during training frees them with the cache."""
+    """A 4-bit model: decoding keeps each NF4 weight's fp32 absmax (`nf4_matvec_state.flat_absmax`) for the next
+    call; an evaluation during training frees them with the cache."""
     from unsloth_lite import patch_model
-    from unsloth_lite.kernels import nf4_matvec
+    from unsloth_lite.kernels import nf4_matvec_state
     from unsloth_lite.models.quantize import quantize_linears_nf4
     from unsloth_lite.training.generation import generate
     from unsloth_lite.training.tiny import build_tiny_qwen3, build_tiny_tokenizer
@@ -246,6 +246,6 @@ def test_evaluation_during_training_frees_the_fp32_absmax(device):
     absmax = [id(m.weight.quant_state.absmax) for m in model.modules() if type(m).__name__ == "Linear4bit"]
     prompt = tokenizer("3+4=")["input_ids"]
     generate(model.eval(), tokenizer, prompt, max_new_tokens=2)
-    assert len(absmax) == 14 and all(key in nf4_matvec._FLAT_ABSMAX for key in absmax)
+    assert len(absmax) == 14 and all(key in nf4_matvec_state._FLAT_ABSMAX for key in absmax)
     generate(model.train(), tokenizer, prompt, max_new_tokens=2)
-    assert not any(key in nf4_matvec._FLAT_ABSMAX for key in absmax)
+    assert not any(key in nf4_matvec_state._FLAT_ABSMAX for key in absmax)

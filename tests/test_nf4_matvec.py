@@ -9,7 +9,7 @@ from helpers import TOLERANCE, assert_close, dtype_id
 from test_dequantize_nf4 import quantize
 
 from unsloth_lite.kernels import lora_down as lora_down_module
-from unsloth_lite.kernels import matvec_epilogue
+from unsloth_lite.kernels import matvec_epilogue, nf4_matvec_state
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.lora_down import lora_down_rows
@@ -117,23 +117,23 @@ def test_flat_absmax_is_kept_until_the_absmax_changes(device, monkeypatch):
     `release_flat_absmax`; the product is the nested kernel's."""
     x, weight, bias, lora_a, lora_b = make_case((40, 64 * 5), 2, torch.float32, True, 64, True, 4, device)
     qs = weight.quant_state
-    flat = nf4_matvec_module.flat_absmax(qs)
+    flat = nf4_matvec_state.flat_absmax(qs)
     if device == "cuda":
         import bitsandbytes.functional as F
 
         assert torch.equal(flat, (F.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset).reshape(-1))
     assert flat.dtype == torch.float32 and flat.numel() == 40 * 5
-    assert nf4_matvec_module.flat_absmax(qs) is flat
+    assert nf4_matvec_state.flat_absmax(qs) is flat
     with_flat = nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5)
     monkeypatch.setattr(nf4_matvec_module, "FLAT_ABSMAX", False)
     assert_close(with_flat, nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5), 1e-6, "y against nested")
     before = flat.clone()
     qs.state2.absmax.mul_(2)
-    again = nf4_matvec_module.flat_absmax(qs)
+    again = nf4_matvec_state.flat_absmax(qs)
     assert again is flat  # computed again in place: a captured graph reads it by address
     assert_close(again, 2 * before - qs.offset, 1e-6, "absmax after the change")  # the offset comes after the scale
-    nf4_matvec_module.release_flat_absmax([qs])
-    assert nf4_matvec_module.flat_absmax(qs) is not again
+    nf4_matvec_state.release_flat_absmax([qs])
+    assert nf4_matvec_state.flat_absmax(qs) is not again
 
 
 def test_nf4_matvec_refuses_grad_and_too_many_rows(device):

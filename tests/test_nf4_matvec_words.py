@@ -14,6 +14,8 @@ from helpers import TOLERANCE, assert_close, dtype_id
 from test_nf4_matvec import check, check_split_along_k, float64_reference, make_case
 
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
+from unsloth_lite.kernels import nf4_matvec_state
+from unsloth_lite.kernels.nf4_codes import word_lookup_tables
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,9 +74,9 @@ def test_word_kernel_split_along_k(rows, device, word_kernel, monkeypatch):
 
 
 def test_lane_tables_hold_the_lookup_tables_once_per_lane():
-    tables = nf4_matvec_module.lane_tables(torch.device("cpu"), True)
+    tables = nf4_matvec_state.lane_tables(torch.device("cpu"), True)
     assert tables.shape == (32, 8) and tables.dtype == torch.int32
-    expected = nf4_matvec_module.word_lookup_tables(True)
+    expected = word_lookup_tables(True)
     assert all(row[:4] == expected and row[4:] == [0] * 4 for row in tables.tolist())
 
 
@@ -122,14 +124,14 @@ def test_word_kernel_every_swept_tile_cuda(shape, rows, stages, word_kernel, mon
 def test_word_kernel_first_called_in_a_capture_takes_the_blocked_kernel(word_kernel, monkeypatch):
     """The lane tables are copied from the host: a first product inside a CUDA graph capture cannot make them and
     takes the blocked kernel; the next product outside a capture makes them and takes the word kernel."""
-    monkeypatch.setattr(nf4_matvec_module, "_LANE_TABLES", {})
+    monkeypatch.setattr(nf4_matvec_state, "_LANE_TABLES", {})
     x, weight, bias, lora_a, lora_b = make_case((1024, 4096), 1, torch.bfloat16, True, 64, True, 16, "cuda")
     expected = float64_reference(x, weight, bias, lora_a, lora_b, 0.5)
     nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5)  # both kernels compiled before the capture
     monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", False)
     nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5)
     monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", True)
-    nf4_matvec_module._LANE_TABLES.clear()
+    nf4_matvec_state._LANE_TABLES.clear()
     word_kernel.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

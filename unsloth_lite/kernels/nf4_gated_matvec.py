@@ -10,7 +10,7 @@ blocks along K), biases, unmerged adapters (B `[N, r]`, t = x Aᵀ from `lora_do
 `swiglu` computes it, so h has the bits of the three launches it replaces (two products and the activation).
 Each program owns BLOCK_N features of both projections: it walks K once, loads each tile of x once for both
 weights (and has both weights' bytes in flight), and writes h without writing g or u. No backward: inference
-only. The absmax is read flat (one fp32 value a block, `nf4_matvec.flat_absmax` for double-quantised
+only. The absmax is read flat (one fp32 value a block, `nf4_matvec_state.flat_absmax` for double-quantised
 weights); the K split and the nested absmax stay with `nf4_matvec`.
 """
 

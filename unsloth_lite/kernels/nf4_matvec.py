@@ -37,15 +37,16 @@ code book rounded to bf16: two of the four byte planes of the lookup (compiled o
 instead of 592 in the kernel at 8 x 512), each weight within bf16's rounding of its exact value. With `PDL`
 (Hopper's programmatic dependent launch) a projection starts loading its weight while the kernel before it
 finishes and waits for that kernel before it reads anything the kernel may write; a decoding step chains
-hundreds of them. The code lookups are in `nf4_codes.py`, the adapters' first product x Aᵀ in `lora_down.py`.
+hundreds of them. The code lookups are in `nf4_codes.py`, the adapters' first product x Aᵀ in `lora_down.py`,
+the programs' ends (the K split's sum, bias and adapter) in `matvec_epilogue.py`, the kept flat absmax and the
+word kernel's tables in `nf4_matvec_state.py`; the word kernel, the gate-and-up kernel and the grouped kernel
+(`nf4_matvec_words.py`, `nf4_gated_matvec.py`, `nf4_grouped_matvec.py`) share the blocked kernel's pieces.
 
 Inference only: no autograd (the weight is frozen and generation needs no gradient); `nf4_matvec` refuses
 inputs that require grad.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 import triton
@@ -57,12 +58,12 @@ from unsloth_lite.kernels.dequantize_nf4 import (
     _fp32_to_bf16_rne,
     _launch,
     _quant_state_of,
-    block_absmax,
     dequantize_nf4_reference,
 )
 from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
 from unsloth_lite.kernels.matvec_epilogue import _arrival_counters, _finish_product, _store_rows, _tile_range
-from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs, word_lookup_tables
+from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
+from unsloth_lite.kernels.nf4_matvec_state import flat_absmax, lane_tables
 from unsloth_lite.kernels.nf4_matvec_words import _nf4_matvec_words_kernel
 from unsloth_lite.kernels.utils import INTERPRET, check_float, check_kernel_device, empty
 
@@ -331,34 +332,6 @@ def _check_args(x, weight, bias, lora_a, lora_b, lora_t, n_out, n_in):
             )
 
 
-_FLAT_ABSMAX: dict = {}  # id(absmax tensor) -> (weak reference to it, versions it was computed at, fp32 absmax)
-
-
-def flat_absmax(quant_state) -> torch.Tensor | None:
-    """The fp32 absmax of every quantisation block of a double-quantised weight (`block_absmax`), computed on
-    first use and kept; computed again, into the same tensor, once the quant state's absmax tensors change (their
-    version counters), so that a captured CUDA graph reading it stays valid. None where it is missing or stale
-    while a CUDA graph is being captured (a tensor computed inside a capture holds nothing until a replay)."""
-    absmax = quant_state.absmax
-    key = id(absmax)
-    versions = (absmax._version, quant_state.state2.absmax._version)
-    kept = _FLAT_ABSMAX.get(key)
-    if kept is not None and kept[0]() is not absmax:
-        kept = None
-    if kept is not None and kept[1] == versions:
-        return kept[2]
-    if absmax.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    if kept is not None:
-        kept[2].copy_(block_absmax(quant_state))
-        _FLAT_ABSMAX[key] = (kept[0], versions, kept[2])
-        return kept[2]
-    weakref.finalize(absmax, _FLAT_ABSMAX.pop, key, None)
-    flat = block_absmax(quant_state)
-    _FLAT_ABSMAX[key] = (weakref.ref(absmax), versions, flat)
-    return flat
-
-
 def fp32_absmax(weight) -> torch.Tensor | None:
     """The fp32 absmax a block of an NF4 `Params4bit`, as the kernels that read it flat take it: its own, or
     the kept flat form of a double-quantised weight (`flat_absmax`); None where that is off (`FLAT_ABSMAX`) or
@@ -367,31 +340,6 @@ def fp32_absmax(weight) -> torch.Tensor | None:
     if not quant_state.nested:
         return quant_state.absmax
     return flat_absmax(quant_state) if FLAT_ABSMAX else None
-
-
-def release_flat_absmax(quant_states) -> None:
-    """Frees the kept fp32 absmax of each of `quant_states` (computed again where needed). A CUDA graph captured
-    over them must go first: it reads them by address."""
-    for quant_state in quant_states:
-        _FLAT_ABSMAX.pop(id(quant_state.absmax), None)
-
-
-_LANE_TABLES: dict = {}
-
-
-def lane_tables(device: torch.device, bf16_codes: bool) -> torch.Tensor | None:
-    """int32 `[32, 8]`: `word_lookup_tables` (zero-padded to 8) once for each lane of a warp, the word kernel's
-    code-book registers. Each lane loads its own row, so the compiler keeps them in ordinary registers for the
-    whole loop (a value every lane shares it keeps in a uniform register and copies out before each lookup: one
-    more instruction a lookup in the SASS). None where they are missing while a CUDA graph is being captured
-    (copied from the host, they cannot be made then)."""
-    key = (device, bf16_codes)
-    if key not in _LANE_TABLES:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        row = word_lookup_tables(bf16_codes)
-        _LANE_TABLES[key] = torch.tensor([row + [0] * (8 - len(row))] * 32, dtype=torch.int32, device=device)
-    return _LANE_TABLES[key]
 
 
 def nf4_matvec(

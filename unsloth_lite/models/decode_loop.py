@@ -42,7 +42,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from unsloth_lite.kernels.nf4_matvec import release_flat_absmax
+from unsloth_lite.kernels.nf4_matvec_state import release_flat_absmax
 from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
 
 # Steps queued behind the one whose tokens the host reads. Two keep the GPU busy through a host hiccup; each is a
@@ -191,7 +191,7 @@ def plan(model, args, kwargs) -> Request | None:
 def release_cache(model: torch.nn.Module) -> None:
     """Frees what decoding keeps on `model` for the next call, as training resumes after an evaluation: the
     cache, the captured decode steps (`decode_graph.py`), and then the fp32 absmax of its NF4 weights that those
-    read (`nf4_matvec.flat_absmax`)."""
+    read (`nf4_matvec_state.flat_absmax`)."""
     quant_states = []
     for module in model.modules():
         module.__dict__.pop(CACHE_ATTRIBUTE, None)
