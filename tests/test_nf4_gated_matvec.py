@@ -15,6 +15,13 @@ from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 from unsloth_lite.kernels.swiglu import swiglu
 
 
+@pytest.fixture(autouse=True)
+def blocked_kernel(monkeypatch):
+    """The separate products compared with take the blocked kernel, whose walk the fused launch runs (the word
+    kernel, the default for whole-block shapes, sums in another order)."""
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", False)
+
+
 def gated_case(shape, rows, dtype, nested, adapters, with_bias, device):
     """x, gate, up, and the keyword arguments of `nf4_gated_matvec` (adapters: which projections have one, of
     ranks 4 and 8; their t from one `lora_down_rows`, as decoding computes it)."""

@@ -14,6 +14,13 @@ from unsloth_lite.kernels.nf4_grouped_matvec import grouped_matvec_supported, nf
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 
 
+@pytest.fixture(autouse=True)
+def blocked_kernel(monkeypatch):
+    """The separate products compared with take the blocked kernel, whose walk the fused launch runs (the word
+    kernel, the default for whole-block shapes, sums in another order)."""
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", False)
+
+
 def group_case(widths, n_in, ranks, rows, dtype, nested, with_bias, device):
     weights = [quantize((n, n_in), dtype, nested, 64, device) for n in widths]
     x = torch.randn(rows, n_in, dtype=dtype, device=device)

@@ -20,6 +20,13 @@ from unsloth_lite.kernels.nf4_matvec import nf4_matvec, nf4_matvec_reference
 SHAPES = [(48, 96), (33, 160), (17, 515), (130, 64), (20, 320)]
 
 
+@pytest.fixture(autouse=True)
+def blocked_kernel(monkeypatch):
+    """This file's products take the blocked kernel (and the general one): the word kernel, the default for
+    whole-block shapes, has its own tests (`test_nf4_matvec_words.py`)."""
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", False)
+
+
 def float64_reference(x, weight, bias, lora_a, lora_b, scale):
     dense = dequantize_nf4_reference(weight.data, weight.quant_state).double()
     y = x.double() @ dense.t()

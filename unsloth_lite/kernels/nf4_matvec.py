@@ -84,12 +84,14 @@ PDL = True
 # or more); each weight within bf16's rounding of its exact value, as the bf16 weight that `dequantize_nf4` writes
 # is. fp32 and fp16 weights keep the exact code book: rounded, it changes an fp32 model's greedy tokens.
 BF16_CODES = True
-# Tiles along K whose loads the blocked kernel's loop keeps in flight (Triton's software pipelining: asynchronous
-# copies into shared memory, `tl.range(num_stages=)`), where 1 loads each tile in its own step. The loop is bound
-# by the latency of its loads (a program waits for each tile's bytes before decoding them), and pipelining keeps
-# the next tiles' bytes coming meanwhile; compiled offline for sm_90 (triton 3.6, 8 x 512 tile, 17408 x 5120)
-# three stages take 63 registers instead of 80 and 7 KB of shared memory. Not measured yet: 1 until it is.
-PIPELINE_STAGES = 1
+# Tiles along K whose loads the blocked and the word kernel's loops keep in flight (Triton's software pipelining:
+# asynchronous copies into shared memory, `tl.range(num_stages=)`), where 1 loads each tile in its own step. The
+# loops are bound by the latency of their loads (a program waits for each tile's bytes before decoding them);
+# pipelined, the next tiles' bytes keep coming meanwhile. Measured on the H200 (2026-12-05, every projection of
+# the W3 models, one row): the word kernel with three stages took 3-21% less time than with one (the projections'
+# sum a token: Qwen3-8B 4.64 -> 4.11 ms, Qwen3.5-27B 12.40 -> 11.27; `docs/benchmarks.md`), the blocked kernel
+# from 1% more to 18% less.
+PIPELINE_STAGES = 3
 # The kernels read a double-quantised weight's absmax as one fp32 value a block (`flat_absmax`: dequantised once
 # a weight, on its first product, and kept while the weight's absmax is unchanged) instead of the nested form,
 # whose scale is a chain of three dependent loads a tile (8-bit absmax, its second-level code, then the
@@ -98,10 +100,11 @@ PIPELINE_STAGES = 1
 # (projections' sums: Qwen3-8B 5.40 -> 4.94 ms, Qwen3.5-27B 16.17 -> 14.32). `release_flat_absmax` frees them.
 FLAT_ABSMAX = True
 # The word kernel (`nf4_matvec_words.py`) for whole-block shapes: the weight read as 32-bit words, eight codes
-# decoded at once with selectors taken from the word as it lies, a block's scale applied once per word. Compiled
-# offline for sm_90 (triton 3.6, 17408 x 5120, 8 x 512 tile) its loop spends 30% fewer instructions per weight than
-# the blocked kernel's (54 against 77.5 for eight weights). Not measured yet: off until it is.
-WORD_KERNEL = False
+# decoded at once with selectors taken from the word as it lies, a block's scale applied once per word; its loop
+# spends 30% fewer instructions per weight than the blocked kernel's (offline, sm_90). Measured on the H200
+# (2026-12-05, one row, one stage): faster at every projection of the W3 models, by 1-18% (Qwen3-8B 4.99 -> 4.64
+# ms a token in the projections' sum, Qwen3.5-27B 14.40 -> 12.54; bitsandbytes' gemv 5.29 and 15.34).
+WORD_KERNEL = True
 
 
 def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
@@ -139,8 +142,9 @@ def blocked_tile(n_out: int) -> tuple[int, int, int, bool]:
 
 
 def word_tile(n_out: int) -> tuple[int, int, int, bool]:
-    """`blocked_tile` for the word kernel (`WORD_KERNEL`). Chosen offline (sm_90 registers and instructions),
-    not yet measured: the blocked kernel's tiles."""
+    """`blocked_tile` for the word kernel (`WORD_KERNEL`): the blocked kernel's tiles, at which it was measured
+    faster than the blocked kernel at every W3 projection (2026-12-05); its own tiles (`bench_nf4_matvec.py
+    --sweep`'s `WORD_SWEEP_TILES`) are not yet measured."""
     return blocked_tile(n_out)
 
 

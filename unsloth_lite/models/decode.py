@@ -23,14 +23,15 @@ from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
 
 # The MLP's gate and up projections and its SwiGLU in one launch (`nf4_gated_matvec`) where both are NF4: the
-# same bits as the three launches, one launch instead of three a layer, x read once for both weights. Compiled
-# offline for sm_90 (8 x 512 tile): 122 registers, 68.9 loop instructions per eight weights against the
-# blocked kernel's 77.2. Not measured yet: off until it is.
+# same bits as the three launches of the blocked kernel, one launch instead of three a layer, x read once for
+# both weights. Off: its walk is the blocked kernel's, and measured on the H200 (2026-12-05) it was 1.11-1.19x
+# the three launches of the blocked kernel but, with the grouped launch below, took Qwen3.5-27B decoding from
+# 86.8 to 84.6 tokens/s against the default word kernel with three stages (Qwen3-8B 221.9 -> 226.4).
 GATED_MATVEC = False
 # The projections of one input (q, k, v; the DeltaNet's qkv, z, b, a) in one launch (`nf4_grouped_matvec`) where
-# all are NF4: each the bits of its own product at the widest one's tile, one launch instead of three or four, the
-# small ones beside the large. Compiled offline for sm_90: the blocked kernel's loop (307 instructions against
-# 309) at 77 registers. Not measured yet: off until it is.
+# all are NF4: each the bits of its own blocked-kernel product at the widest one's tile, the small ones beside the
+# large. Off for the same reason: 1.23-1.50x the separate launches of the blocked kernel on the H200, not faster
+# than the word kernel's end to end (above).
 GROUPED_MATVEC = False
 # Attention implementations whose mask (None, or 4-D boolean or additive) SDPA reads as they do.
 GROUPED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
