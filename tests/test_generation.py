@@ -24,7 +24,6 @@ from helpers import assert_close
 from peft import LoraConfig, get_peft_model
 from test_patch_model import tiny_model, tiny_qwen3_5
 
-from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
 from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
@@ -293,15 +292,12 @@ def test_bf16_greedy_path_check_runs_on_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("setting", [(decode, "GATED_MATVEC"), (decode, "GROUPED_MATVEC"),
-                                     (nf4_matvec_module, "WORD_KERNEL")],
-                         ids=["gated_mlp", "grouped_projections", "word_kernel"])
-def test_bf16_greedy_path_matches_cuda_with_the_kernels_not_yet_default(setting, torch_delta_rule, monkeypatch):
-    """The decoding kernels that are off until measured (`decode.GATED_MATVEC` and `GROUPED_MATVEC`,
-    `nf4_matvec.WORD_KERNEL`), on:
-    32 bf16 tokens along the reference's greedy path through the captured step (the tiny Qwen3.5, whose
+@pytest.mark.parametrize("setting", ["GATED_MATVEC", "GROUPED_MATVEC"], ids=["gated_mlp", "grouped_projections"])
+def test_bf16_greedy_path_matches_cuda_with_the_fused_launches(setting, torch_delta_rule, monkeypatch):
+    """The fused decoding launches, kept off by default (`decode.GATED_MATVEC`, `decode.GROUPED_MATVEC`), on: 32
+    bf16 tokens along the reference's greedy path through the captured step (the tiny Qwen3.5, whose
     projections of a 64-wide input hold whole blocks)."""
-    monkeypatch.setattr(*setting, True)
+    monkeypatch.setattr(decode, setting, True)
     patched = assert_greedy_path_followed("qwen3_5", "4bit+lora", "static", 32, "cuda", torch.bfloat16)
     assert captured_decode_steps(patched) == 1
 
