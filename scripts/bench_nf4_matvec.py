@@ -279,10 +279,6 @@ def projection_groups(shapes: list[str], tiny: bool) -> list[tuple[str, str, tup
 def measure_grouped(shapes: list[str], device, tiny: bool) -> list[dict]:
     """Per model and group: one `nf4_matvec` per projection against `nf4_grouped_matvec`, one row of x, without
     and with rank-16 adapters on all (their first products from one `lora_down_rows` in both)."""
-    from unsloth_lite.kernels.lora_down import lora_down_rows
-    from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
-    from unsloth_lite.kernels.nf4_matvec import nf4_matvec
-
     dtype = torch.float32 if tiny else torch.bfloat16
     rows = []
     for model, group, widths, n_in, layers in projection_groups(shapes, tiny):
@@ -291,7 +287,7 @@ def measure_grouped(shapes: list[str], device, tiny: bool) -> list[dict]:
         for rank in (0, 16):
             a = [0.01 * torch.randn(rank, n_in, device=device) for _ in widths]
             loras = [(0.01 * torch.randn(n, rank, device=device), 1.0) if rank else None for n in widths]
-            calls = grouped_calls(x, weights, a, loras, lora_down_rows, nf4_matvec, nf4_grouped_matvec)
+            calls = grouped_calls(x, weights, a, loras)
             with torch.no_grad():
                 times = [graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device) for fn in calls]
             if None in times:
@@ -303,8 +299,12 @@ def measure_grouped(shapes: list[str], device, tiny: bool) -> list[dict]:
     return rows
 
 
-def grouped_calls(x, weights, a, loras, lora_down_rows, nf4_matvec, nf4_grouped_matvec):
+def grouped_calls(x, weights, a, loras):
     """(one launch a projection, one for all) of a group, adapters' first products from one launch in both."""
+    from unsloth_lite.kernels.lora_down import lora_down_rows
+    from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
+    from unsloth_lite.kernels.nf4_matvec import nf4_matvec
+
     rank = loras[0][0].shape[1] if loras[0] else 0
 
     def separate():

@@ -179,6 +179,33 @@ def loop_instructions(sass: str) -> tuple[int, int]:
     return len(lines), longest
 
 
+def nf4_param(n_out: int, n_in: int) -> torch.nn.Parameter:
+    """`nf4_weight` as a frozen `Params4bit`-like parameter carrying its quant state (what the fused launches
+    take)."""
+    packed, state = nf4_weight(n_out, n_in)
+    weight = torch.nn.Parameter(packed, requires_grad=False)
+    weight.quant_state = state
+    return weight
+
+
+def launch_figures(launches, arch: int, weights_a_program_step: int = 1) -> dict:
+    """Registers, stack, shared memory and SASS instructions (the kernel's and its loop's, and the loop's per
+    eight weights of a thread) of the one captured launch, compiled for `arch`. `weights_a_program_step`: the
+    weights a program decodes per tile, in tiles of one weight (2 for gate and up together)."""
+    (kernel, kernel_args, kernel_kwargs), = launches
+    compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
+    registers, stack = resource_usage(compiled)
+    total, loop = loop_instructions(sass_of(compiled))
+    weights = kernel_kwargs["BLOCK_N"] * kernel_kwargs["BLOCKS_PER_TILE"] * kernel_kwargs["BLOCKSIZE"]
+    per_thread = weights_a_program_step * weights / (32 * kernel_kwargs["num_warps"])
+    return dict(registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared, instructions=total,
+                loop=loop, per_8_weights=round(8 * loop / per_thread, 1))
+
+
+def tile_name(tile) -> str:
+    return f"{tile[0]}x{tile[1]}/{tile[2]}w"
+
+
 def matvec_rows(shapes, arch: int) -> list[dict]:
     """One row per (projection shape, kernel): `nf4_matvec`'s launches compiled for `arch` (module docstring)."""
     rows = []
@@ -191,24 +218,15 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
                 nf4_matvec.WORD_KERNEL = words
                 with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
                     if name == "gated":  # gate and up: two weights a program
-                        weight = torch.nn.Parameter(packed, requires_grad=False)
-                        weight.quant_state = state
+                        weight = nf4_param(n_out, n_in)
                         nf4_gated_matvec.nf4_gated_matvec(x, weight, weight)
                     else:
                         nf4_matvec.nf4_matvec(x, packed, quant_state=state)
             finally:
                 nf4_matvec.WORD_KERNEL = saved
-            (kernel, kernel_args, kernel_kwargs), = launches
-            compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
-            registers, stack = resource_usage(compiled)
-            total, loop = loop_instructions(sass_of(compiled))
             tile = (nf4_matvec.word_tile if words else nf4_matvec.blocked_tile)(n_out)
-            weights = kernel_kwargs["BLOCK_N"] * kernel_kwargs["BLOCKS_PER_TILE"] * kernel_kwargs["BLOCKSIZE"]
-            weights *= 2 if name == "gated" else 1
-            per_thread = weights / (32 * kernel_kwargs["num_warps"])
-            rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=f"{tile[0]}x{tile[1]}/{tile[2]}w",
-                             registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared,
-                             instructions=total, loop=loop, per_8_weights=round(8 * loop / per_thread, 1)))
+            rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=tile_name(tile),
+                             **launch_figures(launches, arch, 2 if name == "gated" else 1)))
     return rows
 
 
@@ -217,25 +235,12 @@ def grouped_rows(groups, arch: int) -> list[dict]:
     `arch`, without adapters."""
     rows = []
     for widths, n_in in groups:
-        weights = []
-        for n_out in widths:
-            packed, state = nf4_weight(n_out, n_in)
-            weights.append(torch.nn.Parameter(packed, requires_grad=False))
-            weights[-1].quant_state = state
+        weights = [nf4_param(n_out, n_in) for n_out in widths]
         x = torch.empty(1, n_in, dtype=torch.bfloat16)
         with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
             nf4_grouped_matvec.nf4_grouped_matvec(x, weights, [None] * len(weights), [None] * len(weights))
-        (kernel, kernel_args, kernel_kwargs), = launches
-        compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
-        registers, stack = resource_usage(compiled)
-        total, loop = loop_instructions(sass_of(compiled))
-        per_thread = kernel_kwargs["BLOCK_N"] * kernel_kwargs["BLOCKS_PER_TILE"] * kernel_kwargs["BLOCKSIZE"] / (
-            32 * kernel_kwargs["num_warps"])
-        tile = nf4_matvec.blocked_tile(max(widths))
         rows.append(dict(out="/".join(map(str, widths)), **{"in": n_in}, kernel="grouped",
-                         tile=f"{tile[0]}x{tile[1]}/{tile[2]}w", registers=registers, stack_bytes=stack,
-                         shared_bytes=compiled.metadata.shared, instructions=total, loop=loop,
-                         per_8_weights=round(8 * loop / per_thread, 1)))
+                         tile=tile_name(nf4_matvec.blocked_tile(max(widths))), **launch_figures(launches, arch)))
     return rows
 
 

@@ -336,11 +336,11 @@ def _check_args(x, weight, bias, lora_a, lora_b, lora_t, n_out, n_in):
             )
 
 
-def fp32_absmax(weight) -> torch.Tensor | None:
-    """The fp32 absmax a block of an NF4 `Params4bit`, as the kernels that read it flat take it: its own, or
-    the kept flat form of a double-quantised weight (`flat_absmax`); None where that is off (`FLAT_ABSMAX`) or
-    cannot be made now (during a capture)."""
-    quant_state = _quant_state_of(weight, None)
+def fp32_absmax(weight, quant_state=None) -> torch.Tensor | None:
+    """The fp32 absmax a block of an NF4 weight (a `Params4bit`, or packed bytes with `quant_state`), as the
+    kernels that read it flat take it: its own, or the kept flat form of a double-quantised weight
+    (`flat_absmax`); None where that is off (`FLAT_ABSMAX`) or cannot be made now (during a capture)."""
+    quant_state = _quant_state_of(weight, quant_state)
     if not quant_state.nested:
         return quant_state.absmax
     return flat_absmax(quant_state) if FLAT_ABSMAX else None
@@ -377,10 +377,9 @@ def nf4_matvec(
     lora_b_arg = lora_b if has_lora else out
     packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize = launch.inputs
     nested = launch.meta["NESTED"]
-    if nested and FLAT_ABSMAX:
-        flat = flat_absmax(_quant_state_of(weight, quant_state))
-        if flat is not None:
-            absmax, nested = flat, False
+    flat = fp32_absmax(weight, quant_state) if nested else None
+    if flat is not None:
+        absmax, nested = flat, False
     blocksize = 2 * launch.meta["HALF_BLOCK"]
     bf16_codes = uses_bf16_codes(launch.dtype)
     tables = lane_tables(x.device, bf16_codes) if WORD_KERNEL else None

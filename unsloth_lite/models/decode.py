@@ -49,16 +49,12 @@ def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor) -> tu
     `GROUPED_MATVEC` where it takes them; dense bases through one product each."""
     kernels = (x.is_cuda or INTERPRET) and x.dtype != torch.float64
     quantized = [getattr(p.base, "quant_state", None) is not None for p in projections]
-    adapted = [i for i, p in enumerate(projections) if kernels and quantized[i] and p.rank]
-    t = lora_down_rows(x.reshape(-1, x.shape[-1]), [projections[i].lora_a for i in adapted]) if adapted else None
+    t, products = first_products(projections, x, [kernels and q for q in quantized])
     if GROUPED_MATVEC and kernels and all(quantized):
         bases, biases = [p.base for p in projections], [p.bias for p in projections]
         loras = [(p.lora_b, p.scale) if p.rank else None for p in projections]
         if grouped_matvec_supported(x, bases, biases, loras):
             return tuple(nf4_grouped_matvec(x, bases, biases, loras, t))
-    products = {}  # x Aᵀ of every adapted NF4 projection came from one launch
-    if adapted:
-        products = dict(zip(adapted, t.split([projections[i].rank for i in adapted], dim=1), strict=True))
     outputs = []
     for i, p in enumerate(projections):
         if quantized[i] and kernels:
@@ -79,18 +75,24 @@ def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor) -> tu
     return tuple(outputs)
 
 
+def first_products(projections, x: torch.Tensor, on_kernels: list[bool]):
+    """(t, {i: t_i}): x Aᵀ of every adapted projection i with `on_kernels[i]` from one `lora_down_rows` launch,
+    side by side in t, and each one's columns (t None and no columns where none is adapted)."""
+    adapted = [i for i, p in enumerate(projections) if on_kernels[i] and p.rank]
+    if not adapted:
+        return None, {}
+    t = lora_down_rows(x.reshape(-1, x.shape[-1]), [projections[i].lora_a for i in adapted])
+    return t, dict(zip(adapted, t.split([projections[i].rank for i in adapted], dim=1), strict=True))
+
+
 def gated_rows(projections: tuple[LoRAProjection, LoRAProjection], x: torch.Tensor) -> torch.Tensor:
     """silu(gate(x)) · up(x) of the rows `x` for the MLP's gate and up projections: one `nf4_gated_matvec`
     launch with `GATED_MATVEC` where it takes them (both NF4, `gated_matvec_supported`), else their products
     (`project_rows`) and `swiglu`."""
     gate, up = projections
     if GATED_MATVEC and gated_matvec_supported(x, gate.base, up.base):
-        adapted = [p for p in projections if p.rank]
-        t = lora_down_rows(x.reshape(-1, x.shape[-1]), [p.lora_a for p in adapted]) if adapted else None
-        loras, first = [], 0
-        for p in projections:
-            loras.append((p.lora_b, t[:, first:first + p.rank], p.scale) if p.rank else None)
-            first += p.rank
+        _, products = first_products(projections, x, [True, True])
+        loras = [(p.lora_b, products[i], p.scale) if p.rank else None for i, p in enumerate(projections)]
         return nf4_gated_matvec(x, gate.base, up.base, gate.bias, up.bias, *loras)
     g, u = project_rows(projections, x)
     return (swiglu if g.is_cuda or INTERPRET else swiglu_reference)(g, u)
