@@ -7,12 +7,14 @@ decoder projection shape of the W3 models, with the time each model spends in th
 
 Shapes: the NF4 decoder linears of `decode_shapes.py`'s `qwen3_8b` and `qwen3_5_27b` (random weights, bf16
 compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), one row of x. Variants:
-- `unsloth_lite`: `unsloth_lite.kernels.nf4_matvec` (the weight read once, dequantised in registers; each
-  block's absmax read as one float32 value, dequantised from the nested form once: `nf4_matvec.FLAT_ABSMAX`);
-- `unsloth_lite_nested_absmax`: the same kernel reading the nested absmax itself (`FLAT_ABSMAX` off: fewer
+- `unsloth_lite`: `unsloth_lite.kernels.nf4_matvec` at its defaults (the weight read once, dequantised in
+  registers; each block's absmax read as one float32 value, dequantised from the nested form once:
+  `nf4_matvec.FLAT_ABSMAX`; for bf16 on a GPU, the tensor-core kernel with the lookup in shared memory);
+- `unsloth_lite_nested_absmax`: the word kernel reading the nested absmax itself (`FLAT_ABSMAX` off: fewer
   bytes, but a dependent second-level lookup before each block's scale);
 - `unsloth_lite_words`: the word kernel (`nf4_matvec.WORD_KERNEL`: the weight read as 32-bit words, eight codes
-  decoded at once, 30% fewer instructions a weight);
+  decoded at once, 30% fewer instructions a weight than the blocked kernel), the tensor-core kernel off;
+- `unsloth_lite_mma_registers`: the tensor-core kernel with the word kernel's lookup in registers;
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
@@ -31,7 +33,10 @@ launches) against `nf4_gated_matvec` (one launch, `decode.GATED_MATVEC`), with a
 16 on both; and each group of projections of one input (q/k/v; the DeltaNet's qkv/z/b/a): one `nf4_matvec` each
 against `nf4_grouped_matvec` (one launch, `decode.GROUPED_MATVEC`), without and with rank-16 adapters on all.
 
-Times are device times (`bench_common.graph_ms`: the call captured in a CUDA graph and replayed). GB/s counts
+Times are device times (`bench_common.graph_ms`): per product, a chain of products captured in one CUDA graph and
+replayed, each reading its own copy of the weight (`weight_copies`: together more than the L2 cache holds), as
+a decoding step's graph runs one projection after another (the table of variants; the sweeps and the fused
+launches time one product a graph, which adds the graph's own launch, a few microseconds). GB/s counts
 the bytes a projection must read (packed weights, the absmax in the form the variant reads it: 8-bit with its
 second level, or float32 for `unsloth_lite`; x) and write (y) once;
 "% copy" compares it with a device-to-device copy measured in the same run. `ms_per_token` sums each shape's
@@ -59,11 +64,13 @@ from bench_common import (
 from decode_shapes import SHAPES, nf4_bytes, shape_config
 from random_checkpoint import weightless_model
 
-VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "bitsandbytes", "dequantize_matmul")
+VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "unsloth_lite_mma_registers",
+            "bitsandbytes", "dequantize_matmul")
 NESTED_ABSMAX = "unsloth_lite_nested_absmax"  # the kernel reading the double-quantised absmax itself
 # `nf4_matvec` settings of the unsloth-lite variants
-KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False},
-                   "unsloth_lite_words": {"WORD_KERNEL": True}}
+KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False, "MMA_KERNEL": False},
+                   "unsloth_lite_words": {"WORD_KERNEL": True, "MMA_KERNEL": False},
+                   "unsloth_lite_mma_registers": {"MMA_SHARED_LOOKUP": False}}
 # (features, weights along K, warps, split along K) a program
 SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (32, 512, 4, False),
                (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),
@@ -147,16 +154,35 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
     dtype = torch.float32 if tiny else torch.bfloat16
     rows, counts = [], {s: projection_shapes(s, tiny) for s in shapes}
     for n_out, n_in in sorted({key for c in counts.values() for key in c}):
-        weight = nf4_weight(n_out, n_in, device, dtype)
+        weights = weight_copies(nf4_weight(n_out, n_in, device, dtype), tiny)
         x = torch.randn(1, n_in, device=device, dtype=dtype)
         for variant in variants:
             reads_flat = variant in KERNEL_SETTINGS and KERNEL_SETTINGS[variant].get("FLAT_ABSMAX", True)
             absmax_bytes = flat_absmax_bytes if reads_flat else nf4_bytes
             moved = absmax_bytes(n_out * n_in) + x.element_size() * (n_in + n_out)
             with torch.no_grad():
-                fn = variant_fn(variant, x, weight)
-                rows.append(timed_row(fn, device, moved, bandwidth, out=n_out, **{"in": n_in}, variant=variant))
+                calls = [variant_fn(variant, x, weight) for weight in weights]
+                row = timed_row(lambda calls=calls: [call() for call in calls], device, moved * len(weights),
+                                bandwidth, out=n_out, **{"in": n_in}, variant=variant)
+            if "us" in row:  # one call's share of the chain
+                row["us"] = round(row["us"] / len(weights), 2)
+            rows.append(row)
+        del weights
     return rows
+
+
+def weight_copies(weight, tiny: bool) -> list:
+    """`weight` and copies of it in storage of their own (the same codes), enough that the L2 cache holds none of
+    them when a chain of products reads them in turn, as a decoding step reads its layers' weights (2 on the CPU)."""
+    import copy
+
+    count = 2 if tiny else max(4, min(64, -(-200_000_000 // weight.numel())))
+    copies = [weight]
+    for _ in range(count - 1):
+        clone = torch.nn.Parameter(weight.data.clone(), requires_grad=False)
+        clone.quant_state = copy.deepcopy(weight.quant_state)
+        copies.append(clone)
+    return copies
 
 
 def sweep_tiles(shapes: list[str], device, tiny: bool, chosen_only: bool = False) -> list[dict]:

@@ -11,6 +11,7 @@ from test_dequantize_nf4 import quantize
 from unsloth_lite.kernels import lora_down as lora_down_module
 from unsloth_lite.kernels import matvec_epilogue, nf4_matvec_state
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
+from unsloth_lite.kernels import utils as kernel_utils
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.lora_down import lora_down_rows
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec, nf4_matvec_reference
@@ -25,6 +26,7 @@ def blocked_kernel(monkeypatch):
     """This file's products take the blocked kernel (and the general one): the word kernel, the default for
     whole-block shapes, has its own tests (`test_nf4_matvec_words.py`)."""
     monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", False)
+    monkeypatch.setattr(nf4_matvec_module, "MMA_KERNEL", False)
 
 
 def float64_reference(x, weight, bias, lora_a, lora_b, scale):
@@ -173,11 +175,11 @@ def test_nf4_matvec_exact_codes_cuda(shape, rows, monkeypatch):
 def test_programmatic_dependent_launch_only_on_hopper_and_later(monkeypatch):
     """`griddepcontrol` exists from compute capability 9.0: older GPUs, the CPU and the interpreter launch the
     blocked kernel as an ordinary launch."""
-    monkeypatch.setattr(nf4_matvec_module, "INTERPRET", False)
-    monkeypatch.setattr(nf4_matvec_module, "_PDL_DEVICES", {})
+    monkeypatch.setattr(kernel_utils, "INTERPRET", False)
+    monkeypatch.setattr(kernel_utils, "_CAPABILITIES", {})
     for major, expected in ((8, False), (9, True), (10, True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _index, major=major: (major, 0))
-        nf4_matvec_module._PDL_DEVICES.clear()
+        kernel_utils._CAPABILITIES.clear()
         assert nf4_matvec_module.uses_pdl(torch.device("cuda", 0)) is expected
     assert not nf4_matvec_module.uses_pdl(torch.device("cpu"))
     monkeypatch.setattr(nf4_matvec_module, "PDL", False)
@@ -197,19 +199,23 @@ def test_bf16_code_book_only_for_bf16_weights(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("words", [False, True], ids=["blocked", "words"])
+@pytest.mark.parametrize("kernel", ["blocked", "words", "mma_shared", "mma_registers"])
 @pytest.mark.parametrize("stages", [1, 3], ids=lambda n: f"{n}stages")
 @pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
-def test_nf4_matvec_programmatic_dependent_launch_chain(split, stages, words, monkeypatch):
+def test_nf4_matvec_programmatic_dependent_launch_chain(split, stages, kernel, monkeypatch):
     """`PDL`: each projection launched while the one before it finishes reads that one's output only after
     waiting for it. A chain of four (y = W4 W3 W2 W1 x, each with bias and adapter, the inputs of one the outputs
-    of the one before), eager and replayed as a CUDA graph, against float64; the blocked and the word kernel."""
+    of the one before), eager and replayed as a CUDA graph, against float64; the blocked, the word and the
+    tensor-core kernel (its two lookups; `stages` does not apply to it)."""
     monkeypatch.setattr(nf4_matvec_module, "PDL", True)
     monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", stages)
-    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", words)
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", kernel == "words")
+    monkeypatch.setattr(nf4_matvec_module, "MMA_KERNEL", kernel.startswith("mma"))
+    monkeypatch.setattr(nf4_matvec_module, "MMA_SHARED_LOOKUP", kernel == "mma_shared")
     if split:
         for tile in ("blocked_tile", "word_tile"):
             monkeypatch.setattr(nf4_matvec_module, tile, lambda n_out: (16, 1024, 8, True))
+        monkeypatch.setattr(nf4_matvec_module, "MMA_TILE", (4, 3, 2))
     sizes = [4096, 12288, 4096, 1024, 4096]
     layers = [make_case((n_out, n_in), 1, torch.bfloat16, True, 64, True, 16, "cuda")[1:]
               for n_in, n_out in itertools.pairwise(sizes)]
@@ -265,17 +271,22 @@ def test_nf4_matvec_pipelined_loop_runs_everywhere(device, monkeypatch):
 
 @pytest.mark.parametrize("stages", [1, 3])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_lora_down_rows_several_adapters(rows, stages, device, monkeypatch):
+@pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
+def test_lora_down_rows_several_adapters(split, rows, stages, device, monkeypatch):
     """x [A_1; ...; A_n]ᵀ for adapters of different ranks (four adapters: two launches), bf16 rows, the loop's
-    loads in their own steps or pipelined (`PIPELINE_STAGES`; the interpreter ignores it)."""
+    loads in their own steps or pipelined (`PIPELINE_STAGES`; the interpreter ignores it), or K split over
+    programs (`SPLIT_K`, the last step part-filled): deterministic, the arrival counters left at 0."""
     monkeypatch.setattr(lora_down_module, "PIPELINE_STAGES", stages)
-    n_in = 200 if device != "cuda" else 5120 + 200  # several steps along K where compiled
+    monkeypatch.setattr(lora_down_module, "SPLIT_K", split)
+    n_in = 600 if device != "cuda" else 5120 + 200  # several steps along K
     x = torch.randn(rows, n_in, device=device).to(torch.bfloat16)
     adapters = [torch.randn(r, n_in, device=device) for r in (4, 16, 2, 8)]
     got = lora_down_rows(x, adapters)
     expected = x.double() @ torch.cat(adapters).double().t()
     assert got.dtype == torch.float32 and got.shape == (rows, 30)
     assert_close(got, expected, 1e-5, "t")
+    assert torch.equal(got, lora_down_rows(x, adapters))
+    assert all(int(counters.abs().sum()) == 0 for counters in matvec_epilogue._ARRIVALS.values())
 
 
 def test_nf4_matvec_takes_a_precomputed_adapter_product(device):

@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
-from unsloth_lite.kernels.utils import INTERPRET, check_kernel_device, empty
+from unsloth_lite.kernels.matvec_epilogue import _arrival_counters, _sum_of_splits
+from unsloth_lite.kernels.utils import INTERPRET, check_kernel_device, compute_capability, empty
 
 MAX_ROWS = 8  # rows of x (tokens of all sequences together) the decoding kernels take
 
@@ -20,10 +22,13 @@ MAX_ROWS = 8  # rows of x (tokens of all sequences together) the decoding kernel
 @triton.jit
 def _lora_down_kernel(
     x_ptr, x_row_stride, x_col_stride, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, t_ptr, t_row_stride, n_rows, n_in,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    width, partial_ptr, arrivals_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Column j of t = x [A0; A1; A2]ᵀ: one program per adapter row (the A are `[r_i, K]`, contiguous); the
-    loop's loads kept STAGES steps ahead (`PIPELINE_STAGES`)."""
+    """Column j of t = x [A0; A1; A2]ᵀ: program j walks row j of the A (`[r_i, K]`, contiguous), its loads kept
+    STAGES steps ahead (`PIPELINE_STAGES`); with SPLIT_K, program (j, s) takes step s alone and the last of the
+    row's programs to arrive sums the steps in order (`matvec_epilogue._sum_of_splits`: one launch, the same
+    bits whichever arrives last). PDL: the adapter, which no kernel writes, is read before `gdc_wait`; x after."""
     j = tl.program_id(0)
     if j < rank0:
         a_row = a0_ptr + j.to(tl.int64) * n_in
@@ -33,15 +38,35 @@ def _lora_down_kernel(
         a_row = a2_ptr + (j - rank0 - rank1).to(tl.int64) * n_in
     rows = tl.arange(0, BLOCK_M)
     mask_rows = rows < n_rows
-    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask_cols = cols < n_in
-        a = tl.load(a_row + cols, mask=mask_cols, other=0.0).to(tl.float32)
+    if SPLIT_K:
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        a = tl.load(a_row + cols, mask=cols < n_in, other=0.0).to(tl.float32)
+        if PDL:
+            gdc_wait()
         x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride,
-                    mask=mask_rows[:, None] & mask_cols[None, :], other=0.0).to(tl.float32)
-        acc += x * a[None, :]
-    tl.store(t_ptr + rows * t_row_stride + j, tl.sum(acc, axis=1), mask=mask_rows)
+                    mask=mask_rows[:, None] & (cols < n_in)[None, :], other=0.0).to(tl.float32)
+        if PDL:
+            gdc_launch_dependents()
+        column = tl.sum(x * a[None, :], axis=1)[:, None]
+        column, last = _sum_of_splits(column, rows, j + tl.arange(0, 1), n_rows, width, partial_ptr, arrivals_ptr,
+                                      BLOCK_M)
+    else:
+        if PDL:
+            gdc_wait()
+        acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask_cols = cols < n_in
+            a = tl.load(a_row + cols, mask=mask_cols, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride,
+                        mask=mask_rows[:, None] & mask_cols[None, :], other=0.0).to(tl.float32)
+            acc += x * a[None, :]
+        if PDL:
+            gdc_launch_dependents()
+        column = tl.sum(acc, axis=1)[:, None]
+        last = True
+    if last:
+        tl.store(t_ptr + rows[:, None] * t_row_stride + j, column, mask=mask_rows[:, None])
 
 
 MAX_ADAPTERS_PER_LAUNCH = 3  # q, k, v: the most projections that share an input
@@ -51,6 +76,12 @@ LORA_BLOCK_K = 256 if INTERPRET else 1024
 # memory); 1 loads each step in its own. The launch has fewer programs than the GPU has SMs (one per adapter row),
 # so each program's chain of load latencies is the kernel's time. Not measured yet: 1 until it is.
 PIPELINE_STAGES = 1
+# Each program one step of K (grid: adapter rows x steps), the steps summed by the row's last program: the launch's
+# time is one load's latency instead of a chain of them (the 27B's down projection walks 17 steps).
+SPLIT_K = True
+# Programmatic dependent launch (as `nf4_matvec.PDL`, Hopper and later): the launch starts while the kernel before
+# it finishes, its adapter rows already loading, and lets the product after it start in turn.
+PDL = True
 
 
 def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor:
@@ -65,15 +96,24 @@ def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor
     check_kernel_device("x", x)
     ranks = [a.shape[0] for a in lora_as]
     t = empty((rows, sum(ranks)), torch.float32, x.device)
+    pdl = PDL and compute_capability(x.device) >= 9
+    block_m = triton.next_power_of_2(rows)
+    splits = triton.cdiv(n_in, LORA_BLOCK_K) if SPLIT_K else 1
     start = 0
     for first in range(0, len(lora_as), MAX_ADAPTERS_PER_LAUNCH):
         group = [a.contiguous() for a in lora_as[first:first + MAX_ADAPTERS_PER_LAUNCH]]
         pointers = group + [group[-1]] * (MAX_ADAPTERS_PER_LAUNCH - len(group))
         width = sum(a.shape[0] for a in group)
-        _lora_down_kernel[(width,)](
+        if splits > 1:
+            partial = empty((splits, block_m, width), torch.float32, x.device)
+            arrivals = _arrival_counters(x.device, width)
+        else:
+            partial = arrivals = t
+        _lora_down_kernel[(width, splits)](
             x, x.stride(0), x.stride(1), *pointers, group[0].shape[0], group[1].shape[0] if len(group) > 1 else 0,
-            t[:, start:], t.stride(0), rows, n_in,
-            BLOCK_M=triton.next_power_of_2(rows), BLOCK_K=LORA_BLOCK_K, STAGES=PIPELINE_STAGES, num_warps=4,
+            t[:, start:], t.stride(0), rows, n_in, width, partial, arrivals,
+            BLOCK_M=block_m, BLOCK_K=LORA_BLOCK_K, STAGES=PIPELINE_STAGES, SPLIT_K=splits > 1, PDL=pdl, num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
         )
         start += width
     return t

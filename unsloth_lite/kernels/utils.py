@@ -63,6 +63,20 @@ def _poison(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+_CAPABILITIES: dict = {}
+
+
+def compute_capability(device: torch.device) -> int:
+    """The major compute capability of `device` where compiled kernels run on it (a CUDA device without the
+    interpreter), else 0; cached a device."""
+    if INTERPRET or device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITIES:
+        _CAPABILITIES[index] = torch.cuda.get_device_capability(index)[0]
+    return _CAPABILITIES[index]
+
+
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _poison(torch.empty(shape, dtype=dtype, device=device))
 
