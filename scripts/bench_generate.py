@@ -35,8 +35,8 @@ compares them (`unsloth_lite@stages=3/lora_stages=3`, `unsloth_lite_lora@flat=0`
 `lora_split=0` and `lora_pdl=0` (`lora_down.SPLIT_K`, `lora_down.PDL` off), `flat=0`
 (`nf4_matvec.FLAT_ABSMAX` off: the nested absmax read in the kernel), `pdl=0` (`nf4_matvec.PDL` off: ordinary
 launches instead of programmatic dependent ones, each of which starts loading its weight while the kernel before
-it finishes), `words=1` (`nf4_matvec.WORD_KERNEL`: the weight read as words of eight codes), `mma=0`
-(`nf4_matvec.MMA_KERNEL` off: no tensor-core kernel), `mma_shared=0` (its lookup in registers), `gated=1`
+it finishes), `words=1` (`nf4_matvec.WORD_KERNEL`: the weight read as words of eight codes), `mma=1`
+(`nf4_matvec.MMA_KERNEL`: the tensor-core kernel), `mma_shared=0` (its lookup in registers), `gated=1`
 (`decode.GATED_MATVEC`: each MLP's gate and up products and SwiGLU in one launch), `grouped=1`
 (`decode.GROUPED_MATVEC`: the projections of one input in one launch). A suffixed adapter variant's `lora_cost`
 is against `unsloth_lite` with the same suffix.

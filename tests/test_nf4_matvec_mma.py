@@ -113,3 +113,26 @@ def test_mma_kernel_first_called_in_a_capture_falls_back(mma_kernel, monkeypatch
     assert_close(captured, expected, TOLERANCE[torch.bfloat16], "y")
     nf4_matvec_module.nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5)
     assert len(mma_kernel) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [None, (4, 3, 3), (1, 1, 1)], ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_grouped_mma_kernel(rows, tile, mma_kernel, monkeypatch):
+    """`nf4_grouped_matvec` on the tensor-core kernel (one launch): four projections of different widths (one
+    part-filling its last block of 16), adapters on three, biases; then q/k/v at a W3 shape, none adapted."""
+    from test_nf4_grouped_matvec import check as check_group
+
+    launches = []
+    kernel = nf4_matvec_mma._nf4_grouped_mma_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(nf4_matvec_mma, "_nf4_grouped_mma_kernel", Counted())
+    monkeypatch.setattr(nf4_matvec_module, "MMA_TILE", tile)
+    check_group((96, 40, 8, 130), (4, 0, 4, 4), rows, torch.bfloat16, True, True, "cuda", exact=False, n_in=64 * 37)
+    check_group((4096, 1024, 1024), (0, 0, 0), rows, torch.bfloat16, True, False, "cuda", exact=False, n_in=4096)
+    assert len(launches) == 2

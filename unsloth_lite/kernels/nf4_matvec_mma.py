@@ -36,6 +36,8 @@ CPU, and the GPU tests run the kernel.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -48,6 +50,7 @@ from unsloth_lite.kernels.utils import empty
 
 BLOCK_FEATURES = 16  # an mma's rows
 MAX_ROWS = 8  # an mma's columns
+MAX_GROUPED = 4  # weights of one grouped launch: the DeltaNet's four input projections
 
 
 def _block_ptx(shared_lookup: bool) -> str:
@@ -101,6 +104,8 @@ PAIR_TABLE_PTX = tl.constexpr(f".shared .align 16 .b32 nf4_pair_table[{256 * 32}
                               "mov.u32 $0, nf4_pair_table;")
 PREFETCH_PTX = tl.constexpr("prefetch.global.L2 [$1];\nprefetch.global.L2 [$2];\nmov.u32 $0, 0;")
 STORE_PTX = tl.constexpr("st.shared.v4.b32 [$1], {$2, $2, $2, $2};\nmov.u32 $0, 0;")
+
+
 @triton.jit
 def _low(pair):
     return pair.to(tl.int32)
@@ -112,28 +117,25 @@ def _high(pair):
 
 
 @triton.jit
-def _nf4_matvec_mma_kernel(
-    x_ptr, x_row_stride, words_ptr, absmax_ptr, tables_ptr,
-    bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
-    out_ptr, out_row_stride, partial_ptr, arrivals_ptr,
-    n_rows, n_out, n_in, rank,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+def _mma_sums(
+    x_ptr, x_row_stride, words_ptr, absmax_ptr, tables_ptr, n_rows, n_out, n_in, feature_block,
     WARPS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr,
     PREFETCH_LINES: tl.constexpr,
 ):
-    """Program (i, j): features [16 i, 16 i + 16), chunk j of SPLIT along K, its WARPS warps each taking a part
-    of the chunk (module docstring). x_ptr: bf16 x as int32 pairs, row stride in pairs, 16-byte aligned rows;
-    words_ptr: the packed weight as bytes; absmax_ptr: fp32, one a 64-weight block; tables_ptr: SHARED, the
-    pair table (`pair_table`: the lookup from shared memory, filled by the program first), else `lane_tables`
-    (bf16: the lookup in registers). K a multiple of 64. PDL: x is read only after `gdc_wait`."""
+    """`[8, 16]` fp32: x's rows by features [16 · feature_block, + 16) summed over chunk `program_id(1)` of SPLIT
+    along K, the program's WARPS warps each taking a part of the chunk (module docstring). x_ptr: bf16 x as
+    int32 pairs, row stride in pairs, 16-byte aligned rows; words_ptr: the packed weight as bytes; absmax_ptr:
+    fp32, one a 64-weight block; tables_ptr: SHARED, the pair table (`pair_table`: the lookup from shared
+    memory, filled by the program first), else `lane_tables` (bf16: the lookup in registers). K a multiple of
+    64. PDL: x is read only after `gdc_wait`."""
     THREADS: tl.constexpr = 32 * WARPS
     thread = tl.arange(0, THREADS)
     lane = thread % 32
     warp = thread // 32
     g = lane // 4
     t = lane % 4
-    feature_g = tl.minimum(tl.program_id(0) * 16 + g, n_out - 1)  # past N: a real row, never stored
-    feature_h = tl.minimum(tl.program_id(0) * 16 + g + 8, n_out - 1)
+    feature_g = tl.minimum(feature_block * 16 + g, n_out - 1)  # past N: a real row, never stored
+    feature_h = tl.minimum(feature_block * 16 + g + 8, n_out - 1)
     blocks_per_row = n_in // 64
     chunks = SPLIT * WARPS
     chunk_blocks = tl.cdiv(blocks_per_row, chunks)
@@ -199,13 +201,27 @@ def _nf4_matvec_mma_kernel(
     c3 = tl.sum(tl.reshape(acc3, (WARPS, 32)), axis=0)
     # element (g, t, c, h) = d[feature g + 8h][row 2t + c]
     lanes = tl.reshape(tl.join(tl.join(c0, c1), tl.join(c2, c3)), (8, 4, 2, 2))
-    acc = tl.reshape(tl.permute(lanes, (1, 2, 3, 0)), (8, 16))
-    rows = tl.arange(0, 8)
-    features = tl.program_id(0) * 16 + tl.arange(0, 16)
+    return tl.reshape(tl.permute(lanes, (1, 2, 3, 0)), (8, 16))
+
+
+@triton.jit
+def _nf4_matvec_mma_kernel(
+    x_ptr, x_row_stride, words_ptr, absmax_ptr, tables_ptr,
+    bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
+    out_ptr, out_row_stride, partial_ptr, arrivals_ptr,
+    n_rows, n_out, n_in, rank,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+    WARPS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+):
+    """Program (i, j): features [16 i, 16 i + 16) over chunk j of SPLIT along K (`_mma_sums`), then bias,
+    adapter and the split's sum (`matvec_epilogue._finish_product`)."""
+    acc = _mma_sums(x_ptr, x_row_stride, words_ptr, absmax_ptr, tables_ptr, n_rows, n_out, n_in, tl.program_id(0),
+                    WARPS, SPLIT, STAGES, PDL, SHARED, PREFETCH_LINES)
     _finish_product(
-        acc, acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
-        lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-        8, PDL, SPLIT > 1, HAS_BIAS, HAS_LORA, BLOCK_R,
+        acc, acc, tl.arange(0, 8), tl.program_id(0) * 16 + tl.arange(0, 16), n_rows, n_out, partial_ptr,
+        arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
+        out_ptr, out_row_stride, 8, PDL, SPLIT > 1, HAS_BIAS, HAS_LORA, BLOCK_R,
     )
 
 
@@ -221,35 +237,117 @@ def mma_tile(n_out: int, n_in: int) -> tuple[int, int, int]:
     return warps, split, 3
 
 
+def _mma_tables(x2d: torch.Tensor, shared: bool) -> torch.Tensor | None:
+    """The lookup's table where x fits the tensor-core kernels (bf16, at most 8 rows, 16-byte aligned rows), else
+    None, as where the table can't be made now (a capture)."""
+    if x2d.dtype != torch.bfloat16 or x2d.shape[0] > MAX_ROWS or x2d.stride(1) != 1:
+        return None
+    if x2d.stride(0) % 8 or x2d.data_ptr() % 16:
+        return None
+    return pair_table(x2d.device) if shared else lane_tables(x2d.device, True)
+
+
+def _split_scratch(x2d: torch.Tensor, split: int, n_out: int, programs: int):
+    """(partial `[split, 8, n_out]` fp32, arrival counters) of a K split, or (None, None) without one."""
+    if split == 1:
+        return None, None
+    return empty((split, MAX_ROWS, n_out), torch.float32, x2d.device), _arrival_counters(x2d.device, programs)
+
+
 def mma_matvec(x2d, packed, absmax, bias, t, rank, lora_b, scale, out, pdl: bool, shared: bool, tile=None) -> bool:
     """`out` = the product of x2d `[rows, K]` and the packed NF4 weight `[N, K]` (bytes; bf16 codes, 64-weight
     blocks, fp32 `absmax` a block) with bias and adapter (`t` `[rows, r]`, `lora_b` `[N, r]` where rank > 0) by
     `_nf4_matvec_mma_kernel`, its pair table in shared memory with `shared`; False (nothing launched) where x
-    does not fit it: bf16, at most 8 rows, rows 16-byte aligned; or its table can't be made now (a capture)."""
+    does not fit it (`_mma_tables`)."""
     n_out, n_in = out.shape[1], x2d.shape[1]
-    if x2d.dtype != torch.bfloat16 or x2d.shape[0] > MAX_ROWS or x2d.stride(1) != 1:
-        return False
-    if x2d.stride(0) % 8 or x2d.data_ptr() % 16 or packed.data_ptr() % 8:
-        return False
-    tables = pair_table(x2d.device) if shared else lane_tables(x2d.device, True)
-    if tables is None:
+    tables = _mma_tables(x2d, shared)
+    if tables is None or packed.data_ptr() % 8:
         return False
     warps, split, stages = tile or mma_tile(n_out, n_in)
     feature_blocks = triton.cdiv(n_out, BLOCK_FEATURES)
-    if split > 1:
-        partial = empty((split, MAX_ROWS, n_out), torch.float32, x2d.device)
-        arrivals = _arrival_counters(x2d.device, feature_blocks)
-    else:
-        partial = arrivals = out
+    partial, arrivals = _split_scratch(x2d, split, n_out, feature_blocks)
     x_pairs = x2d.view(torch.int32)
     _nf4_matvec_mma_kernel[(feature_blocks, split)](
         x_pairs, x_pairs.stride(0), packed.reshape(-1), absmax, tables,
         bias if bias is not None else out, t, t.stride(0), lora_b, lora_b.stride(0), lora_b.stride(1), float(scale),
-        out, out.stride(0), partial, arrivals,
+        out, out.stride(0), out if partial is None else partial, out if arrivals is None else arrivals,
         x2d.shape[0], n_out, n_in, rank,
         HAS_BIAS=bias is not None, HAS_LORA=rank > 0, BLOCK_R=max(2, triton.next_power_of_2(rank)),
-        WARPS=warps, SPLIT=split, STAGES=stages, PDL=pdl, SHARED=shared, PREFETCH_LINES=PREFETCH_LINES, num_warps=warps,
-        **({"launch_pdl": True} if pdl else {}),
+        WARPS=warps, SPLIT=split, STAGES=stages, PDL=pdl, SHARED=shared, PREFETCH_LINES=PREFETCH_LINES,
+        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+    )
+    return True
+
+
+@triton.jit
+def _nf4_grouped_mma_kernel(
+    x_ptr, x_row_stride, tables_ptr, t_ptr, t_row_stride, arrivals_ptr,
+    words0, absmax0, bias0, b0, b0_row_stride, b0_col_stride, scale0, out0, partial0, n_out0, t_col0, rank0, end0,
+    words1, absmax1, bias1, b1, b1_row_stride, b1_col_stride, scale1, out1, partial1, n_out1, t_col1, rank1, end1,
+    words2, absmax2, bias2, b2, b2_row_stride, b2_col_stride, scale2, out2, partial2, n_out2, t_col2, rank2, end2,
+    words3, absmax3, bias3, b3, b3_row_stride, b3_col_stride, scale3, out3, partial3, n_out3, t_col3, rank3,
+    n_rows, n_in,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+    WARPS: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+):
+    """Program (p, j): weight i, the first with p < end_i (slots past the last weight repeat it and are never
+    reached), its feature block p - end_{i-1} over chunk j along K, as `_nf4_matvec_mma_kernel`'s program."""
+    pid = tl.program_id(0)
+    if pid < end0:
+        words, absmax, bias, lora_b, scale, out = words0, absmax0, bias0, b0, scale0, out0
+        partial, n_out = partial0, n_out0
+        b_row_stride, b_col_stride, t_col, rank, start = b0_row_stride, b0_col_stride, t_col0, rank0, 0
+    elif pid < end1:
+        words, absmax, bias, lora_b, scale, out = words1, absmax1, bias1, b1, scale1, out1
+        partial, n_out = partial1, n_out1
+        b_row_stride, b_col_stride, t_col, rank, start = b1_row_stride, b1_col_stride, t_col1, rank1, end0
+    elif pid < end2:
+        words, absmax, bias, lora_b, scale, out = words2, absmax2, bias2, b2, scale2, out2
+        partial, n_out = partial2, n_out2
+        b_row_stride, b_col_stride, t_col, rank, start = b2_row_stride, b2_col_stride, t_col2, rank2, end1
+    else:
+        words, absmax, bias, lora_b, scale, out = words3, absmax3, bias3, b3, scale3, out3
+        partial, n_out = partial3, n_out3
+        b_row_stride, b_col_stride, t_col, rank, start = b3_row_stride, b3_col_stride, t_col3, rank3, end2
+    acc = _mma_sums(x_ptr, x_row_stride, words, absmax, tables_ptr, n_rows, n_out, n_in, pid - start,
+                    WARPS, SPLIT, STAGES, PDL, SHARED, PREFETCH_LINES)
+    _finish_product(
+        acc, acc, tl.arange(0, 8), (pid - start) * 16 + tl.arange(0, 16), n_rows, n_out, partial, arrivals_ptr, bias,
+        t_ptr + t_col, t_row_stride, rank, lora_b, b_row_stride, b_col_stride, scale, out, n_out,
+        8, PDL, SPLIT > 1, HAS_BIAS, HAS_LORA, BLOCK_R,
+    )
+
+
+def mma_grouped_matvec(x2d, products, t, pdl: bool, shared: bool, tile=None) -> bool:
+    """The products of `nf4_grouped_matvec` in one `_nf4_grouped_mma_kernel` launch: `products` (2 to 4), each
+    (packed bytes, fp32 absmax, bias or None, B or None, scale, out `[rows, N]` contiguous, t's first column,
+    rank); t fp32 `[rows, Σ r]` or None. False (nothing launched) where x does not fit (`_mma_tables`)."""
+    tables = _mma_tables(x2d, shared)
+    if tables is None or any(packed.data_ptr() % 8 for packed, *_ in products):
+        return False
+    n_in = x2d.shape[1]
+    warps, split, stages = tile or mma_tile(max(out.shape[1] for *_, out, _, _ in products), n_in)
+    ends = list(itertools.accumulate(triton.cdiv(out.shape[1], BLOCK_FEATURES) for *_, out, _, _ in products))
+    arrivals = _arrival_counters(x2d.device, ends[-1]) if split > 1 else x2d
+    slots = []
+    for (packed, absmax, bias, lora_b, scale, out, t_col, rank), end in zip(products, ends, strict=True):
+        partial, _ = _split_scratch(x2d, split, out.shape[1], 0)
+        lora_b = lora_b if lora_b is not None else out
+        slots.append((packed.reshape(-1), absmax, bias if bias is not None else out, lora_b, lora_b.stride(0),
+                      lora_b.stride(-1), float(scale), out, out if partial is None else partial, out.shape[1], t_col,
+                      rank, end))
+    slots += [slots[-1]] * (MAX_GROUPED - len(slots))
+    ranks = [rank for *_, rank in products]
+    x_pairs = x2d.view(torch.int32)
+    t = t if t is not None else x2d
+    _nf4_grouped_mma_kernel[(ends[-1], split)](
+        x_pairs, x_pairs.stride(0), tables, t, t.stride(0), arrivals,
+        *(arg for slot in slots[:-1] for arg in slot), *slots[-1][:-1], x2d.shape[0], n_in,
+        HAS_BIAS=products[0][2] is not None, HAS_LORA=sum(ranks) > 0,
+        BLOCK_R=max(2, triton.next_power_of_2(max(ranks))),
+        WARPS=warps, SPLIT=split, STAGES=stages, PDL=pdl, SHARED=shared, PREFETCH_LINES=PREFETCH_LINES,
+        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return True
 
