@@ -32,11 +32,10 @@ Variants, each in its own process (Unsloth patches transformers on import), each
 An unsloth-lite variant may carry decoding settings after `@`, `/`-separated, set in its worker so that one run
 compares them (`unsloth_lite@stages=3/lora_stages=3`, `unsloth_lite_lora@flat=0`): `stages=N`
 (`nf4_matvec.PIPELINE_STAGES`, the NF4 loop's loads kept N tiles ahead), `lora_stages=N` (`lora_down`'s),
-`lora_split=0` and `lora_pdl=0` (`lora_down.SPLIT_K`, `lora_down.PDL` off), `flat=0`
+`lora_split=1` and `lora_pdl=1` (`lora_down.SPLIT_K`, `lora_down.PDL`), `flat=0`
 (`nf4_matvec.FLAT_ABSMAX` off: the nested absmax read in the kernel), `pdl=0` (`nf4_matvec.PDL` off: ordinary
 launches instead of programmatic dependent ones, each of which starts loading its weight while the kernel before
-it finishes), `words=1` (`nf4_matvec.WORD_KERNEL`: the weight read as words of eight codes), `mma=1`
-(`nf4_matvec.MMA_KERNEL`: the tensor-core kernel), `mma_shared=0` (its lookup in registers), `gated=1`
+it finishes), `words=1` (`nf4_matvec.WORD_KERNEL`: the weight read as words of eight codes), `gated=1`
 (`decode.GATED_MATVEC`: each MLP's gate and up products and SwiGLU in one launch), `grouped=1`
 (`decode.GROUPED_MATVEC`: the projections of one input in one launch). A suffixed adapter variant's `lora_cost`
 is against `unsloth_lite` with the same suffix.
@@ -118,8 +117,6 @@ DECODE_SETTINGS = {
     "flat": ("unsloth_lite.kernels.nf4_matvec", "FLAT_ABSMAX", 0),
     "pdl": ("unsloth_lite.kernels.nf4_matvec", "PDL", 0),
     "words": ("unsloth_lite.kernels.nf4_matvec", "WORD_KERNEL", 0),
-    "mma": ("unsloth_lite.kernels.nf4_matvec", "MMA_KERNEL", 0),
-    "mma_shared": ("unsloth_lite.kernels.nf4_matvec", "MMA_SHARED_LOOKUP", 0),
     "gated": ("unsloth_lite.models.decode", "GATED_MATVEC", 0),
     "grouped": ("unsloth_lite.models.decode", "GROUPED_MATVEC", 0),
 }

@@ -7,16 +7,12 @@ decoder projection shape of the W3 models, with the time each model spends in th
 
 Shapes: the NF4 decoder linears of `decode_shapes.py`'s `qwen3_8b` and `qwen3_5_27b` (random weights, bf16
 compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), one row of x. Variants:
-- `unsloth_lite`: `unsloth_lite.kernels.nf4_matvec` at its defaults (the weight read once, dequantised in
-  registers; each block's absmax read as one float32 value, dequantised from the nested form once:
-  `nf4_matvec.FLAT_ABSMAX`);
-- `unsloth_lite_nested_absmax`: the word kernel reading the nested absmax itself (`FLAT_ABSMAX` off: fewer
+- `unsloth_lite`: `unsloth_lite.kernels.nf4_matvec` (the weight read once, dequantised in registers; each
+  block's absmax read as one float32 value, dequantised from the nested form once: `nf4_matvec.FLAT_ABSMAX`);
+- `unsloth_lite_nested_absmax`: the same kernel reading the nested absmax itself (`FLAT_ABSMAX` off: fewer
   bytes, but a dependent second-level lookup before each block's scale);
 - `unsloth_lite_words`: the word kernel (`nf4_matvec.WORD_KERNEL`: the weight read as 32-bit words, eight codes
-  decoded at once, 30% fewer instructions a weight than the blocked kernel), the tensor-core kernel off;
-- `unsloth_lite_mma`: the tensor-core kernel (`nf4_matvec.MMA_KERNEL`: codes decoded into `mma` operands from a
-  pair table in shared memory, x's bf16 pairs the other operand as read);
-- `unsloth_lite_mma_registers`: the same with the word kernel's lookup in registers;
+  decoded at once, 30% fewer instructions a weight);
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
@@ -66,14 +62,11 @@ from bench_common import (
 from decode_shapes import SHAPES, nf4_bytes, shape_config
 from random_checkpoint import weightless_model
 
-VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "unsloth_lite_mma",
-            "unsloth_lite_mma_registers", "bitsandbytes", "dequantize_matmul")
+VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "bitsandbytes", "dequantize_matmul")
 NESTED_ABSMAX = "unsloth_lite_nested_absmax"  # the kernel reading the double-quantised absmax itself
 # `nf4_matvec` settings of the unsloth-lite variants
-KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False, "MMA_KERNEL": False},
-                   "unsloth_lite_words": {"WORD_KERNEL": True, "MMA_KERNEL": False},
-                   "unsloth_lite_mma": {"MMA_KERNEL": True, "MMA_SHARED_LOOKUP": True},
-                   "unsloth_lite_mma_registers": {"MMA_KERNEL": True, "MMA_SHARED_LOOKUP": False}}
+KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False},
+                   "unsloth_lite_words": {"WORD_KERNEL": True}}
 # (features, weights along K, warps, split along K) a program
 SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (32, 512, 4, False),
                (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),

@@ -18,10 +18,9 @@ every DeltaNet kernel's registers and shared memory equal those the H200 reporte
 (`docs/results/deltanet_launch_sweep_2026-12-02b.json`, rounded products).
 
 `--nf4-matvec`: `nf4_matvec` at every decoder projection shape of W3's models (bf16, one row, flat absmax as
-shipped; `--matvec-shapes` for others), through the blocked kernel, the word kernel (`WORD_KERNEL`), the
-tensor-core kernel with either lookup (`MMA_KERNEL`, `MMA_SHARED_LOOKUP`) and the gate-and-up kernel
-(`nf4_gated_matvec`, the shape as both weights' and the instructions per weight over both), each at its tile as
-shipped, and (without `--matvec-shapes`) `nf4_grouped_matvec` at W3's groups of projections
+shipped; `--matvec-shapes` for others), through the blocked kernel, the word kernel (`WORD_KERNEL`) and the
+gate-and-up kernel (`nf4_gated_matvec`, the shape as both weights' and the instructions per weight over both),
+each at its tile as shipped, and (without `--matvec-shapes`) `nf4_grouped_matvec` at W3's groups of projections
 of one input; the SASS (`cuobjdump -sass`) gives the instructions of the kernel and of its loop over K
 (the longest backward branch), and of the loop per eight weights of a thread (`per_8_weights`: the loop's
 instructions over the weights a thread decodes in one step, times 8). Launched from a CPU, the kernels are
@@ -51,7 +50,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from unsloth_lite.kernels import gated_delta_rule, nf4_gated_matvec, nf4_grouped_matvec, nf4_matvec, nf4_matvec_mma  # noqa: E402
+from unsloth_lite.kernels import gated_delta_rule, nf4_gated_matvec, nf4_grouped_matvec, nf4_matvec  # noqa: E402
 
 dequantize_module = importlib.import_module("unsloth_lite.kernels.dequantize_nf4")  # the function shadows it
 
@@ -145,18 +144,15 @@ def compiled_on_cpu():
     """CPU tensors taken by the launchers that check for CUDA (the launches are captured, never run)."""
     saved = {module: module.check_kernel_device for module in (nf4_matvec, dequantize_module)}
     supported = nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported
-    has_mma = nf4_matvec._has_bf16_mma
     try:
         for module in saved:
             module.check_kernel_device = lambda _name, _tensor: None
         nf4_gated_matvec.gated_matvec_supported = nf4_grouped_matvec.grouped_matvec_supported = lambda *_: True
-        nf4_matvec._has_bf16_mma = lambda _device: True
         yield
     finally:
         for module, check in saved.items():
             module.check_kernel_device = check
         nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported = supported
-        nf4_matvec._has_bf16_mma = has_mma
 
 
 def nf4_weight(n_out: int, n_in: int):
@@ -195,35 +191,19 @@ def nf4_param(n_out: int, n_in: int) -> torch.nn.Parameter:
 def launch_figures(launches, arch: int, weights_a_program_step: int = 1) -> dict:
     """Registers, stack, shared memory and SASS instructions (the kernel's and its loop's, and the loop's per
     eight weights of a thread) of the one captured launch, compiled for `arch`. `weights_a_program_step`: the
-    weights a program decodes per tile, in tiles of one weight (2 for gate and up together). The tensor-core
-    kernel (a block of 64 weights of 16 features a warp a step) also gives its `mma` in the PTX (4 where each
-    thread runs the block's PTX once, as its lane layout needs) and its static shared memory (the pair table)."""
+    weights a program decodes per tile, in tiles of one weight (2 for gate and up together)."""
     (kernel, kernel_args, kernel_kwargs), = launches
     compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
     registers, stack = resource_usage(compiled)
     total, loop = loop_instructions(sass_of(compiled))
-    extra = {}
-    if "WARPS" in kernel_kwargs:  # the tensor-core kernel
-        per_thread = 16 * 64 / 32
-        ptx = compiled.asm["ptx"]
-        extra = dict(mma_instructions=ptx.count("mma.sync"),
-                     static_shared_bytes=sum(4 * int(n) for n in re.findall(r"\.shared[^;]*\.b32 \w+\[(\d+)\]", ptx)))
-    else:
-        weights = kernel_kwargs["BLOCK_N"] * kernel_kwargs["BLOCKS_PER_TILE"] * kernel_kwargs["BLOCKSIZE"]
-        per_thread = weights_a_program_step * weights / (32 * kernel_kwargs["num_warps"])
+    weights = kernel_kwargs["BLOCK_N"] * kernel_kwargs["BLOCKS_PER_TILE"] * kernel_kwargs["BLOCKSIZE"]
+    per_thread = weights_a_program_step * weights / (32 * kernel_kwargs["num_warps"])
     return dict(registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared, instructions=total,
-                loop=loop, per_8_weights=round(8 * loop / per_thread, 1), **extra)
+                loop=loop, per_8_weights=round(8 * loop / per_thread, 1))
 
 
 def tile_name(tile) -> str:
     return f"{tile[0]}x{tile[1]}/{tile[2]}w"
-
-
-MATVEC_KERNELS = {  # name: nf4_matvec settings
-    "blocked": dict(WORD_KERNEL=False, MMA_KERNEL=False), "words": dict(WORD_KERNEL=True, MMA_KERNEL=False),
-    "gated": dict(WORD_KERNEL=False, MMA_KERNEL=False), "mma": dict(MMA_KERNEL=True, MMA_SHARED_LOOKUP=True),
-    "mma_registers": dict(MMA_KERNEL=True, MMA_SHARED_LOOKUP=False),
-}
 
 
 def matvec_rows(shapes, arch: int) -> list[dict]:
@@ -232,11 +212,10 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
     for n_out, n_in in shapes:
         packed, state = nf4_weight(n_out, n_in)
         x = torch.empty(1, n_in, dtype=torch.bfloat16)
-        for name, settings in MATVEC_KERNELS.items():
-            saved = {key: getattr(nf4_matvec, key) for key in settings}
+        for name, words in (("blocked", False), ("words", True), ("gated", False)):
+            saved = nf4_matvec.WORD_KERNEL
             try:
-                for key, value in settings.items():
-                    setattr(nf4_matvec, key, value)
+                nf4_matvec.WORD_KERNEL = words
                 with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
                     if name == "gated":  # gate and up: two weights a program
                         weight = nf4_param(n_out, n_in)
@@ -244,13 +223,9 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
                     else:
                         nf4_matvec.nf4_matvec(x, packed, quant_state=state)
             finally:
-                for key, value in saved.items():
-                    setattr(nf4_matvec, key, value)
-            if name.startswith("mma"):
-                tile = "{}w/{}split/{}stages".format(*nf4_matvec_mma.mma_tile(n_out, n_in))
-            else:
-                tile = tile_name((nf4_matvec.word_tile if name == "words" else nf4_matvec.blocked_tile)(n_out))
-            rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=tile,
+                nf4_matvec.WORD_KERNEL = saved
+            tile = (nf4_matvec.word_tile if words else nf4_matvec.blocked_tile)(n_out)
+            rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=tile_name(tile),
                              **launch_figures(launches, arch, 2 if name == "gated" else 1)))
     return rows
 
@@ -326,8 +301,7 @@ def main(argv=None) -> int:
             rows += grouped_rows([(widths, n_in) for _, _, widths, n_in, _ in projection_groups(
                 ["qwen3_8b", "qwen3_5_27b"], False)], args.arch)
         print(markdown_table(rows, ["out", "in", "kernel", "tile", "registers", "stack_bytes", "shared_bytes",
-                                    "instructions", "loop", "per_8_weights", "mma_instructions",
-                                    "static_shared_bytes"]))
+                                    "instructions", "loop", "per_8_weights"]))
         write_json(args.out, dict(arch=args.arch, triton=triton.__version__, rows=rows))
         return 0
     try:

@@ -20,7 +20,6 @@ def blocked_kernel(monkeypatch):
     """The separate products compared with take the blocked kernel, whose walk the fused launch runs (the word
     kernel, the default for whole-block shapes, sums in another order)."""
     monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", False)
-    monkeypatch.setattr(nf4_matvec_module, "MMA_KERNEL", False)
 
 
 def gated_case(shape, rows, dtype, nested, adapters, with_bias, device):

@@ -19,7 +19,6 @@ def blocked_kernel(monkeypatch):
     """The separate products compared with take the blocked kernel, whose walk the fused launch runs (the word
     kernel, the default for whole-block shapes, sums in another order)."""
     monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", False)
-    monkeypatch.setattr(nf4_matvec_module, "MMA_KERNEL", False)
 
 
 def group_case(widths, n_in, ranks, rows, dtype, nested, with_bias, device):

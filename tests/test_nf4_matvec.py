@@ -26,7 +26,6 @@ def blocked_kernel(monkeypatch):
     """This file's products take the blocked kernel (and the general one): the word kernel, the default for
     whole-block shapes, has its own tests (`test_nf4_matvec_words.py`)."""
     monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", False)
-    monkeypatch.setattr(nf4_matvec_module, "MMA_KERNEL", False)
 
 
 def float64_reference(x, weight, bias, lora_a, lora_b, scale):
@@ -199,23 +198,19 @@ def test_bf16_code_book_only_for_bf16_weights(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["blocked", "words", "mma_shared", "mma_registers"])
+@pytest.mark.parametrize("words", [False, True], ids=["blocked", "words"])
 @pytest.mark.parametrize("stages", [1, 3], ids=lambda n: f"{n}stages")
 @pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
-def test_nf4_matvec_programmatic_dependent_launch_chain(split, stages, kernel, monkeypatch):
+def test_nf4_matvec_programmatic_dependent_launch_chain(split, stages, words, monkeypatch):
     """`PDL`: each projection launched while the one before it finishes reads that one's output only after
     waiting for it. A chain of four (y = W4 W3 W2 W1 x, each with bias and adapter, the inputs of one the outputs
-    of the one before), eager and replayed as a CUDA graph, against float64; the blocked, the word and the
-    tensor-core kernel (its two lookups; `stages` does not apply to it)."""
+    of the one before), eager and replayed as a CUDA graph, against float64; the blocked and the word kernel."""
     monkeypatch.setattr(nf4_matvec_module, "PDL", True)
     monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", stages)
-    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", kernel == "words")
-    monkeypatch.setattr(nf4_matvec_module, "MMA_KERNEL", kernel.startswith("mma"))
-    monkeypatch.setattr(nf4_matvec_module, "MMA_SHARED_LOOKUP", kernel == "mma_shared")
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", words)
     if split:
         for tile in ("blocked_tile", "word_tile"):
             monkeypatch.setattr(nf4_matvec_module, tile, lambda n_out: (16, 1024, 8, True))
-        monkeypatch.setattr(nf4_matvec_module, "MMA_TILE", (4, 3, 2))
     sizes = [4096, 12288, 4096, 1024, 4096]
     layers = [make_case((n_out, n_in), 1, torch.bfloat16, True, 64, True, 16, "cuda")[1:]
               for n_in, n_out in itertools.pairwise(sizes)]

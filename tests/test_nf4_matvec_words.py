@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def word_kernel(monkeypatch):
     """The word kernel on, its launches counted (a product that fell back to another kernel fails the test)."""
     monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", True)
-    monkeypatch.setattr(nf4_matvec_module, "MMA_KERNEL", False)
     launches = []
     kernel = nf4_matvec_module._nf4_matvec_words_kernel
 

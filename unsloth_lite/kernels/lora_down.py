@@ -77,11 +77,12 @@ LORA_BLOCK_K = 256 if INTERPRET else 1024
 # so each program's chain of load latencies is the kernel's time. Not measured yet: 1 until it is.
 PIPELINE_STAGES = 1
 # Each program one step of K (grid: adapter rows x steps), the steps summed by the row's last program: the launch's
-# time is one load's latency instead of a chain of them (the 27B's down projection walks 17 steps).
-SPLIT_K = True
-# Programmatic dependent launch (as `nf4_matvec.PDL`, Hopper and later): the launch starts while the kernel before
-# it finishes, its adapter rows already loading, and lets the product after it start in turn.
-PDL = True
+# time would be one load's latency instead of a chain of them (the 27B's down projection walks 17 steps).
+# Programmatic dependent launch (as `nf4_matvec.PDL`, Hopper and later): the launch would start while the kernel
+# before it finishes, its adapter rows already loading, and let the product after it start in turn. Both tested in
+# the interpreter only, not yet on a GPU nor measured: off until they are.
+SPLIT_K = False
+PDL = False
 
 
 def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor:

@@ -108,15 +108,16 @@ def _plane_word(words: list[int], plane: int, first: int) -> int:
     return sum(((words[first + i] >> (8 * plane)) & 0xFF) << (8 * i) for i in range(4))
 
 
-def _word_plane_lines(word: str, tables: list[str], bf16_codes: bool) -> list[str]:
-    """PTX lines that look up the eight codes of the 32-bit word `word` (four packed bytes: weights 0-7 of the
-    word in element order, the high nibble of byte j being weight 2j) plane by plane, with `word_lookup_tables`
-    in the registers `tables`: byte i of `v{p}_{h}` is byte plane p of weight 4h + (1, 0, 3, 2)[i]. The nibbles of
-    two bytes, side by side in the word's low half, are themselves a `prmt` selector (weights 1, 0, 3, 2 of those
-    bytes): with each nibble's top bit cleared (one `and` for all eight), two lookups per byte plane (entries 0-7
-    and 8-15) and a `prmt` that turns the top bits into byte masks (its sign mode, on the word and the word
-    shifted by 4) select four values at once, with no other selector arithmetic. Declares its own registers: the
-    caller puts the lines in a scope of their own."""
+def _nf4_word_lookup_ptx(bf16_codes: bool) -> str:
+    """PTX that maps the eight codes of the 32-bit word `$8` (four packed bytes: weights 0-7 of the word in
+    element order, the high nibble of byte j being weight 2j) to their values' fp32 bit patterns in `$0..$7`,
+    with `word_lookup_tables` in `$9...`. The nibbles of two bytes, side by side in the word's low half, are
+    themselves a `prmt` selector (weights 1, 0, 3, 2 of those bytes): with each nibble's top bit cleared (one
+    `and` for all eight), two lookups per byte plane (entries 0-7 and 8-15) and a `prmt` that turns the top bits
+    into byte masks (its sign mode, on the word and the word shifted by 4) select four values at once, with no
+    other selector arithmetic. `bf16_codes`: the codes rounded to bf16, two planes; the words are formed from
+    bf16 pairs by a shift or a mask (compiled for sm_90: 27 SASS instructions for eight weights, against 41 for
+    two calls of `_nf4_lookup_ptx` with their tables copied in from uniform registers)."""
     codes = torch.tensor(NF4_CODE, dtype=torch.float32)
     words = (codes.to(torch.bfloat16).float() if bf16_codes else codes).view(torch.int32).tolist()
     planes = (2, 3) if bf16_codes else range(4)
@@ -125,29 +126,19 @@ def _word_plane_lines(word: str, tables: list[str], bf16_codes: bool) -> list[st
     # selectors: bytes 0-1 (half 0) and 2-3 (half 1) of the word, each nibble's top bit cleared (prmt reads it
     # as its sign flag); masks: 0xFF in each output byte whose nibble is 8-15 (bit 7 of the word's byte j is the
     # top bit of weight 2j, bit 7 of the shifted word's byte j that of weight 2j + 1)
-    lines += [f"and.b32 s0, {word}, 0x77777777;", "shr.b32 s1, s0, 16;", f"shl.b32 w4, {word}, 4;",
-              f"prmt.b32 m0, w4, {word}, 0xD9C8;", f"prmt.b32 m1, w4, {word}, 0xFBEA;"]
+    lines += ["and.b32 s0, $8, 0x77777777;", "shr.b32 s1, s0, 16;", "shl.b32 w4, $8, 4;",
+              "prmt.b32 m0, w4, $8, 0xD9C8;", "prmt.b32 m1, w4, $8, 0xFBEA;"]
     for i, p in enumerate(planes):
         for h in (0, 1):
             lines += [
-                f"prmt.b32 lo, {tables[2 * i]}, 0x{_plane_word(words, p, 4):08X}, s{h};",
-                f"prmt.b32 hi, {tables[2 * i + 1]}, 0x{_plane_word(words, p, 12):08X}, s{h};",
+                f"prmt.b32 lo, ${9 + 2 * i}, 0x{_plane_word(words, p, 4):08X}, s{h};",
+                f"prmt.b32 hi, ${10 + 2 * i}, 0x{_plane_word(words, p, 12):08X}, s{h};",
                 f"and.b32 hi, hi, m{h};", f"not.b32 a, m{h};", "and.b32 lo, lo, a;", f"or.b32 v{p}_{h}, lo, hi;",
             ]
-    return lines
-
-
-def _nf4_word_lookup_ptx(bf16_codes: bool) -> str:
-    """PTX that maps the eight codes of the 32-bit word `$8` to their values' fp32 bit patterns in `$0..$7`, with
-    `word_lookup_tables` in `$9...` (`_word_plane_lines`). `bf16_codes`: the codes rounded to bf16, two planes;
-    the words are formed from bf16 pairs by a shift or a mask (compiled for sm_90: 27 SASS instructions for eight
-    weights, against 41 for two calls of `_nf4_lookup_ptx` with their tables copied in from uniform registers)."""
-    tables = [f"${9 + i}" for i in range(4 if bf16_codes else 8)]
-    lines = _word_plane_lines("$8", tables, bf16_codes)
     # byte i of v{p}_{h} is plane p of weight 4h + (1, 0, 3, 2)[i]
     for h in (0, 1):
         first = 4 * h
-        if bf16_codes:  # bf16 pairs (`_word_pair_lines`), each widened to two fp32 words
+        if bf16_codes:  # bf16 pairs: the even weight's code in the low half
             lines += [
                 f"prmt.b32 a, v2_{h}, v3_{h}, 0x4051;", f"prmt.b32 b, v2_{h}, v3_{h}, 0x6273;",
                 f"shl.b32 ${first}, a, 16;", f"and.b32 ${first + 1}, a, 0xFFFF0000;",
@@ -161,17 +152,6 @@ def _nf4_word_lookup_ptx(bf16_codes: bool) -> str:
                 f"prmt.b32 ${first + 3}, b, d, 0x5410;", f"prmt.b32 ${first + 2}, b, d, 0x7632;",
             ]
     return "{\n" + "\n".join(lines) + "\n}"
-
-
-def word_pair_lines(word: str, tables: list[str], pairs: list[str]) -> list[str]:
-    """PTX lines (in a scope of their own) that decode the word `word` into four bf16 pairs, the codes rounded to
-    bf16: `pairs[j]` holds weights 2j (low half) and 2j + 1 of the word, the layout of a bf16 operand fragment of
-    `mma` and of bf16 x read as 32-bit pairs. `tables`: the four bf16 `word_lookup_tables` registers."""
-    lines = _word_plane_lines(word, tables, bf16_codes=True)
-    for h in (0, 1):  # bytes (1, 5, 0, 4): weight 4h's two planes, then weight 4h + 1's; (3, 7, 2, 6) likewise
-        lines += [f"prmt.b32 {pairs[2 * h]}, v2_{h}, v3_{h}, 0x4051;",
-                  f"prmt.b32 {pairs[2 * h + 1]}, v2_{h}, v3_{h}, 0x6273;"]
-    return ["{"] + lines + ["}"]
 
 
 NF4_EVEN_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=True))

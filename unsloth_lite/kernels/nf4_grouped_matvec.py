@@ -12,8 +12,7 @@ adapters share a rank (a smaller one's sum runs over the group's widest). Why: o
 and the small projections (k and v of 1,024 features, the DeltaNet's b and a of 48) run beside the large one
 instead of after it; launched one after the other, each waits for the one before (programmatic dependent launch
 orders them) though none reads another's output. No backward: inference only. The absmax is read flat
-(`nf4_matvec.fp32_absmax`). With `nf4_matvec.MMA_KERNEL` (bf16, 64-weight blocks) the launch is the tensor-core
-kernel's instead (`nf4_matvec_mma.mma_grouped_matvec`): its programs side by side in the same way.
+(`nf4_matvec.fp32_absmax`).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from unsloth_lite.kernels.dequantize_nf4 import _launch
 from unsloth_lite.kernels.matvec_epilogue import _finish_product
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
 from unsloth_lite.kernels.nf4_matvec import _blocked_sums
-from unsloth_lite.kernels.nf4_matvec_mma import mma_grouped_matvec
 from unsloth_lite.kernels.utils import INTERPRET, empty
 
 MAX_WEIGHTS = 4  # the DeltaNet's four input projections
@@ -115,7 +113,7 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     ranks = [lora[0].shape[1] if lora is not None else 0 for lora in loras]
     if sum(ranks) and (lora_t is None or lora_t.shape[1] != sum(ranks)):
         raise ValueError(f"lora_t must hold the adapters' {sum(ranks)} columns side by side")
-    outputs, slots, products, first, end = [], [], [], 0, 0
+    outputs, slots, first, end = [], [], 0, 0
     block_n, tile_k, warps, _ = matvec.blocked_tile(max(int(w.quant_state.shape[0]) for w in weights))
     for weight, bias, lora, rank in zip(weights, biases, loras, ranks, strict=True):
         n_out = int(weight.quant_state.shape[0])
@@ -125,17 +123,11 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
         # a weight without an adapter reads none (rank 0) but passes a B of the others' dtype
         lora_b = lora[0] if lora is not None else next((lo[0] for lo in loras if lo is not None), out)
         end += triton.cdiv(n_out, block_n)
-        packed, absmax, scale = _launch(weight, None).inputs[0], matvec.fp32_absmax(weight), lora[1] if lora else 0.0
-        slots.append((packed, absmax, bias if bias is not None else out, lora_b, lora_b.stride(0), lora_b.stride(-1),
-                      float(scale), out, n_out, first, rank, end))
-        products.append((packed, absmax, bias, lora_b, scale, out, first, rank))
+        slots.append((_launch(weight, None).inputs[0], matvec.fp32_absmax(weight), bias if bias is not None else out,
+                      lora_b, lora_b.stride(0), lora_b.stride(-1), float(lora[1]) if lora else 0.0, out, n_out,
+                      first, rank, end))
         outputs.append(out.view(*x.shape[:-1], n_out))
         first += rank
-    state = weights[0].quant_state
-    if matvec.MMA_KERNEL and matvec.uses_bf16_codes(state.dtype) and state.blocksize == 64 and \
-            matvec._has_bf16_mma(x.device) and mma_grouped_matvec(
-                x2d, products, lora_t, matvec.uses_pdl(x.device), matvec.MMA_SHARED_LOOKUP, matvec.MMA_TILE):
-        return outputs
     slots += [slots[-1]] * (MAX_WEIGHTS - len(slots))
     code = _launch(weights[0], None).inputs[2]
     blocksize = int(weights[0].quant_state.blocksize)

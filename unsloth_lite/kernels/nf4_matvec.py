@@ -63,7 +63,6 @@ from unsloth_lite.kernels.dequantize_nf4 import (
 from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
 from unsloth_lite.kernels.matvec_epilogue import _arrival_counters, _finish_product, _store_rows, _tile_range
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
-from unsloth_lite.kernels.nf4_matvec_mma import mma_matvec
 from unsloth_lite.kernels.nf4_matvec_state import flat_absmax, lane_tables
 from unsloth_lite.kernels.nf4_matvec_words import _nf4_matvec_words_kernel
 from unsloth_lite.kernels.utils import INTERPRET, check_float, check_kernel_device, compute_capability, empty
@@ -106,13 +105,6 @@ FLAT_ABSMAX = True
 # (2026-12-05, one row, one stage): faster at every projection of the W3 models, by 1-18% (Qwen3-8B 4.99 -> 4.64
 # ms a token in the projections' sum, Qwen3.5-27B 14.40 -> 12.54; bitsandbytes' gemv 5.29 and 15.34).
 WORD_KERNEL = True
-# The tensor-core kernel (`nf4_matvec_mma.py`) for bf16 x and weights in 64-weight blocks on GPUs with bf16 `mma`:
-# the codes decoded into `mma` operands, x's bf16 pairs the other operand as read. MMA_SHARED_LOOKUP: the codes
-# of each byte from a table in shared memory (three instructions a byte), else the word kernel's `prmt` lookup.
-# MMA_TILE: (warps, K split, pipelined stages) for every shape instead of `nf4_matvec_mma.mma_tile`'s (for sweeps).
-MMA_KERNEL = False
-MMA_SHARED_LOOKUP = True
-MMA_TILE = None
 
 
 def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
@@ -125,11 +117,6 @@ def uses_pdl(device: torch.device) -> bool:
     """Whether the blocked kernel is launched as a programmatic dependent launch on `device` (`PDL`, and
     `compute_capability(device) >= 9`: `griddepcontrol` does not exist before Hopper)."""
     return PDL and compute_capability(device) >= 9
-
-
-def _has_bf16_mma(device: torch.device) -> bool:
-    """Whether the tensor-core kernel runs on `device`: compiled, and a GPU with bf16 `mma` (8.0 or later)."""
-    return compute_capability(device) >= 8
 
 
 def blocked_tile(n_out: int) -> tuple[int, int, int, bool]:
@@ -412,11 +399,7 @@ def nf4_matvec(
         BLOCKSIZE=blocksize, NESTED=nested, HAS_BIAS=bias is not None, HAS_LORA=has_lora,
         BLOCK_R=max(2, triton.next_power_of_2(rank)),
     )
-    mma = MMA_KERNEL and blocked and bf16_codes and not nested and blocksize == 64 and _has_bf16_mma(x.device)
-    if mma and mma_matvec(x2d, packed, absmax, bias, t, rank, lora_b_arg, scale, out, uses_pdl(x.device),
-                          MMA_SHARED_LOOKUP, MMA_TILE):
-        pass
-    elif blocked and words:
+    if blocked and words:
         pdl = uses_pdl(x.device)
         x_rows = x2d if x2d.stride(1) == 1 else x2d.contiguous()
         x_pairs = x.dtype == torch.bfloat16 and x_rows.stride(0) % 2 == 0 and x_rows.data_ptr() % 4 == 0
