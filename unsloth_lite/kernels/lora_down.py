@@ -3,7 +3,9 @@
 At one token per sequence the rank-r product x Aᵀ is a few thousand multiply-adds per adapter; launched one by
 one, the adapters of projections that share an input (q, k and v; gate and up) would cost a launch each. One
 program per adapter row walks K once, for every row of x, and writes its fp32 column of t; `nf4_matvec` then
-adds s · t Bᵀ to its product (`lora_t`). Inference only.
+adds s · t Bᵀ to its product (`lora_t`). With `SPLIT_K`, program (j, s) takes step s of row j alone and the row's
+last program to arrive adds the steps in order (`matvec_epilogue._sum_of_splits`: deterministic, one launch).
+Inference only.
 """
 
 from __future__ import annotations
