@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import sys
 
 import torch
@@ -170,8 +171,6 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
 def weight_copies(weight, tiny: bool) -> list:
     """`weight` and copies of it in storage of their own (the same codes), enough that the L2 cache holds none of
     them when a chain of products reads them in turn, as a decoding step reads its layers' weights (2 on the CPU)."""
-    import copy
-
     count = 2 if tiny else max(4, min(64, -(-200_000_000 // weight.numel())))
     copies = [weight]
     for _ in range(count - 1):

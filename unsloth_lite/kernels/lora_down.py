@@ -22,6 +22,13 @@ MAX_ROWS = 8  # rows of x (tokens of all sequences together) the decoding kernel
 
 
 @triton.jit
+def _x_step(x_ptr, x_row_stride, x_col_stride, rows, mask_rows, cols, n_in):
+    """x's rows over columns `cols` as fp32 `[BLOCK_M, BLOCK_K]` (0 past x's rows and past K)."""
+    return tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride,
+                   mask=mask_rows[:, None] & (cols < n_in)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _lora_down_kernel(
     x_ptr, x_row_stride, x_col_stride, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, t_ptr, t_row_stride, n_rows, n_in,
     width, partial_ptr, arrivals_ptr,
@@ -45,8 +52,7 @@ def _lora_down_kernel(
         a = tl.load(a_row + cols, mask=cols < n_in, other=0.0).to(tl.float32)
         if PDL:
             gdc_wait()
-        x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride,
-                    mask=mask_rows[:, None] & (cols < n_in)[None, :], other=0.0).to(tl.float32)
+        x = _x_step(x_ptr, x_row_stride, x_col_stride, rows, mask_rows, cols, n_in)
         if PDL:
             gdc_launch_dependents()
         column = tl.sum(x * a[None, :], axis=1)[:, None]
@@ -58,11 +64,8 @@ def _lora_down_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
             cols = k0 + tl.arange(0, BLOCK_K)
-            mask_cols = cols < n_in
-            a = tl.load(a_row + cols, mask=mask_cols, other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride,
-                        mask=mask_rows[:, None] & mask_cols[None, :], other=0.0).to(tl.float32)
-            acc += x * a[None, :]
+            a = tl.load(a_row + cols, mask=cols < n_in, other=0.0).to(tl.float32)
+            acc += _x_step(x_ptr, x_row_stride, x_col_stride, rows, mask_rows, cols, n_in) * a[None, :]
         if PDL:
             gdc_launch_dependents()
         column = tl.sum(acc, axis=1)[:, None]
