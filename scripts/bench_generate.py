@@ -37,8 +37,9 @@ compares them (`unsloth_lite@stages=3/lora_stages=3`, `unsloth_lite_lora@flat=0`
 launches instead of programmatic dependent ones, each of which starts loading its weight while the kernel before
 it finishes), `words=1` (`nf4_matvec.WORD_KERNEL`: the weight read as words of eight codes), `gated=1`
 (`decode.GATED_MATVEC`: each MLP's gate and up products and SwiGLU in one launch), `grouped=1`
-(`decode.GROUPED_MATVEC`: the projections of one input in one launch). A suffixed adapter variant's `lora_cost`
-is against `unsloth_lite` with the same suffix.
+(`decode.GROUPED_MATVEC`: the projections of one input in one launch), `attention=1`
+(`decode.DECODE_ATTENTION`: each full-attention layer's cache update, attention and output gate in one launch). A
+suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
 (`min_new_tokens`: random weights may say end-of-sequence at any step), one warm-up generation (compilation,
@@ -119,6 +120,7 @@ DECODE_SETTINGS = {
     "words": ("unsloth_lite.kernels.nf4_matvec", "WORD_KERNEL", 0),
     "gated": ("unsloth_lite.models.decode", "GATED_MATVEC", 0),
     "grouped": ("unsloth_lite.models.decode", "GROUPED_MATVEC", 0),
+    "attention": ("unsloth_lite.models.decode", "DECODE_ATTENTION", 0),
 }
 TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
 H200_COPY_GBPS = 4270.0

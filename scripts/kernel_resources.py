@@ -19,12 +19,16 @@ every DeltaNet kernel's registers and shared memory equal those the H200 reporte
 
 `--nf4-matvec`: `nf4_matvec` at every decoder projection shape of W3's models (bf16, one row, flat absmax as
 shipped; `--matvec-shapes` for others), through the blocked kernel, the word kernel (`WORD_KERNEL`) and the
-gate-and-up kernel (`nf4_gated_matvec`, the shape as both weights' and the instructions per weight over both),
-each at its tile as shipped, and (without `--matvec-shapes`) `nf4_grouped_matvec` at W3's groups of projections
-of one input; the SASS (`cuobjdump -sass`) gives the instructions of the kernel and of its loop over K
-(the longest backward branch), and of the loop per eight weights of a thread (`per_8_weights`: the loop's
-instructions over the weights a thread decodes in one step, times 8). Launched from a CPU, the kernels are
+gate-and-up kernel (`nf4_gated_matvec`, the shape as both weights' and the instructions per weight over both; on
+the blocked walk and on the word walk, `gated_words`), each at its tile as shipped, and (without
+`--matvec-shapes`) `nf4_grouped_matvec` at W3's groups of projections of one input (both walks); the SASS
+(`cuobjdump -sass`) gives the instructions of the kernel and of its loop over K (the longest backward branch), and
+of the loop per eight weights of a thread (`per_8_weights`: the loop's instructions over the weights a thread
+decodes in one step, times 8). Launched from a CPU, the kernels are
 compiled without programmatic dependent launch.
+
+`--decode-attention`: `decode_attention` at the W3 models' attention shapes (bf16, batch 1, a boolean mask,
+Qwen3.5's gate), a cache of 256 positions (W3's) and one of 4,096, as shipped.
 """
 
 from __future__ import annotations
@@ -50,7 +54,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from unsloth_lite.kernels import gated_delta_rule, nf4_gated_matvec, nf4_grouped_matvec, nf4_matvec  # noqa: E402
+from unsloth_lite.kernels import (  # noqa: E402
+    decode_attention,
+    gated_delta_rule,
+    nf4_gated_matvec,
+    nf4_grouped_matvec,
+    nf4_matvec,
+)
 
 dequantize_module = importlib.import_module("unsloth_lite.kernels.dequantize_nf4")  # the function shadows it
 
@@ -142,7 +152,7 @@ def deltanet_launches(seq, key_heads, value_heads, head_dim, dtype):
 @contextlib.contextmanager
 def compiled_on_cpu():
     """CPU tensors taken by the launchers that check for CUDA (the launches are captured, never run)."""
-    saved = {module: module.check_kernel_device for module in (nf4_matvec, dequantize_module)}
+    saved = {module: module.check_kernel_device for module in (nf4_matvec, dequantize_module, decode_attention)}
     supported = nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported
     try:
         for module in saved:
@@ -212,12 +222,12 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
     for n_out, n_in in shapes:
         packed, state = nf4_weight(n_out, n_in)
         x = torch.empty(1, n_in, dtype=torch.bfloat16)
-        for name, words in (("blocked", False), ("words", True), ("gated", False)):
+        for name, words in (("blocked", False), ("words", True), ("gated", False), ("gated_words", True)):
             saved = nf4_matvec.WORD_KERNEL
             try:
                 nf4_matvec.WORD_KERNEL = words
                 with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
-                    if name == "gated":  # gate and up: two weights a program
+                    if name.startswith("gated"):  # gate and up: two weights a program
                         weight = nf4_param(n_out, n_in)
                         nf4_gated_matvec.nf4_gated_matvec(x, weight, weight)
                     else:
@@ -226,7 +236,7 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
                 nf4_matvec.WORD_KERNEL = saved
             tile = (nf4_matvec.word_tile if words else nf4_matvec.blocked_tile)(n_out)
             rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=tile_name(tile),
-                             **launch_figures(launches, arch, 2 if name == "gated" else 1)))
+                             **launch_figures(launches, arch, 2 if name.startswith("gated") else 1)))
     return rows
 
 
@@ -237,10 +247,43 @@ def grouped_rows(groups, arch: int) -> list[dict]:
     for widths, n_in in groups:
         weights = [nf4_param(n_out, n_in) for n_out in widths]
         x = torch.empty(1, n_in, dtype=torch.bfloat16)
-        with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
-            nf4_grouped_matvec.nf4_grouped_matvec(x, weights, [None] * len(weights), [None] * len(weights))
-        rows.append(dict(out="/".join(map(str, widths)), **{"in": n_in}, kernel="grouped",
-                         tile=tile_name(nf4_matvec.blocked_tile(max(widths))), **launch_figures(launches, arch)))
+        for name, words in (("grouped", False), ("grouped_words", True)):
+            saved = nf4_matvec.WORD_KERNEL
+            try:
+                nf4_matvec.WORD_KERNEL = words
+                with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
+                    nf4_grouped_matvec.nf4_grouped_matvec(x, weights, [None] * len(weights), [None] * len(weights))
+            finally:
+                nf4_matvec.WORD_KERNEL = saved
+            rows.append(dict(out="/".join(map(str, widths)), **{"in": n_in}, kernel=name,
+                             tile=tile_name(nf4_matvec.blocked_tile(max(widths))), **launch_figures(launches, arch)))
+    return rows
+
+
+# (model, query heads, KV heads, head size, gated) of W3's attention layers
+DECODE_ATTENTION_SHAPES = (("qwen3_8b", 32, 8, 128, False), ("qwen3_5_27b", 24, 4, 256, True))
+
+
+def decode_attention_rows(arch: int) -> list[dict]:
+    """One row per (W3 model, cache length): `decode_attention`'s launch compiled for `arch`."""
+    rows = []
+    for model, q_heads, kv_heads, head_dim, gated in DECODE_ATTENTION_SHAPES:
+        for cache_len in (256, 4096):
+            query = torch.empty(1, q_heads, 1, head_dim, dtype=torch.bfloat16)
+            key = torch.empty(1, kv_heads, 1, head_dim, dtype=torch.bfloat16)
+            cache = torch.empty(1, kv_heads, cache_len, head_dim, dtype=torch.bfloat16)
+            mask = torch.empty(1, 1, 1, cache_len, dtype=torch.bool)
+            gate = torch.empty(1, 1, q_heads, head_dim, dtype=torch.bfloat16) if gated else None
+            with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
+                decode_attention.decode_attention(query, key, key, cache, cache, torch.zeros((), dtype=torch.int64),
+                                                  mask, None, gate)
+            (kernel, kernel_args, kernel_kwargs), = launches
+            compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
+            registers, stack = resource_usage(compiled)
+            total, loop = loop_instructions(sass_of(compiled))
+            rows.append(dict(model=model, cache=cache_len, splits=kernel_kwargs["SPLITS"],
+                             positions_a_step=kernel_kwargs["BLOCK_L"], registers=registers, stack_bytes=stack,
+                             shared_bytes=compiled.metadata.shared, instructions=total, loop=loop))
     return rows
 
 
@@ -267,6 +310,8 @@ def parse_args(argv=None):
                         help="the NF4 matrix-vector kernels instead of the DeltaNet's (module docstring)")
     parser.add_argument("--matvec-shapes", default=None,
                         help="with --nf4-matvec: comma-separated OUTxIN (default: W3's projection shapes)")
+    parser.add_argument("--decode-attention", action="store_true",
+                        help="decode_attention at W3's attention shapes instead")
     parser.add_argument("--out", default=None, help="JSON file for the rows")
     return parser.parse_args(argv)
 
@@ -288,6 +333,12 @@ def matvec_shapes(text: str | None) -> list[tuple[int, int]] | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.decode_attention:
+        rows = decode_attention_rows(args.arch)
+        print(markdown_table(rows, ["model", "cache", "splits", "positions_a_step", "registers", "stack_bytes",
+                                    "shared_bytes", "instructions", "loop"]))
+        write_json(args.out, dict(arch=args.arch, triton=triton.__version__, rows=rows))
+        return 0
     if args.nf4_matvec:
         shapes = matvec_shapes(args.matvec_shapes)
         if shapes is None:

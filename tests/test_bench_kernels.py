@@ -143,18 +143,33 @@ def test_kernel_resources_refuses_unknown_launch_settings():
 def test_kernel_resources_counts_the_nf4_matvec_kernels_loops(tmp_path):
     """`--nf4-matvec`: the NF4 matrix-vector kernels compiled for sm_90 with no GPU, their loop found in the SASS;
     the word kernel decodes eight weights in fewer instructions than the blocked one (its reason to exist), the
-    gate-and-up kernel too (x converted once for both weights)."""
+    gate-and-up kernel on either walk fewer than the walk's own kernel (x converted once for both weights)."""
     out = tmp_path / "matvec.json"
     result = run_compiled("--nf4-matvec", "--matvec-shapes", "4096x512", "--out", str(out))
     assert result.returncode == 0, result.stderr
     rows = {row["kernel"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"blocked", "words", "gated"}
+    assert set(rows) == {"blocked", "words", "gated", "gated_words"}
     assert all(0 < row["registers"] <= 255 and 0 < row["loop"] < row["instructions"] for row in rows.values()), rows
     assert rows["words"]["per_8_weights"] < 0.85 * rows["blocked"]["per_8_weights"], rows
     assert rows["gated"]["per_8_weights"] < rows["blocked"]["per_8_weights"], rows  # x decoded once for two
+    assert rows["gated_words"]["per_8_weights"] < rows["words"]["per_8_weights"], rows
 
 
 def test_kernel_resources_refuses_a_matvec_shape_off_the_blocks():
     result = run_compiled("--nf4-matvec", "--matvec-shapes", "64x100")
     assert result.returncode == 2
     assert "expected OUTxIN" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_kernel_resources_compiles_decode_attention_for_hopper(tmp_path):
+    """`--decode-attention`: the decoding attention kernel compiled for sm_90 at W3's attention shapes, without
+    spills, the longer cache split over more programs."""
+    out = tmp_path / "attention.json"
+    result = run_compiled("--decode-attention", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(row["model"], row["cache"]) for row in rows} == {
+        (model, cache) for model in ("qwen3_8b", "qwen3_5_27b") for cache in (256, 4096)}
+    assert all(0 < row["registers"] <= 255 and row["stack_bytes"] == 0 and row["shared_bytes"] > 0 for row in rows)
+    by_cache = {(row["model"], row["cache"]): row["splits"] for row in rows}
+    assert all(by_cache[(model, 4096)] > by_cache[(model, 256)] for model in ("qwen3_8b", "qwen3_5_27b"))

@@ -24,6 +24,7 @@ from helpers import assert_close
 from peft import LoraConfig, get_peft_model
 from test_patch_model import tiny_model, tiny_qwen3_5
 
+from unsloth_lite.kernels.decode_attention import decode_attention
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
 from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
@@ -206,6 +207,17 @@ def test_greedy_tokens_match_with_grouped_projections(device, monkeypatch):
     assert {4, 3, 2} <= set(groups)
 
 
+@pytest.mark.parametrize("arch,cache_implementation", [("qwen3", "static"), ("qwen3_5", None)])
+def test_greedy_tokens_match_with_fused_decode_attention(arch, cache_implementation, device, monkeypatch):
+    """`decode.DECODE_ATTENTION`: each full-attention layer's cache update, attention and (Qwen3.5) output gate
+    in one `decode_attention` launch over the static cache, the greedy tokens those of the unpatched model."""
+    monkeypatch.setattr(decode, "DECODE_ATTENTION", True)
+    calls = []
+    monkeypatch.setattr(decode, "decode_attention", lambda *args: calls.append(args[-1]) or decode_attention(*args))
+    assert_same_greedy_tokens(arch, "4bit+lora", cache_implementation, 3, device, prompt_shape=(2, 4))
+    assert calls and all((gate is not None) == (arch == "qwen3_5") for gate in calls)
+
+
 def test_sampling_runs_and_is_reproducible(device):
     _, patched = model_pair("qwen3", "dense+lora", device)
     prompt = torch.randint(0, 151, (1, 5), device=device)
@@ -292,13 +304,16 @@ def test_bf16_greedy_path_check_runs_on_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("setting", ["GATED_MATVEC", "GROUPED_MATVEC"], ids=["gated_mlp", "grouped_projections"])
-def test_bf16_greedy_path_matches_cuda_with_the_fused_launches(setting, torch_delta_rule, monkeypatch):
-    """The fused decoding launches, kept off by default (`decode.GATED_MATVEC`, `decode.GROUPED_MATVEC`), on: 32
-    bf16 tokens along the reference's greedy path through the captured step (the tiny Qwen3.5, whose
-    projections of a 64-wide input hold whole blocks)."""
+@pytest.mark.parametrize("setting,arch", [
+    ("GATED_MATVEC", "qwen3_5"), ("GROUPED_MATVEC", "qwen3_5"), ("DECODE_ATTENTION", "qwen3_5"),
+    ("DECODE_ATTENTION", "qwen3"),
+], ids=["gated_mlp", "grouped_projections", "decode_attention_gated", "decode_attention"])
+def test_bf16_greedy_path_matches_cuda_with_the_fused_launches(setting, arch, torch_delta_rule, monkeypatch):
+    """The fused decoding launches, kept off by default (`decode.GATED_MATVEC`, `decode.GROUPED_MATVEC`,
+    `decode.DECODE_ATTENTION`), on: 32 bf16 tokens along the reference's greedy path through the captured step
+    (the tiny Qwen3.5, whose projections of a 64-wide input hold whole blocks and whose attention is gated)."""
     monkeypatch.setattr(decode, setting, True)
-    patched = assert_greedy_path_followed("qwen3_5", "4bit+lora", "static", 32, "cuda", torch.bfloat16)
+    patched = assert_greedy_path_followed(arch, "4bit+lora", "static", 32, "cuda", torch.bfloat16)
     assert captured_decode_steps(patched) == 1
 
 

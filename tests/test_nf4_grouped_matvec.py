@@ -14,11 +14,12 @@ from unsloth_lite.kernels.nf4_grouped_matvec import grouped_matvec_supported, nf
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 
 
-@pytest.fixture(autouse=True)
-def blocked_kernel(monkeypatch):
-    """The separate products compared with take the blocked kernel, whose walk the fused launch runs (the word
-    kernel, the default for whole-block shapes, sums in another order)."""
-    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", False)
+@pytest.fixture(autouse=True, params=[False, True], ids=["blocked", "words"])
+def walk(request, monkeypatch):
+    """The blocked kernel's walk and the word kernel's (`nf4_matvec.WORD_KERNEL`): the fused launch and the
+    separate products compared with both take it."""
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", request.param)
+    return request.param
 
 
 def group_case(widths, n_in, ranks, rows, dtype, nested, with_bias, device):

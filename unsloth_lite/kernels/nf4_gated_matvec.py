@@ -8,10 +8,11 @@ blocks along K), biases, unmerged adapters (B `[N, r]`, t = x Aᵀ from `lora_do
 
 `round` is to x's dtype: g and u are rounded as `nf4_matvec` writes them and h is computed from them as
 `swiglu` computes it, so h has the bits of the three launches it replaces (two products and the activation).
-Each program owns BLOCK_N features of both projections: it walks K once, loads each tile of x once for both
-weights (and has both weights' bytes in flight), and writes h without writing g or u. No backward: inference
-only. The absmax is read flat (one fp32 value a block, `nf4_matvec_state.flat_absmax` for double-quantised
-weights); the K split and the nested absmax stay with `nf4_matvec`.
+Each program owns BLOCK_N features of both projections: it walks K once (the word kernel's walk where
+`nf4_matvec.WORD_KERNEL` is on, else the blocked kernel's), loads each tile of x once for both weights (and has
+both weights' bytes in flight), and writes h without writing g or u. No backward: inference only. The absmax is
+read flat (one fp32 value a block, `nf4_matvec_state.flat_absmax` for double-quantised weights); the K split and
+the nested absmax stay with `nf4_matvec`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from unsloth_lite.kernels import nf4_matvec as matvec  # its settings (tiles, lo
 from unsloth_lite.kernels.dequantize_nf4 import _launch
 from unsloth_lite.kernels.matvec_epilogue import _output_values
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
-from unsloth_lite.kernels.nf4_matvec import _blocked_tile_loads
+from unsloth_lite.kernels.nf4_matvec import _blocked_tile_loads, packed_words, word_kernel_rows
+from unsloth_lite.kernels.nf4_matvec_state import lane_tables
+from unsloth_lite.kernels.nf4_matvec_words import _lane_tables, _word_sums, _word_tile, _word_x
 from unsloth_lite.kernels.utils import INTERPRET, empty
 
 
@@ -49,23 +52,14 @@ def _tile_products(code_even, code_odd, absmax, x_even, x_odd):
 
 
 @triton.jit
-def _nf4_gated_matvec_kernel(
-    x_ptr, x_row_stride, x_col_stride,
-    gate_packed_ptr, gate_absmax_ptr, up_packed_ptr, up_absmax_ptr, table_ptr,
-    gate_bias_ptr, up_bias_ptr, gate_t_ptr, up_t_ptr, t_row_stride, gate_rank, up_rank,
-    gate_b_ptr, gate_b_row_stride, gate_b_col_stride, gate_scale,
-    up_b_ptr, up_b_row_stride, up_b_col_stride, up_scale,
-    out_ptr, out_row_stride,
-    n_rows, n_out, n_in,
-    BLOCKSIZE: tl.constexpr, GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr, GATE_LORA: tl.constexpr,
-    UP_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
-    GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr,
-    PDL: tl.constexpr,
+def _gated_blocked_sums(
+    x_ptr, x_row_stride, x_col_stride, gate_packed_ptr, gate_absmax_ptr, up_packed_ptr, up_absmax_ptr, table_ptr,
+    features, n_rows, n_out, n_in, BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) of both projections for all rows (module docstring).
-    PDL as in `nf4_matvec`'s blocked kernel: only the frozen weights are read before `gdc_wait`."""
+    """(gate sums, up sums) `[BLOCK_M, BLOCK_N]` over K by the blocked kernel's walk, x's tile loaded once for
+    both weights."""
     HALF: tl.constexpr = BLOCKSIZE // 2
-    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     mask_features = features < n_out
     blocks_per_row = n_in // BLOCKSIZE
@@ -100,6 +94,89 @@ def _nf4_gated_matvec_kernel(
     if BLOCK_M == 1:
         acc_gate += tl.sum(tl.sum(partial_gate, axis=2), axis=1)[None, :]
         acc_up += tl.sum(tl.sum(partial_up, axis=2), axis=1)[None, :]
+    return acc_gate, acc_up
+
+
+@triton.jit
+def _gated_word_sums(
+    x_ptr, x_row_stride, gate_words_ptr, gate_absmax_ptr, up_words_ptr, up_absmax_ptr, code_ptr, tables_ptr,
+    features, n_rows, n_out, n_in, BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr, PTX: tl.constexpr, BF16_CODES: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
+):
+    """`_gated_blocked_sums` by the word kernel's walk (`nf4_matvec_words.py`): both weights read as words, each
+    decoded word's sum with x's tile, loaded once for both, scaled by its block's absmax; the loads of STAGES
+    tiles in flight."""
+    WORDS: tl.constexpr = BLOCKSIZE // 8
+    rows = tl.arange(0, BLOCK_M)
+    mask_features = (features < n_out) | WHOLE_TILES
+    blocks_per_row = n_in // BLOCKSIZE
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    partial_gate = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)  # one row: reduced at the end
+    partial_up = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)
+    tables = _lane_tables(tables_ptr, PTX, BF16_CODES)
+    if PDL and STAGES > 1:
+        gdc_wait()  # the pipelined loop loads x for later tiles before its body runs: wait first
+    for b0 in tl.range(0, blocks_per_row, BLOCKS_PER_TILE, num_stages=STAGES):
+        gate_codes, gate_absmax, word_in_row, mask_blocks = _word_tile(
+            b0, gate_words_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, 1, code_ptr,
+            tables, features, mask_features, blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, PTX, BF16_CODES,
+            WHOLE_TILES, False,
+        )
+        up_codes, up_absmax, _, _ = _word_tile(
+            b0, up_words_ptr, up_absmax_ptr, up_absmax_ptr, up_absmax_ptr, up_absmax_ptr, 1, code_ptr, tables,
+            features, mask_features, blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, PTX, BF16_CODES,
+            WHOLE_TILES, PDL and STAGES == 1,
+        )
+        for m in tl.static_range(BLOCK_M):
+            x = _word_x(x_ptr, m, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
+            gate = _word_sums(gate_codes, x, X_PAIRS) * gate_absmax
+            up = _word_sums(up_codes, x, X_PAIRS) * up_absmax
+            if BLOCK_M == 1:
+                partial_gate += gate
+                partial_up += up
+            else:
+                acc_gate += tl.where(rows[:, None] == m, tl.sum(tl.sum(gate, axis=2), axis=1)[None, :], 0.0)
+                acc_up += tl.where(rows[:, None] == m, tl.sum(tl.sum(up, axis=2), axis=1)[None, :], 0.0)
+    if BLOCK_M == 1:
+        acc_gate += tl.sum(tl.sum(partial_gate, axis=2), axis=1)[None, :]
+        acc_up += tl.sum(tl.sum(partial_up, axis=2), axis=1)[None, :]
+    return acc_gate, acc_up
+
+
+@triton.jit
+def _nf4_gated_matvec_kernel(
+    x_ptr, x_row_stride, x_col_stride,
+    gate_packed_ptr, gate_absmax_ptr, up_packed_ptr, up_absmax_ptr, table_ptr, tables_ptr,
+    gate_bias_ptr, up_bias_ptr, gate_t_ptr, up_t_ptr, t_row_stride, gate_rank, up_rank,
+    gate_b_ptr, gate_b_row_stride, gate_b_col_stride, gate_scale,
+    up_b_ptr, up_b_row_stride, up_b_col_stride, up_scale,
+    out_ptr, out_row_stride,
+    n_rows, n_out, n_in,
+    BLOCKSIZE: tl.constexpr, GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr, GATE_LORA: tl.constexpr,
+    UP_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
+    GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr,
+    PDL: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
+):
+    """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) of both projections for all rows (module docstring).
+    PDL as in `nf4_matvec`'s blocked kernel: only the frozen weights are read before `gdc_wait`. WORDS: the word
+    kernel's walk (the packed weights as int32 words, x as `word_kernel_rows` gives it, `table_ptr` the code
+    book, `tables_ptr` the lane tables), else the blocked kernel's (one stage)."""
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    if WORDS:
+        acc_gate, acc_up = _gated_word_sums(
+            x_ptr, x_row_stride, gate_packed_ptr, gate_absmax_ptr, up_packed_ptr, up_absmax_ptr, table_ptr,
+            tables_ptr, features, n_rows, n_out, n_in, BLOCKSIZE, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP == 0,
+            BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS,
+        )
+    else:
+        acc_gate, acc_up = _gated_blocked_sums(
+            x_ptr, x_row_stride, x_col_stride, gate_packed_ptr, gate_absmax_ptr, up_packed_ptr, up_absmax_ptr,
+            table_ptr, features, n_rows, n_out, n_in, BLOCKSIZE, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP,
+            BF16_CODES, PDL,
+        )
     if PDL:
         gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
@@ -110,7 +187,7 @@ def _nf4_gated_matvec_kernel(
     g = g.to(dtype).to(tl.float32)  # as the two products would write them
     u = u.to(dtype).to(tl.float32)
     h = g * tl.sigmoid(g) * u
-    mask = (rows < n_rows)[:, None] & mask_features[None, :]
+    mask = (rows < n_rows)[:, None] & (features < n_out)[None, :]
     tl.store(out_ptr + rows[:, None] * out_row_stride + features[None, :], h.to(dtype), mask=mask)
 
 
@@ -125,7 +202,7 @@ def gated_matvec_supported(x: torch.Tensor, gate, up) -> bool:
     if len(shape) != 2 or any((tuple(s.shape), s.blocksize, s.dtype) != (shape, blocksize, states[0].dtype)
                               for s in states):
         return False
-    tile_k = matvec.blocked_tile(shape[0])[1]
+    tile_k = (matvec.word_tile if matvec.WORD_KERNEL else matvec.blocked_tile)(shape[0])[1]
     rows = x.numel() // max(shape[1], 1)
     if shape[1] % blocksize or tile_k % blocksize or x.shape[-1] != shape[1] or not 1 <= rows <= matvec.MAX_ROWS:
         return False
@@ -154,8 +231,15 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         matvec._check_args(x, gate, bias, None, None, None, n_out, n_in)
     out = empty((n_rows, n_out), x.dtype, x.device)
     launches = [_launch(w, None) for w in (gate, up)]
+    bf16_codes = matvec.uses_bf16_codes(launches[0].dtype)
+    tables = lane_tables(x.device, bf16_codes) if matvec.WORD_KERNEL else None
+    words = tables is not None  # the word kernel's walk, else the blocked one's
     code = launches[0].inputs[2]
-    table = code_pairs(code) if matvec.LOOKUP == "pairs" else code
+    table = code_pairs(code) if matvec.LOOKUP == "pairs" and not words else code
+    packed = [launch.inputs[0] for launch in launches]
+    x_rows, x_pairs = word_kernel_rows(x2d) if words else (x2d, False)
+    if words:
+        packed = [packed_words(p) for p in packed]
     t_row_stride = next((lora[1].stride(0) for lora in loras if lora is not None), 0)
     adapters = []
     for lora in loras:
@@ -163,13 +247,13 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         adapters.append((t, t.shape[1] if lora is not None else 0, b, b.stride(0), b.stride(1), float(scale)))
     if all(lora is not None for lora in loras) and loras[0][1].stride(0) != loras[1][1].stride(0):
         raise ValueError("gate_lora's and up_lora's t must share a row stride (slices of one lora_down_rows)")
-    block_n, tile_k, warps, _ = matvec.blocked_tile(n_out)
+    block_n, tile_k, warps, _ = (matvec.word_tile if words else matvec.blocked_tile)(n_out)
     blocksize = 2 * launches[0].meta["HALF_BLOCK"]
     pdl = matvec.uses_pdl(x.device)
     ranks = [a[1] for a in adapters]
     _nf4_gated_matvec_kernel[(triton.cdiv(n_out, block_n),)](
-        x2d, x2d.stride(0), x2d.stride(1),
-        launches[0].inputs[0], matvec.fp32_absmax(gate), launches[1].inputs[0], matvec.fp32_absmax(up), table,
+        x_rows, x_rows.stride(0), x_rows.stride(1),
+        packed[0], matvec.fp32_absmax(gate), packed[1], matvec.fp32_absmax(up), table, tables if words else table,
         gate_bias if gate_bias is not None else out, up_bias if up_bias is not None else out,
         adapters[0][0], adapters[1][0], t_row_stride, ranks[0], ranks[1],
         *adapters[0][2:], *adapters[1][2:],
@@ -179,7 +263,8 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         GATE_LORA=ranks[0] > 0, UP_LORA=ranks[1] > 0, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n,
         BLOCKS_PER_TILE=tile_k // blocksize, GATE_BLOCK_R=max(2, triton.next_power_of_2(ranks[0])),
         UP_BLOCK_R=max(2, triton.next_power_of_2(ranks[1])),
-        LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=matvec.uses_bf16_codes(launches[0].dtype), PDL=pdl,
+        LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=bf16_codes, PDL=pdl, WORDS=words,
+        STAGES=matvec.PIPELINE_STAGES, WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return out.view(*x.shape[:-1], n_out)

@@ -5,10 +5,11 @@ For x `[M, K]` (M ≤ 8 rows) and up to four NF4 weights W_i `[N_i, K]` (`nf4_ma
 
     y_i = x W_iᵀ + b_i + s_i · t_i B_iᵀ        t_i: columns of one t = x [A_1; ...]ᵀ (`lora_down_rows`)
 
-The launch's programs are those of the weights' blocked kernels side by side: program p belongs to the first weight
-whose range of programs holds it and runs `nf4_matvec`'s blocked walk over that weight's rows (`_blocked_sums`, the
-same tile for all: the widest weight's), so each y_i has the bits of its own `nf4_matvec` at that tile where the
-adapters share a rank (a smaller one's sum runs over the group's widest). Why: one launch instead of up to four,
+The launch's programs are those of the weights' own kernels side by side: program p belongs to the first weight
+whose range of programs holds it and runs `nf4_matvec`'s walk over that weight's rows (the word kernel's,
+`_word_walk`, where `nf4_matvec.WORD_KERNEL` is on, else the blocked kernel's, `_blocked_sums`; the same tile for
+all: the widest weight's), so each y_i has the bits of its own `nf4_matvec` at that tile where the adapters share
+a rank (a smaller one's sum runs over the group's widest). Why: one launch instead of up to four,
 and the small projections (k and v of 1,024 features, the DeltaNet's b and a of 48) run beside the large one
 instead of after it; launched one after the other, each waits for the one before (programmatic dependent launch
 orders them) though none reads another's output. No backward: inference only. The absmax is read flat
@@ -25,7 +26,9 @@ from unsloth_lite.kernels import nf4_matvec as matvec  # its settings (tiles, lo
 from unsloth_lite.kernels.dequantize_nf4 import _launch
 from unsloth_lite.kernels.matvec_epilogue import _finish_product
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
-from unsloth_lite.kernels.nf4_matvec import _blocked_sums
+from unsloth_lite.kernels.nf4_matvec import _blocked_sums, packed_words, word_kernel_rows
+from unsloth_lite.kernels.nf4_matvec_state import lane_tables
+from unsloth_lite.kernels.nf4_matvec_words import _word_walk
 from unsloth_lite.kernels.utils import INTERPRET, empty
 
 MAX_WEIGHTS = 4  # the DeltaNet's four input projections
@@ -33,7 +36,7 @@ MAX_WEIGHTS = 4  # the DeltaNet's four input projections
 
 @triton.jit
 def _nf4_grouped_matvec_kernel(
-    x_ptr, x_row_stride, x_col_stride, table_ptr, t_ptr, t_row_stride,
+    x_ptr, x_row_stride, x_col_stride, table_ptr, tables_ptr, t_ptr, t_row_stride,
     packed0, absmax0, bias0, b0, b0_row_stride, b0_col_stride, scale0, out0, n_out0, t_col0, rank0, end0,
     packed1, absmax1, bias1, b1, b1_row_stride, b1_col_stride, scale1, out1, n_out1, t_col1, rank1, end1,
     packed2, absmax2, bias2, b2, b2_row_stride, b2_col_stride, scale2, out2, n_out2, t_col2, rank2, end2,
@@ -41,10 +44,13 @@ def _nf4_grouped_matvec_kernel(
     n_rows, n_in,
     BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr,
-    BF16_CODES: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+    BF16_CODES: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, WORDS: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
 ):
     """Program p: weight i, the first with p < end_i (the slots past the last weight repeat it and are never
-    reached), features [(p - end_{i-1}) · BLOCK_N, ...) of it for all rows."""
+    reached), features [(p - end_{i-1}) · BLOCK_N, ...) of it for all rows. WORDS: the word kernel's walk (the
+    packed weights as int32 words, x as `word_kernel_rows` gives it, `table_ptr` the code book, `tables_ptr` the
+    lane tables; WHOLE_TILES and X_PAIRS as in `_nf4_matvec_words_kernel`), else the blocked kernel's."""
     pid = tl.program_id(0)
     if pid < end0:
         packed, absmax, bias, lora_b, scale, out, n_out = packed0, absmax0, bias0, b0, scale0, out0, n_out0
@@ -60,11 +66,18 @@ def _nf4_grouped_matvec_kernel(
         b_row_stride, b_col_stride, t_col, rank, start = b3_row_stride, b3_col_stride, t_col3, rank3, end2
     features = (pid - start) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
-    acc, partial = _blocked_sums(
-        x_ptr, x_row_stride, x_col_stride, packed, absmax, table_ptr, absmax, absmax, absmax, 1, features, n_rows,
-        n_out, n_in, 0, n_in // BLOCKSIZE, BLOCKSIZE, False, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP, BF16_CODES,
-        PDL, STAGES,
-    )
+    if WORDS:
+        acc, partial = _word_walk(
+            x_ptr, x_row_stride, packed, absmax, table_ptr, tables_ptr, absmax, absmax, absmax, 1, features, n_rows,
+            n_out, n_in, 0, n_in // BLOCKSIZE, BLOCKSIZE, False, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP == 0,
+            BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS,
+        )
+    else:
+        acc, partial = _blocked_sums(
+            x_ptr, x_row_stride, x_col_stride, packed, absmax, table_ptr, absmax, absmax, absmax, 1, features,
+            n_rows, n_out, n_in, 0, n_in // BLOCKSIZE, BLOCKSIZE, False, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP,
+            BF16_CODES, PDL, STAGES,
+        )
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, absmax, absmax, bias, t_ptr + t_col, t_row_stride, rank,
         lora_b, b_row_stride, b_col_stride, scale, out, n_out, BLOCK_M, PDL, False, HAS_BIAS, HAS_LORA, BLOCK_R,
@@ -88,7 +101,8 @@ def grouped_matvec_supported(x: torch.Tensor, weights, biases, loras) -> bool:
         return False
     if len({None if b is None else b.dtype for b in biases}) != 1:
         return False
-    tile_k = matvec.blocked_tile(max(s.shape[0] for s in states))[1]
+    tile = matvec.word_tile if matvec.WORD_KERNEL else matvec.blocked_tile
+    tile_k = tile(max(s.shape[0] for s in states))[1]
     rows = x.numel() // max(n_in, 1)
     if n_in % blocksize or tile_k % blocksize or x.shape[-1] != n_in or not 1 <= rows <= matvec.MAX_ROWS:
         return False
@@ -114,7 +128,11 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     if sum(ranks) and (lora_t is None or lora_t.shape[1] != sum(ranks)):
         raise ValueError(f"lora_t must hold the adapters' {sum(ranks)} columns side by side")
     outputs, slots, first, end = [], [], 0, 0
-    block_n, tile_k, warps, _ = matvec.blocked_tile(max(int(w.quant_state.shape[0]) for w in weights))
+    bf16_codes = matvec.uses_bf16_codes(weights[0].quant_state.dtype)
+    tables = lane_tables(x.device, bf16_codes) if matvec.WORD_KERNEL else None
+    words = tables is not None  # the word kernel's walk, else the blocked one's
+    widths = [int(w.quant_state.shape[0]) for w in weights]
+    block_n, tile_k, warps, _ = (matvec.word_tile if words else matvec.blocked_tile)(max(widths))
     for weight, bias, lora, rank in zip(weights, biases, loras, ranks, strict=True):
         n_out = int(weight.quant_state.shape[0])
         t_cols = lora_t[:, first:first + rank] if rank else None
@@ -123,7 +141,9 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
         # a weight without an adapter reads none (rank 0) but passes a B of the others' dtype
         lora_b = lora[0] if lora is not None else next((lo[0] for lo in loras if lo is not None), out)
         end += triton.cdiv(n_out, block_n)
-        slots.append((_launch(weight, None).inputs[0], matvec.fp32_absmax(weight), bias if bias is not None else out,
+        packed = _launch(weight, None).inputs[0]
+        slots.append((packed_words(packed) if words else packed, matvec.fp32_absmax(weight),
+                      bias if bias is not None else out,
                       lora_b, lora_b.stride(0), lora_b.stride(-1), float(lora[1]) if lora else 0.0, out, n_out,
                       first, rank, end))
         outputs.append(out.view(*x.shape[:-1], n_out))
@@ -133,13 +153,17 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     blocksize = int(weights[0].quant_state.blocksize)
     t = lora_t if lora_t is not None else slots[0][7]
     pdl = matvec.uses_pdl(x.device)
+    x_rows, x_pairs = word_kernel_rows(x2d) if words else (x2d, False)
+    table = code_pairs(code) if matvec.LOOKUP == "pairs" and not words else code
     _nf4_grouped_matvec_kernel[(end,)](
-        x2d, x2d.stride(0), x2d.stride(1), code_pairs(code) if matvec.LOOKUP == "pairs" else code,
-        t, t.stride(0), *(arg for slot in slots[:-1] for arg in slot), *slots[-1][:-1], n_rows, n_in,
+        x_rows, x_rows.stride(0), x_rows.stride(1), table,
+        tables if words else code, t, t.stride(0), *(arg for slot in slots[:-1] for arg in slot), *slots[-1][:-1],
+        n_rows, n_in,
         BLOCKSIZE=blocksize, HAS_BIAS=biases[0] is not None, HAS_LORA=sum(ranks) > 0,
         BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
         BLOCK_R=max(2, triton.next_power_of_2(max(ranks))), LOOKUP=LOOKUPS.index(matvec.LOOKUP),
-        BF16_CODES=matvec.uses_bf16_codes(weights[0].quant_state.dtype), PDL=pdl, STAGES=matvec.PIPELINE_STAGES,
+        BF16_CODES=bf16_codes, PDL=pdl, STAGES=matvec.PIPELINE_STAGES, WORDS=words,
+        WHOLE_TILES=all(n % block_n == 0 for n in widths) and n_in % tile_k == 0, X_PAIRS=x_pairs,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return outputs

@@ -328,6 +328,19 @@ def _check_args(x, weight, bias, lora_a, lora_b, lora_t, n_out, n_in):
             )
 
 
+def word_kernel_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(x's rows as the word kernel's walk reads them, whether as bf16 pairs): contiguous columns, and bf16 x as
+    int32 pairs (its row stride then in pairs) where its rows start on 4-byte boundaries."""
+    x_rows = x2d if x2d.stride(1) == 1 else x2d.contiguous()
+    x_pairs = x_rows.dtype == torch.bfloat16 and x_rows.stride(0) % 2 == 0 and x_rows.data_ptr() % 4 == 0
+    return (x_rows.view(torch.int32) if x_pairs else x_rows), x_pairs
+
+
+def packed_words(packed: torch.Tensor) -> torch.Tensor:
+    """An NF4 weight's packed bytes as the int32 words of eight codes the word kernel's walk reads."""
+    return packed.reshape(-1).view(torch.int32)
+
+
 def fp32_absmax(weight, quant_state=None) -> torch.Tensor | None:
     """The fp32 absmax a block of an NF4 weight (a `Params4bit`, or packed bytes with `quant_state`), as the
     kernels that read it flat take it: its own, or the kept flat form of a double-quantised weight
@@ -401,12 +414,9 @@ def nf4_matvec(
     )
     if blocked and words:
         pdl = uses_pdl(x.device)
-        x_rows = x2d if x2d.stride(1) == 1 else x2d.contiguous()
-        x_pairs = x.dtype == torch.bfloat16 and x_rows.stride(0) % 2 == 0 and x_rows.data_ptr() % 4 == 0
-        if x_pairs:
-            x_rows = x_rows.view(torch.int32)
+        x_rows, x_pairs = word_kernel_rows(x2d)
         _nf4_matvec_words_kernel[(feature_blocks, splits if split_k else 1)](
-            x_rows, x_rows.stride(0), packed.reshape(-1).view(torch.int32), absmax, code, tables, *args[6:],
+            x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],
             *((partial, arrivals) if split_k else (out, out)), *sizes,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             PTX=LOOKUP == "registers", BF16_CODES=bf16_codes,

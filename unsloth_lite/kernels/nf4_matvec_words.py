@@ -78,6 +78,102 @@ def _word_sums(codes, x, X_PAIRS: tl.constexpr):
 
 
 @triton.jit
+def _lane_tables(tables_ptr, PTX: tl.constexpr, BF16_CODES: tl.constexpr):
+    """The lookup's eight table registers, each lane's own copy (`nf4_matvec_state.lane_tables`), held for the
+    whole loop; zeros where the lookup reads the code book from memory (no PTX)."""
+    if PTX:
+        lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+        tables_ptr += lane * 8
+        t0, t1, t2, t3 = tl.load(tables_ptr), tl.load(tables_ptr + 1), tl.load(tables_ptr + 2), tl.load(tables_ptr + 3)
+        if BF16_CODES:
+            t4, t5, t6, t7 = t0, t0, t0, t0
+        else:
+            t4, t5 = tl.load(tables_ptr + 4), tl.load(tables_ptr + 5)
+            t6, t7 = tl.load(tables_ptr + 6), tl.load(tables_ptr + 7)
+    else:
+        t0, t1, t2, t3, t4, t5, t6, t7 = 0, 0, 0, 0, 0, 0, 0, 0
+    return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@triton.jit
+def _word_tile(
+    b0, words_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize: tl.constexpr,
+    code_ptr, tables, features, mask_features, blocks_per_row,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, PTX: tl.constexpr,
+    BF16_CODES: tl.constexpr, WHOLE_TILES: tl.constexpr, PDL_WAIT: tl.constexpr,
+):
+    """One weight's tile of quantisation blocks [b0, b0 + BLOCKS_PER_TILE): (its eight codes a word `[N, B, W]`
+    each, each block's absmax `[N, B, 1]`, each word's index in the row `[B, W]`, which blocks lie in the row
+    `[B]`). PDL_WAIT: `gdc_wait` once the weight's loads are issued (nothing another kernel writes is read
+    before)."""
+    WORDS: tl.constexpr = BLOCKSIZE // 8  # words of one quantisation block
+    blocks = b0 + tl.arange(0, BLOCKS_PER_TILE)
+    mask_blocks = (blocks < blocks_per_row) | WHOLE_TILES
+    mask_nb = mask_features[:, None] & mask_blocks[None, :]
+    absmax = _block_absmax(
+        absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+        features[:, None].to(tl.int64) * blocks_per_row + blocks[None, :], mask_nb, NESTED,
+    )[:, :, None]
+    word_in_row = blocks[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # [BLOCKS_PER_TILE, WORDS]
+    row_words = features.to(tl.int64) * (blocks_per_row * WORDS)
+    words = tl.load(words_ptr + row_words[:, None, None] + word_in_row[None, :, :], mask=mask_nb[:, :, None],
+                    other=0)
+    if PDL_WAIT:
+        gdc_wait()  # returns at once after the first tile
+    t0, t1, t2, t3, t4, t5, t6, t7 = tables
+    # masked words: finite codes, x is 0
+    codes = _nf4_word_codes(words, code_ptr, t0, t1, t2, t3, t4, t5, t6, t7, PTX, BF16_CODES)
+    return codes, absmax, word_in_row, mask_blocks
+
+
+@triton.jit
+def _word_x(x_ptr, row, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS: tl.constexpr):
+    """Row `row` of x for a tile's words `[B, W, 8 or 4]` (`_x_elements`' layouts), 0 past the row and past
+    n_rows."""
+    X_WIDTH: tl.constexpr = 4 if X_PAIRS else 8  # x's values for one word
+    x_offsets = word_in_row[:, :, None] * X_WIDTH + tl.arange(0, X_WIDTH)[None, None, :]
+    mask_row = mask_blocks & ((mask_blocks.to(tl.int32) * 0 + row) < n_rows)
+    return tl.load(x_ptr + row * x_row_stride + x_offsets, mask=mask_row[:, None, None], other=0)
+
+
+@triton.jit
+def _word_walk(
+    x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
+    offset_ptr, nested_blocksize: tl.constexpr, features, n_rows, n_out, n_in, first_block, end_block,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr, PTX: tl.constexpr, BF16_CODES: tl.constexpr, PDL: tl.constexpr,
+    STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
+):
+    """(acc `[BLOCK_M, BLOCK_N]`, partial `[BLOCK_N, BLOCKS_PER_TILE, WORDS]`): the word kernel's walk over
+    quantisation blocks [first_block, end_block) of the rows `features` of one weight, its sums for several rows
+    in acc, for one row kept elementwise in partial (`_finish_product` reduces them)."""
+    WORDS: tl.constexpr = BLOCKSIZE // 8
+    rows = tl.arange(0, BLOCK_M)
+    mask_features = (features < n_out) | WHOLE_TILES
+    blocks_per_row = n_in // BLOCKSIZE
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)  # one row: reduced at the end
+    tables = _lane_tables(tables_ptr, PTX, BF16_CODES)
+    if PDL and STAGES > 1:
+        gdc_wait()  # the pipelined loop loads x for later tiles before its body runs: wait first
+    for b0 in tl.range(first_block, end_block, BLOCKS_PER_TILE, num_stages=STAGES):
+        codes, absmax, word_in_row, mask_blocks = _word_tile(
+            b0, words_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, code_ptr,
+            tables, features, mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE, PTX, BF16_CODES,
+            WHOLE_TILES, PDL and STAGES == 1,
+        )
+        if BLOCK_M == 1:
+            x = _word_x(x_ptr, 0, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
+            partial = _word_sums(codes, x, X_PAIRS) * absmax + partial
+        else:
+            for m in tl.static_range(BLOCK_M):
+                x = _word_x(x_ptr, m, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
+                row_sum = tl.sum(tl.sum(_word_sums(codes, x, X_PAIRS) * absmax, axis=2), axis=1)
+                acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
+    return acc, partial
+
+
+@triton.jit
 def _nf4_matvec_words_kernel(
     x_ptr, x_row_stride,
     words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
@@ -97,56 +193,14 @@ def _nf4_matvec_words_kernel(
     PDL and STAGES as in `_nf4_matvec_blocked_kernel`: nothing another kernel may write is read before
     `gdc_wait`. WHOLE_TILES: N a multiple of BLOCK_N and K of the tile (every projection of the Qwen models):
     no masks. X_PAIRS: x is bf16, read as int32 pairs (`x_ptr` int32, its row stride in pairs)."""
-    WORDS: tl.constexpr = BLOCKSIZE // 8  # words of one quantisation block
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
-    mask_features = (features < n_out) | WHOLE_TILES
-    blocks_per_row = n_in // BLOCKSIZE
-    first_block, end_block = _tile_range(blocks_per_row, BLOCKS_PER_TILE, SPLIT_K)
-    row_words = features.to(tl.int64) * (blocks_per_row * WORDS)
-    word_in_block = tl.arange(0, WORDS)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)  # one row: reduced at the end
-    if PTX:  # the lookup's tables, in registers for the whole loop
-        lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
-        tables_ptr += lane * 8
-        t0, t1, t2, t3 = tl.load(tables_ptr), tl.load(tables_ptr + 1), tl.load(tables_ptr + 2), tl.load(tables_ptr + 3)
-        if BF16_CODES:
-            t4, t5, t6, t7 = t0, t0, t0, t0
-        else:
-            t4, t5 = tl.load(tables_ptr + 4), tl.load(tables_ptr + 5)
-            t6, t7 = tl.load(tables_ptr + 6), tl.load(tables_ptr + 7)
-    else:
-        t0, t1, t2, t3, t4, t5, t6, t7 = 0, 0, 0, 0, 0, 0, 0, 0
-    if PDL and STAGES > 1:
-        gdc_wait()  # the pipelined loop loads x for later tiles before its body runs: wait first
-    for b0 in tl.range(first_block, end_block, BLOCKS_PER_TILE, num_stages=STAGES):
-        blocks = b0 + tl.arange(0, BLOCKS_PER_TILE)
-        mask_blocks = (blocks < blocks_per_row) | WHOLE_TILES
-        mask_nb = mask_features[:, None] & mask_blocks[None, :]
-        absmax = _block_absmax(
-            absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
-            features[:, None].to(tl.int64) * blocks_per_row + blocks[None, :], mask_nb, NESTED,
-        )[:, :, None]
-        word_in_row = blocks[:, None] * WORDS + word_in_block[None, :]  # [BLOCKS_PER_TILE, WORDS]
-        words = tl.load(words_ptr + row_words[:, None, None] + word_in_row[None, :, :], mask=mask_nb[:, :, None],
-                        other=0)
-        if PDL and STAGES == 1:
-            gdc_wait()  # returns at once after the first tile
-        # masked words: finite codes, x is 0
-        codes = _nf4_word_codes(words, code_ptr, t0, t1, t2, t3, t4, t5, t6, t7, PTX, BF16_CODES)
-        X_WIDTH: tl.constexpr = 4 if X_PAIRS else 8  # x's values for one word
-        x_offsets = word_in_row[:, :, None] * X_WIDTH + tl.arange(0, X_WIDTH)[None, None, :]
-        mask_x = mask_blocks[:, None, None]
-        if BLOCK_M == 1:
-            x = tl.load(x_ptr + x_offsets, mask=mask_x, other=0)
-            partial = _word_sums(codes, x, X_PAIRS) * absmax + partial
-        else:
-            for m in tl.static_range(BLOCK_M):
-                mask_row = mask_x & ((tl.arange(0, BLOCKS_PER_TILE) * 0 + m) < n_rows)[:, None, None]
-                x = tl.load(x_ptr + m * x_row_stride + x_offsets, mask=mask_row, other=0)
-                row_sum = tl.sum(tl.sum(_word_sums(codes, x, X_PAIRS) * absmax, axis=2), axis=1)
-                acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
+    first_block, end_block = _tile_range(n_in // BLOCKSIZE, BLOCKS_PER_TILE, SPLIT_K)
+    acc, partial = _word_walk(
+        x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
+        offset_ptr, nested_blocksize, features, n_rows, n_out, n_in, first_block, end_block, BLOCKSIZE, NESTED,
+        BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, PTX, BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS,
+    )
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
         lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,

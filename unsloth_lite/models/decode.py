@@ -6,14 +6,17 @@ so its speed is the bytes read and the kernels launched: each NF4 base goes thro
 read once, dequantised in registers, LoRA unmerged), never dequantised to a dense copy first, and the first
 products x Aᵀ of the adapters on one input (q, k and v; gate and up) come from one `lora_down_rows` launch.
 Attention of one new token over the cache groups the query heads that share a KV head (`[B, Hkv, G, D]`: the G
-heads take the place of query positions), so the KV heads are never repeated. The norms, RoPE and gates stay on
-their fused kernels, which take one token as they take many.
+heads take the place of query positions), so the KV heads are never repeated; over a static cache's layer it can
+be one `decode_attention` launch with the cache's update and the output gate (`DECODE_ATTENTION`). The norms, RoPE
+and gates stay on their fused kernels, which take one token as they take many.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import StaticLayer
 
+from unsloth_lite.kernels.decode_attention import decode_attention
 from unsloth_lite.kernels.lora import LoRAProjection
 from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
 from unsloth_lite.kernels.nf4_gated_matvec import gated_matvec_supported, nf4_gated_matvec
@@ -23,16 +26,21 @@ from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
 
 # The MLP's gate and up projections and its SwiGLU in one launch (`nf4_gated_matvec`) where both are NF4: the
-# same bits as the three launches of the blocked kernel, one launch instead of three a layer, x read once for
-# both weights. Off: its walk is the blocked kernel's, and measured on the H200 (2026-12-05) it was 1.11-1.19x
-# the three launches of the blocked kernel but, with the grouped launch below, took Qwen3.5-27B decoding from
-# 86.8 to 84.6 tokens/s against the default word kernel with three stages (Qwen3-8B 221.9 -> 226.4).
+# same bits as the three launches, one launch instead of three a layer, x read once for both weights. Measured on
+# the H200 (2026-12-05) on the blocked kernel's walk, with the grouped launch below: Qwen3-8B decoding 221.9 ->
+# 226.4 tokens/s, Qwen3.5-27B 86.8 -> 84.6, against the word kernel's separate launches. Both now take the word
+# kernel's walk where `nf4_matvec.WORD_KERNEL` is on (offline for sm_90: 50.6 loop instructions per eight
+# weights of each of gate and up against the word kernel's 58.2); off until measured so.
 GATED_MATVEC = False
 # The projections of one input (q, k, v; the DeltaNet's qkv, z, b, a) in one launch (`nf4_grouped_matvec`) where
-# all are NF4: each the bits of its own blocked-kernel product at the widest one's tile, the small ones beside the
-# large. Off for the same reason: 1.23-1.50x the separate launches of the blocked kernel on the H200, not faster
-# than the word kernel's end to end (above).
+# all are NF4: each the bits of its own product at the widest one's tile, the small ones beside the large. Off
+# for the same reason.
 GROUPED_MATVEC = False
+# One new token's attention over a static cache's layer in one launch (`decode_attention`): the cache's update
+# (Hugging Face's two `index_copy_` and the position's arithmetic), the attention over the positions filled so
+# far (SDPA reads the cache's whole length, with its mask) and Qwen3.5's output gate. Off until measured on the
+# H200.
+DECODE_ATTENTION = False
 # Attention implementations whose mask (None, or 4-D boolean or additive) SDPA reads as they do.
 GROUPED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
@@ -125,3 +133,31 @@ def grouped_attention(query, key, value, attention_mask, scaling: float) -> torc
         grouped, key, value, attn_mask=attention_mask, scale=scaling
     )
     return out.reshape(batch, 1, n_q_heads, head_dim)
+
+
+def fused_attention_layer(cache, layer_idx: int, query: torch.Tensor, key: torch.Tensor, attention_mask):
+    """The cache's `StaticLayer` for `layer_idx` where `decode_attention` takes this step (`DECODE_ATTENTION`, the
+    kernels' device, a layer already filled by the prompt with the key's batch, heads, head size and dtype, a mask
+    over its whole length), else None (`grouped_attention` after Hugging Face's update)."""
+    if not DECODE_ATTENTION or not (query.is_cuda or INTERPRET) or query.dtype == torch.float64:
+        return None
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    if type(layer) is not StaticLayer or not layer.is_initialized:
+        return None
+    batch, heads, _, head_dim = key.shape
+    keys, values = layer.keys, layer.values
+    if keys.shape[:2] != (batch, heads) or keys.shape[-1] != head_dim or keys.dtype != key.dtype:
+        return None
+    if values.shape != keys.shape or values.dtype != keys.dtype or query.shape[1] % heads:
+        return None
+    if attention_mask is not None and (attention_mask.shape[0] not in (1, batch) or attention_mask.shape[1] != 1
+                                       or attention_mask.shape[-1] < keys.shape[2]):
+        return None
+    return layer
+
+
+def fused_attention(layer, query, key, value, attention_mask, scaling: float, gate=None) -> torch.Tensor:
+    """`decode_attention` over `layer` (`fused_attention_layer`): `[B, 1, Hq, D]`, gated where `gate` is given."""
+    return decode_attention(query, key, value, layer.keys, layer.values, layer.cumulative_length, attention_mask,
+                            scaling, gate)

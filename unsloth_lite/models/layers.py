@@ -33,9 +33,11 @@ from unsloth_lite.kernels.lora import LoRAProjection, frozen_linear, frozen_proj
 from unsloth_lite.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from unsloth_lite.kernels.rms_norm import rms_norm, rms_norm_reference
 from unsloth_lite.kernels.rope import apply_rope, apply_rope_reference
-from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
+from unsloth_lite.kernels.swiglu import sigmoid_gate, sigmoid_gate_reference, swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
 from unsloth_lite.models.decode import (
+    fused_attention,
+    fused_attention_layer,
     gated_rows,
     grouped_attention,
     grouped_attention_applies,
@@ -293,21 +295,27 @@ def _update_cache(cache, key, value, layer_idx, kwargs):
     return cache.update(key, value, layer_idx)
 
 
-def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, output_gate=None):
+def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, gate=None):
     """The rest of Hugging Face's attention forward, unchanged: cache, the configured attention
     implementation (SDPA by default; it passes GQA to SDPA without repeating KV heads when there is no mask),
-    `output_gate(attention output)` where the architecture gates it, output projection. A packed batch
-    (`cu_seq_lens_q` among the kwargs, from `causal_lm_forward`) without cache or sliding window attends
-    document by document through `varlen_attention` instead, whatever the implementation; the block-diagonal
-    mask Hugging Face built from the position ids is then not read. One new token per sequence over a cache
-    (decoding) takes `grouped_attention`, which never repeats the KV heads, even under a mask."""
+    the output times sigmoid(gate) where the architecture gates it (gate `[B, T, Hq, D]`), output projection. A
+    packed batch (`cu_seq_lens_q` among the kwargs, from `causal_lm_forward`) without cache or sliding window
+    attends document by document through `varlen_attention` instead, whatever the implementation; the
+    block-diagonal mask Hugging Face built from the position ids is then not read. One new token per sequence
+    over a cache (decoding) takes `grouped_attention`, which never repeats the KV heads, even under a mask, or
+    over a static cache `fused_attention` (`decode.DECODE_ATTENTION`)."""
     dropout = 0.0 if not self.training else self.attention_dropout
     sliding_window = getattr(self, "sliding_window", None)
     if cache is None and sliding_window is None and kwargs.get("cu_seq_lens_q") is not None:
         attn_output, attn_weights = varlen_attention(query, key, value, kwargs, self.scaling, dropout), None
     elif grouped_attention_applies(self, query, attention_mask, cache):  # decoding: KV heads never repeated
-        key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
-        attn_output, attn_weights = grouped_attention(query, key, value, attention_mask, self.scaling), None
+        layer, attn_weights = fused_attention_layer(cache, self.layer_idx, query, key, attention_mask), None
+        if layer is not None:  # the cache's update, the attention and the gate in one launch
+            attn_output = fused_attention(layer, query, key, value, attention_mask, self.scaling, gate)
+            gate = None
+        else:
+            key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
+            attn_output = grouped_attention(query, key, value, attention_mask, self.scaling)
     else:
         if cache is not None:
             key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
@@ -318,8 +326,9 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
             sliding_window=sliding_window, **kwargs,
         )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    if output_gate is not None:
-        attn_output = output_gate(attn_output)
+    if gate is not None:  # gate stays a strided view of q_proj's output: no copy
+        gated = sigmoid_gate if use_kernels(gate) else sigmoid_gate_reference
+        attn_output = gated(attn_output.view(gate.shape), gate).view(attn_output.shape)
     return output_projection(self, "o_proj", attn_output), attn_weights
 
 

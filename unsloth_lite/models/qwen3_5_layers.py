@@ -35,7 +35,6 @@ from unsloth_lite.kernels.gated_delta_rule import chunk_gated_delta_rule
 from unsloth_lite.kernels.gated_delta_rule_reference import chunk_gated_delta_rule_reference
 from unsloth_lite.kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
 from unsloth_lite.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
-from unsloth_lite.kernels.swiglu import sigmoid_gate, sigmoid_gate_reference
 from unsloth_lite.models.layers import attend, output_projection, pop_cache, project, use_kernels
 from unsloth_lite.models.qwen3_5_decode import CacheStep, cache_step, cached_states, store_prefill_states
 
@@ -149,12 +148,6 @@ def gated_attention_forward(self, hidden_states, position_embeddings, attention_
     weights, eps = (self.q_norm.weight, self.k_norm.weight), self.q_norm.eps
     if use_kernels(query):  # Hugging Face's rotary embeddings build cos/sin as cat(freqs, freqs)
         query, key = qk_norm_rope(query, key, *weights, cos, sin, eps, offset=1.0, duplicated_halves=True)
-        gate_fn = sigmoid_gate
     else:
         query, key = qk_norm_rope_reference(query, key, *weights, cos, sin, eps, offset=1.0)
-        gate_fn = sigmoid_gate_reference
-
-    def output_gate(attn_output):  # gate stays a strided view of q_proj's output: no copy
-        return gate_fn(attn_output.view(gate.shape), gate).view(attn_output.shape)
-
-    return attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, output_gate=output_gate)
+    return attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, gate=gate)
