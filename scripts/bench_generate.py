@@ -38,7 +38,8 @@ launches instead of programmatic dependent ones, each of which starts loading it
 it finishes), `words=1` (`nf4_matvec.WORD_KERNEL`: the weight read as words of eight codes), `gated=1`
 (`decode.GATED_MATVEC`: each MLP's gate and up products and SwiGLU in one launch), `grouped=1`
 (`decode.GROUPED_MATVEC`: the projections of one input in one launch), `attention=1`
-(`decode.DECODE_ATTENTION`: each full-attention layer's cache update, attention and output gate in one launch). A
+(`decode.DECODE_ATTENTION`: each full-attention layer's cache update, attention and output gate in one launch),
+`deltanet=1` (`decode.GATED_DELTANET_STEP`: each DeltaNet layer's gates, step and gated norm in one launch). A
 suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
@@ -121,6 +122,7 @@ DECODE_SETTINGS = {
     "gated": ("unsloth_lite.models.decode", "GATED_MATVEC", 0),
     "grouped": ("unsloth_lite.models.decode", "GROUPED_MATVEC", 0),
     "attention": ("unsloth_lite.models.decode", "DECODE_ATTENTION", 0),
+    "deltanet": ("unsloth_lite.models.decode", "GATED_DELTANET_STEP", 0),
 }
 TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
 H200_COPY_GBPS = 4270.0

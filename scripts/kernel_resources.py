@@ -27,8 +27,9 @@ of the loop per eight weights of a thread (`per_8_weights`: the loop's instructi
 decodes in one step, times 8). Launched from a CPU, the kernels are
 compiled without programmatic dependent launch.
 
-`--decode-attention`: `decode_attention` at the W3 models' attention shapes (bf16, batch 1, a boolean mask,
-Qwen3.5's gate), a cache of 256 positions (W3's) and one of 4,096, as shipped.
+`--decode-kernels`: `decode_attention` at the W3 models' attention shapes (bf16, batch 1, a boolean mask,
+Qwen3.5's gate), a cache of 256 positions (W3's) and one of 4,096, and `delta_rule_gated_step` at the 27B's
+DeltaNet shape, as shipped.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from unsloth_lite.kernels import (  # noqa: E402
     decode_attention,
+    deltanet_decode_gated,
     gated_delta_rule,
     nf4_gated_matvec,
     nf4_grouped_matvec,
@@ -152,7 +154,8 @@ def deltanet_launches(seq, key_heads, value_heads, head_dim, dtype):
 @contextlib.contextmanager
 def compiled_on_cpu():
     """CPU tensors taken by the launchers that check for CUDA (the launches are captured, never run)."""
-    saved = {module: module.check_kernel_device for module in (nf4_matvec, dequantize_module, decode_attention)}
+    saved = {module: module.check_kernel_device
+             for module in (nf4_matvec, dequantize_module, decode_attention, deltanet_decode_gated)}
     supported = nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported
     try:
         for module in saved:
@@ -264,8 +267,9 @@ def grouped_rows(groups, arch: int) -> list[dict]:
 DECODE_ATTENTION_SHAPES = (("qwen3_8b", 32, 8, 128, False), ("qwen3_5_27b", 24, 4, 256, True))
 
 
-def decode_attention_rows(arch: int) -> list[dict]:
-    """One row per (W3 model, cache length): `decode_attention`'s launch compiled for `arch`."""
+def decode_kernel_rows(arch: int) -> list[dict]:
+    """One row per (W3 model, cache length): `decode_attention`'s launch compiled for `arch`; and one for
+    `delta_rule_gated_step` at the 27B's DeltaNet shape (16 key and 48 value heads of 128)."""
     rows = []
     for model, q_heads, kv_heads, head_dim, gated in DECODE_ATTENTION_SHAPES:
         for cache_len in (256, 4096):
@@ -281,9 +285,22 @@ def decode_attention_rows(arch: int) -> list[dict]:
             compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
             registers, stack = resource_usage(compiled)
             total, loop = loop_instructions(sass_of(compiled))
-            rows.append(dict(model=model, cache=cache_len, splits=kernel_kwargs["SPLITS"],
-                             positions_a_step=kernel_kwargs["BLOCK_L"], registers=registers, stack_bytes=stack,
-                             shared_bytes=compiled.metadata.shared, instructions=total, loop=loop))
+            rows.append(dict(kernel="decode_attention", model=model, cache=cache_len,
+                             splits=kernel_kwargs["SPLITS"], positions_a_step=kernel_kwargs["BLOCK_L"],
+                             registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared,
+                             instructions=total, loop=loop))
+    q = torch.empty(1, 16, 128, dtype=torch.bfloat16)
+    v = torch.empty(1, 48, 128, dtype=torch.bfloat16)
+    a = torch.empty(1, 48, dtype=torch.bfloat16)
+    with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
+        deltanet_decode_gated.delta_rule_gated_step(q, q, v, a, a, torch.empty(48), torch.empty(48),
+                                                    torch.empty(1, 48, 128, 128), v, torch.empty(128))
+    (kernel, kernel_args, kernel_kwargs), = launches
+    compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
+    registers, stack = resource_usage(compiled)
+    total, loop = loop_instructions(sass_of(compiled))
+    rows.append(dict(kernel="delta_rule_gated_step", model="qwen3_5_27b", registers=registers, stack_bytes=stack,
+                     shared_bytes=compiled.metadata.shared, instructions=total, loop=loop))
     return rows
 
 
@@ -310,8 +327,8 @@ def parse_args(argv=None):
                         help="the NF4 matrix-vector kernels instead of the DeltaNet's (module docstring)")
     parser.add_argument("--matvec-shapes", default=None,
                         help="with --nf4-matvec: comma-separated OUTxIN (default: W3's projection shapes)")
-    parser.add_argument("--decode-attention", action="store_true",
-                        help="decode_attention at W3's attention shapes instead")
+    parser.add_argument("--decode-kernels", action="store_true",
+                        help="decode_attention and delta_rule_gated_step at W3's shapes instead")
     parser.add_argument("--out", default=None, help="JSON file for the rows")
     return parser.parse_args(argv)
 
@@ -333,10 +350,10 @@ def matvec_shapes(text: str | None) -> list[tuple[int, int]] | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.decode_attention:
-        rows = decode_attention_rows(args.arch)
-        print(markdown_table(rows, ["model", "cache", "splits", "positions_a_step", "registers", "stack_bytes",
-                                    "shared_bytes", "instructions", "loop"]))
+    if args.decode_kernels:
+        rows = decode_kernel_rows(args.arch)
+        print(markdown_table(rows, ["kernel", "model", "cache", "splits", "positions_a_step", "registers",
+                                    "stack_bytes", "shared_bytes", "instructions", "loop"]))
         write_json(args.out, dict(arch=args.arch, triton=triton.__version__, rows=rows))
         return 0
     if args.nf4_matvec:

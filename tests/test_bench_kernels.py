@@ -161,15 +161,18 @@ def test_kernel_resources_refuses_a_matvec_shape_off_the_blocks():
     assert "expected OUTxIN" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_kernel_resources_compiles_decode_attention_for_hopper(tmp_path):
-    """`--decode-attention`: the decoding attention kernel compiled for sm_90 at W3's attention shapes, without
-    spills, the longer cache split over more programs."""
-    out = tmp_path / "attention.json"
-    result = run_compiled("--decode-attention", "--out", str(out))
+def test_kernel_resources_compiles_the_decoding_kernels_for_hopper(tmp_path):
+    """`--decode-kernels`: the decoding attention kernel compiled for sm_90 at W3's attention shapes without
+    spills, the longer cache split over more programs; the DeltaNet's gated step at the 27B's shape."""
+    out = tmp_path / "decode.json"
+    result = run_compiled("--decode-kernels", "--out", str(out))
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert {(row["model"], row["cache"]) for row in rows} == {
+    attention = [row for row in rows if row["kernel"] == "decode_attention"]
+    assert {(row["model"], row["cache"]) for row in attention} == {
         (model, cache) for model in ("qwen3_8b", "qwen3_5_27b") for cache in (256, 4096)}
-    assert all(0 < row["registers"] <= 255 and row["stack_bytes"] == 0 and row["shared_bytes"] > 0 for row in rows)
-    by_cache = {(row["model"], row["cache"]): row["splits"] for row in rows}
+    assert all(0 < row["registers"] <= 255 and row["stack_bytes"] == 0 for row in rows), rows
+    assert all(row["shared_bytes"] > 0 for row in attention)  # its products stage operands in shared memory
+    by_cache = {(row["model"], row["cache"]): row["splits"] for row in attention}
     assert all(by_cache[(model, 4096)] > by_cache[(model, 256)] for model in ("qwen3_8b", "qwen3_5_27b"))
+    assert [row["kernel"] for row in rows].count("delta_rule_gated_step") == 1

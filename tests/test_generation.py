@@ -25,10 +25,11 @@ from peft import LoraConfig, get_peft_model
 from test_patch_model import tiny_model, tiny_qwen3_5
 
 from unsloth_lite.kernels.decode_attention import decode_attention
+from unsloth_lite.kernels.deltanet_decode_gated import delta_rule_gated_step
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
 from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
-from unsloth_lite.models import decode, patch_model
+from unsloth_lite.models import decode, patch_model, qwen3_5_layers
 from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
 from unsloth_lite.models.quantize import quantize_linears_nf4
 
@@ -218,6 +219,17 @@ def test_greedy_tokens_match_with_fused_decode_attention(arch, cache_implementat
     assert calls and all((gate is not None) == (arch == "qwen3_5") for gate in calls)
 
 
+def test_greedy_tokens_match_with_the_gated_deltanet_step(device, monkeypatch):
+    """`decode.GATED_DELTANET_STEP`: each DeltaNet layer's gates, step and gated norm in one
+    `delta_rule_gated_step` launch, the greedy tokens those of the unpatched model."""
+    monkeypatch.setattr(decode, "GATED_DELTANET_STEP", True)
+    calls = []
+    monkeypatch.setattr(qwen3_5_layers, "delta_rule_gated_step",
+                        lambda *args, **kwargs: calls.append(1) or delta_rule_gated_step(*args, **kwargs))
+    assert_same_greedy_tokens("qwen3_5", "4bit+lora", None, 3, device, prompt_shape=(2, 4))
+    assert calls
+
+
 def test_sampling_runs_and_is_reproducible(device):
     _, patched = model_pair("qwen3", "dense+lora", device)
     prompt = torch.randint(0, 151, (1, 5), device=device)
@@ -306,12 +318,13 @@ def test_bf16_greedy_path_check_runs_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting,arch", [
     ("GATED_MATVEC", "qwen3_5"), ("GROUPED_MATVEC", "qwen3_5"), ("DECODE_ATTENTION", "qwen3_5"),
-    ("DECODE_ATTENTION", "qwen3"),
-], ids=["gated_mlp", "grouped_projections", "decode_attention_gated", "decode_attention"])
+    ("DECODE_ATTENTION", "qwen3"), ("GATED_DELTANET_STEP", "qwen3_5"),
+], ids=["gated_mlp", "grouped_projections", "decode_attention_gated", "decode_attention", "gated_deltanet_step"])
 def test_bf16_greedy_path_matches_cuda_with_the_fused_launches(setting, arch, torch_delta_rule, monkeypatch):
     """The fused decoding launches, kept off by default (`decode.GATED_MATVEC`, `decode.GROUPED_MATVEC`,
-    `decode.DECODE_ATTENTION`), on: 32 bf16 tokens along the reference's greedy path through the captured step
-    (the tiny Qwen3.5, whose projections of a 64-wide input hold whole blocks and whose attention is gated)."""
+    `decode.DECODE_ATTENTION`, `decode.GATED_DELTANET_STEP`), on: 32 bf16 tokens along the reference's greedy
+    path through the captured step (the tiny Qwen3.5, whose projections of a 64-wide input hold whole blocks and
+    whose attention is gated; the tiny Qwen3's attention ungated)."""
     monkeypatch.setattr(decode, setting, True)
     patched = assert_greedy_path_followed(arch, "4bit+lora", "static", 32, "cuda", torch.bfloat16)
     assert captured_decode_steps(patched) == 1

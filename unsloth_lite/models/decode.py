@@ -41,6 +41,9 @@ GROUPED_MATVEC = False
 # far (SDPA reads the cache's whole length, with its mask) and Qwen3.5's output gate. Off until measured on the
 # H200.
 DECODE_ATTENTION = False
+# A Gated DeltaNet layer's token step after its convolution in one launch (`delta_rule_gated_step`: the gates,
+# the delta-rule step and the gated RMSNorm of each head), instead of three. Off until measured on the H200.
+GATED_DELTANET_STEP = False
 # Attention implementations whose mask (None, or 4-D boolean or additive) SDPA reads as they do.
 GROUPED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 

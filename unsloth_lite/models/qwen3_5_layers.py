@@ -14,7 +14,8 @@ half and k go through q/k-norm + partial RoPE in one kernel (read in place, as s
 native GQA, and the attention output is gated by sigmoid(gate) before o_proj.
 
 With a cache (generation) the prompt runs as above and the DeltaNet layers store their conv and recurrent
-states; each new token then runs the decoding kernels (`qwen3_5_decode.py`, `decode.py`).
+states; each new token then runs the decoding kernels (`qwen3_5_decode.py`, `decode.py`; with
+`decode.GATED_DELTANET_STEP`, the gates, the step and the gated norm in one `delta_rule_gated_step` launch).
 Off the kernels' devices (CPU without the interpreter) the plain-PyTorch references compute the same
 functions.
 """
@@ -30,11 +31,13 @@ from unsloth_lite.kernels.deltanet_decode import (
     delta_rule_step,
     delta_rule_step_reference,
 )
+from unsloth_lite.kernels.deltanet_decode_gated import delta_rule_gated_step
 from unsloth_lite.kernels.deltanet_gates import deltanet_gates, deltanet_gates_reference
 from unsloth_lite.kernels.gated_delta_rule import chunk_gated_delta_rule
 from unsloth_lite.kernels.gated_delta_rule_reference import chunk_gated_delta_rule_reference
 from unsloth_lite.kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
 from unsloth_lite.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from unsloth_lite.models import decode
 from unsloth_lite.models.layers import attend, output_projection, pop_cache, project, use_kernels
 from unsloth_lite.models.qwen3_5_decode import CacheStep, cache_step, cached_states, store_prefill_states
 
@@ -118,6 +121,11 @@ def _deltanet_decode(self, hidden_states, cache):
     conv = conv_state_update if kernels else conv_state_update_reference
     mixed_qkv = conv(mixed_qkv[:, 0], conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation)
     query, key, value = _split_heads(self, mixed_qkv)
+    if kernels and decode.GATED_DELTANET_STEP:  # gates, step and gated norm in one launch
+        z = z[:, 0].unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        core = delta_rule_gated_step(query, key, value, a[:, 0], b[:, 0], self.A_log, self.dt_bias,
+                                     recurrent_state, z, self.norm.weight, eps=self.norm.variance_epsilon)
+        return output_projection(self, "out_proj", core.flatten(-2)[:, None])
     gates = deltanet_gates if kernels else deltanet_gates_reference
     g, beta = gates(a[:, 0], b[:, 0], self.A_log, self.dt_bias)
     step = delta_rule_step if kernels else delta_rule_step_reference
