@@ -23,7 +23,7 @@ from one run (`--sweep-chosen-tile`: each shape's chosen tile only); and at the
 chosen tile with each setting of `CHOSEN_OPTIONS`: the codes read from memory instead of looked up in registers
 (`nf4_matvec.LOOKUP` "pairs", the interpreter's lookup, and "code_book"), the exact fp32 code book instead of
 the one rounded to bf16 that bf16 weights take (`BF16_CODES` off: more instructions a weight; whether they
-bound the kernel), the loop's loads kept 2 to 4 tiles ahead (`PIPELINE_STAGES`; three also at two other
+bound the kernel), the loop's loads kept 2, 3, 4 or 6 tiles ahead (`PIPELINE_STAGES`; three also at two other
 tiles), and the word kernel at its chosen tile (`word_tile`), looped and with three stages.
 
 Each model's MLP input (gate and up) is also timed as decoding runs it: the two products and `swiglu` (three
@@ -75,10 +75,14 @@ SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (3
                (16, 2048, 8, True)]
 # the word kernel's tiles (same form). Offline for sm_90 (triton 3.6), the loop's instructions per eight weights and
 # the registers: 8x512/4w 54 at 47, 16x256/4w 53, 32x256/4w 50 (two features a thread share x), 32x512/4w 50 at
-# 128; 8x1024/4w 47 at 80 (two words a step in flight per thread: for the projections of few programs)
+# 128; 8x1024/4w 47 at 80 (two words a step in flight per thread: for the projections of few programs). Programs
+# of one or two warps: the pipelined loop's barriers then hold no other warp's loads back, and an SM holds more
+# programs (offline, three stages: 2x512/1w 59.5 at 60, 4x512/1w 53.6 at 80, 2x1024/1w 54.8 at 61, 4x1024/2w and
+# 8x512/2w 53.6 at 80)
 WORD_SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (8, 1024, 4, False), (16, 256, 4, False),
                     (32, 256, 4, False), (32, 512, 4, False), (16, 512, 8, False), (8, 512, 4, True),
-                    (16, 1024, 8, True)]
+                    (16, 1024, 8, True), (2, 512, 1, False), (4, 512, 1, False), (2, 1024, 1, False),
+                    (4, 1024, 2, False), (8, 512, 2, False)]
 TINY_VARIANTS = ("unsloth_lite", NESTED_ABSMAX, "unsloth_lite_words", "dequantize_matmul")
 
 
@@ -90,7 +94,7 @@ def tile_name(tile: tuple[int, int, int, bool]) -> str:
 # `nf4_matvec` settings the sweep times at the chosen tile only (column "chosen, <name>")
 CHOSEN_OPTIONS = {
     "pairs": {"LOOKUP": "pairs"}, "code_book": {"LOOKUP": "code_book"}, "exact codes": {"BF16_CODES": False},
-    **{f"{n} stages": {"PIPELINE_STAGES": n} for n in (2, 3, 4)},
+    **{f"{n} stages": {"PIPELINE_STAGES": n} for n in (2, 3, 4, 6)},
     # other tiles with three stages, where pipelining frees registers (offline sm_90 at 17408 x 5120: 16x512/8w
     # 71, 4x1024/4w 64)
     **{f"3 stages, {tile_name(tile)}": {"PIPELINE_STAGES": 3, "blocked_tile": lambda _n, tile=tile: tile}
