@@ -29,7 +29,7 @@ from unsloth_lite.kernels.deltanet_decode_gated import delta_rule_gated_step
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
 from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
-from unsloth_lite.models import decode, patch_model, qwen3_5_layers
+from unsloth_lite.models import decode, layers, patch_model, qwen3_5_layers
 from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
 from unsloth_lite.models.quantize import quantize_linears_nf4
 
@@ -219,6 +219,24 @@ def test_greedy_tokens_match_with_fused_decode_attention(arch, cache_implementat
     assert calls and all((gate is not None) == (arch == "qwen3_5") for gate in calls)
 
 
+@pytest.mark.parametrize("arch,cache_implementation", [("qwen2", "static"), ("qwen3_5", None)])
+def test_greedy_tokens_match_with_the_residual_in_the_products(arch, cache_implementation, device, monkeypatch):
+    """`decode.RESIDUAL_IN_PRODUCTS`: each decoder layer's two residual adds in its output projections'
+    epilogues, the greedy tokens those of the unpatched model; every output projection took its residual."""
+    monkeypatch.setattr(decode, "RESIDUAL_IN_PRODUCTS", True)
+    taken = []
+    original = decode.output_rows
+
+    def output_rows(projection, x):
+        pending = getattr(decode._PENDING_RESIDUAL, "pending", None)
+        taken.append(pending is not None and not pending["taken"])
+        return original(projection, x)
+
+    monkeypatch.setattr(layers, "output_rows", output_rows)
+    assert_same_greedy_tokens(arch, "4bit+lora", cache_implementation, 3, device, prompt_shape=(2, 4))
+    assert taken and all(taken)
+
+
 def test_greedy_tokens_match_with_the_gated_deltanet_step(device, monkeypatch):
     """`decode.GATED_DELTANET_STEP`: each DeltaNet layer's gates, step and gated norm in one
     `delta_rule_gated_step` launch, the greedy tokens those of the unpatched model."""
@@ -318,13 +336,15 @@ def test_bf16_greedy_path_check_runs_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting,arch", [
     ("GATED_MATVEC", "qwen3_5"), ("GROUPED_MATVEC", "qwen3_5"), ("DECODE_ATTENTION", "qwen3_5"),
-    ("DECODE_ATTENTION", "qwen3"), ("GATED_DELTANET_STEP", "qwen3_5"),
-], ids=["gated_mlp", "grouped_projections", "decode_attention_gated", "decode_attention", "gated_deltanet_step"])
+    ("DECODE_ATTENTION", "qwen3"), ("GATED_DELTANET_STEP", "qwen3_5"), ("RESIDUAL_IN_PRODUCTS", "qwen3_5"),
+    ("RESIDUAL_IN_PRODUCTS", "qwen3"),
+], ids=["gated_mlp", "grouped_projections", "decode_attention_gated", "decode_attention", "gated_deltanet_step",
+        "residual_hybrid", "residual"])
 def test_bf16_greedy_path_matches_cuda_with_the_fused_launches(setting, arch, torch_delta_rule, monkeypatch):
     """The fused decoding launches, kept off by default (`decode.GATED_MATVEC`, `decode.GROUPED_MATVEC`,
-    `decode.DECODE_ATTENTION`, `decode.GATED_DELTANET_STEP`), on: 32 bf16 tokens along the reference's greedy
-    path through the captured step (the tiny Qwen3.5, whose projections of a 64-wide input hold whole blocks and
-    whose attention is gated; the tiny Qwen3's attention ungated)."""
+    `decode.DECODE_ATTENTION`, `decode.GATED_DELTANET_STEP`, `decode.RESIDUAL_IN_PRODUCTS`), on: 32 bf16 tokens
+    along the reference's greedy path through the captured step (the tiny Qwen3.5, whose projections of a
+    64-wide input hold whole blocks and whose attention is gated; the tiny Qwen3's attention ungated)."""
     monkeypatch.setattr(decode, setting, True)
     patched = assert_greedy_path_followed(arch, "4bit+lora", "static", 32, "cuda", torch.bfloat16)
     assert captured_decode_steps(patched) == 1

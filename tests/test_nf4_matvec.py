@@ -144,6 +144,25 @@ def test_flat_absmax_is_kept_until_the_absmax_changes(device, monkeypatch):
     assert nf4_matvec_state.flat_absmax(qs) is not again
 
 
+@pytest.mark.parametrize("words", [False, True], ids=["blocked", "words"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("shape,rows,with_bias", [((130, 64), 1, False), ((48, 320), 3, True), ((17, 515), 2, False)],
+                         ids=["one_row", "bias", "general_kernel"])
+def test_nf4_matvec_adds_the_residual(shape, rows, with_bias, dtype, words, device, monkeypatch):
+    """`residual`: y + r before the one rounding, for the blocked, the word and the general kernel."""
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", words)
+    x, weight, bias, lora_a, lora_b = make_case(shape, rows, dtype, True, 64, with_bias, 4, device)
+    residual = torch.randn(rows, 1, shape[0], dtype=dtype, device=device)[:, 0]  # a row-strided view
+    got = nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5, residual=residual)
+    expected = float64_reference(x, weight, bias, lora_a, lora_b, 0.5) + residual.double()
+    assert got.dtype == dtype and got.shape == (rows, shape[0])
+    assert_close(got, expected, TOLERANCE[dtype], "y + residual")
+    reference = nf4_matvec_reference(x, weight, bias, lora_a, lora_b, scale=0.5, residual=residual)
+    assert_close(reference, expected, TOLERANCE[dtype], "reference y + residual")
+    with pytest.raises(ValueError, match="residual has shape"):
+        nf4_matvec(x, weight, bias, residual=residual[:, :-1])
+
+
 def test_nf4_matvec_refuses_grad_and_too_many_rows(device):
     weight = quantize((8, 64), torch.float32, False, 64, device)
     with pytest.raises(ValueError, match="inference only"):

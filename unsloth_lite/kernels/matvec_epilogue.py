@@ -3,7 +3,8 @@
 With the K split, program (i, j) of a product holds the sums of feature block i over tile j of K; instead of
 a second launch, each stores its sums `[rows, features]` to its slot of an fp32 scratch `[splits, rows, N]`
 and counts itself on the feature block's counter; the last to arrive adds the slots in split order and writes y.
-Then y = acc + b + s · t Bᵀ with t = x Aᵀ (`lora_down_rows`): the unmerged adapter's second product, rank r.
+Then y = acc + b + s · t Bᵀ with t = x Aᵀ (`lora_down_rows`): the unmerged adapter's second product, rank r; b
+a bias `[N]` or an addend `[rows, N]` (the residual stream, which an output projection's result joins).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_launch_dependents
 
+# What the products' epilogue adds (`_output_values`' BIAS): nothing, a bias a feature, an addend a row and feature.
+BIAS_NONE, BIAS_FEATURES, BIAS_ROWS = 0, 1, 2
 _ARRIVALS: dict = {}
 
 
@@ -52,14 +55,18 @@ def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr
 @triton.jit
 def _output_values(
     acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
-    lora_b_col_stride, scale, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+    lora_b_col_stride, scale, BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """y = acc + b + s · t Bᵀ in fp32 for the program's rows and features, with t = x Aᵀ from `lora_down_rows`
-    (or any fp32 `[rows, r]`)."""
+    (or any fp32 `[rows, r]`). BIAS: `BIAS_NONE`, `BIAS_FEATURES` (b `[N]`) or `BIAS_ROWS` (b `[rows, N]`,
+    contiguous: an addend of each row, such as the residual stream an output projection's result joins)."""
     mask_rows = rows < n_rows
     mask_features = features < n_out
-    if HAS_BIAS:
+    if BIAS == 1:
         acc += tl.load(bias_ptr + features, mask=mask_features, other=0.0).to(tl.float32)[None, :]
+    if BIAS == 2:
+        acc += tl.load(bias_ptr + rows[:, None] * n_out + features[None, :],
+                       mask=mask_rows[:, None] & mask_features[None, :], other=0.0).to(tl.float32)
     if HAS_LORA:
         ranks = tl.arange(0, BLOCK_R)
         mask_ranks = ranks < rank
@@ -76,12 +83,12 @@ def _output_values(
 @triton.jit
 def _store_rows(
     acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
-    lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     """`_output_values` stored in y's dtype: the end of a decoding matrix-vector product (`nf4_matvec`)."""
     y = _output_values(acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr,
-                       lora_b_row_stride, lora_b_col_stride, scale, HAS_BIAS, HAS_LORA, BLOCK_R)
+                       lora_b_row_stride, lora_b_col_stride, scale, BIAS, HAS_LORA, BLOCK_R)
     out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (features < n_out)[None, :])
 
@@ -103,7 +110,7 @@ def _tile_range(blocks_per_row, BLOCKS_PER_TILE: tl.constexpr, SPLIT_K: tl.const
 def _finish_product(
     acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
     lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-    BLOCK_M: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """The end of a program of the blocked or the word kernel: one row's elementwise `partial` sums reduced into
@@ -120,5 +127,5 @@ def _finish_product(
     if last:
         _store_rows(
             acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr,
-            lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS, HAS_LORA, BLOCK_R,
+            lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS, HAS_LORA, BLOCK_R,
         )

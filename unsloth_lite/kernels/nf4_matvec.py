@@ -61,7 +61,15 @@ from unsloth_lite.kernels.dequantize_nf4 import (
     dequantize_nf4_reference,
 )
 from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
-from unsloth_lite.kernels.matvec_epilogue import _arrival_counters, _finish_product, _store_rows, _tile_range
+from unsloth_lite.kernels.matvec_epilogue import (
+    BIAS_FEATURES,
+    BIAS_NONE,
+    BIAS_ROWS,
+    _arrival_counters,
+    _finish_product,
+    _store_rows,
+    _tile_range,
+)
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
 from unsloth_lite.kernels.nf4_matvec_state import flat_absmax, lane_tables
 from unsloth_lite.kernels.nf4_matvec_words import _nf4_matvec_words_kernel
@@ -173,7 +181,7 @@ def _nf4_matvec_blocked_kernel(
     out_ptr, out_row_stride, partial_ptr, arrivals_ptr,
     n_rows, n_out, n_in, rank,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     STAGES: tl.constexpr,
@@ -201,7 +209,7 @@ def _nf4_matvec_blocked_kernel(
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
         lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-        BLOCK_M, PDL, SPLIT_K, HAS_BIAS, HAS_LORA, BLOCK_R,
+        BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R,
     )
 
 
@@ -257,7 +265,7 @@ def _nf4_matvec_kernel(
     out_ptr, out_row_stride,
     n_rows, n_out, n_in, rank,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, WEIGHT_BF16: tl.constexpr, WEIGHT_FP16: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -289,7 +297,7 @@ def _nf4_matvec_kernel(
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     _store_rows(
         acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
-        lora_b_col_stride, scale, out_ptr, out_row_stride, HAS_BIAS, HAS_LORA, BLOCK_R,
+        lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS, HAS_LORA, BLOCK_R,
     )
 
 
@@ -360,10 +368,13 @@ def nf4_matvec(
     scale: float = 1.0,
     quant_state=None,
     lora_t: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x dequant(W)ᵀ + b + scale · (x Aᵀ) Bᵀ` for x `[..., K]` of 1 to 8 rows and W a 2-D NF4 `Params4bit`
     `[N, K]` (or packed bytes with `quant_state`); returns `[..., N]` in x's dtype. No autograd. `lora_t`: x Aᵀ
-    already computed (fp32 `[rows, r]`, unit column stride; `lora_down_rows`), given with B instead of A."""
+    already computed (fp32 `[rows, r]`, unit column stride; `lora_down_rows`), given with B instead of A.
+    `residual` (`[..., N]` as the result, x's dtype): added in the epilogue before the one rounding, as an
+    output projection's result joins the residual stream."""
     launch = _launch(weight, quant_state)
     if len(launch.shape) != 2:
         raise ValueError(f"nf4_matvec needs a 2-D weight; quant_state.shape is {tuple(launch.shape)}")
@@ -371,6 +382,11 @@ def nf4_matvec(
     x2d = x.reshape(-1, n_in)
     n_rows = x2d.shape[0]
     _check_args(x, weight, bias, lora_a, lora_b, lora_t, n_out, n_in)
+    if residual is not None and (residual.numel() != n_rows * n_out or residual.dtype != x.dtype):
+        raise ValueError(f"residual has shape {tuple(residual.shape)} and dtype {residual.dtype}; expected "
+                         f"{n_rows * n_out} elements of {x.dtype}")
+    if residual is not None and bias is not None:  # one addend in the epilogue: the bias's sum with the residual
+        residual, bias = residual + bias.to(residual.dtype), None
     out = empty((n_rows, n_out), x.dtype, x.device)
     if lora_t is not None:
         t, rank = lora_t, lora_t.shape[1]
@@ -397,19 +413,23 @@ def nf4_matvec(
     if split_k:
         partial = empty((splits, block_m, n_out), torch.float32, x.device)
         arrivals = _arrival_counters(x.device, feature_blocks)
+    if residual is not None:
+        addend, bias_kind = residual.reshape(n_rows, n_out).contiguous(), BIAS_ROWS
+    else:
+        addend, bias_kind = bias, BIAS_FEATURES if bias is not None else BIAS_NONE
     # what the kernel reads codes from: the blocked kernel's pair table, else the code book
     table = code_pairs(code) if blocked and not words and LOOKUP == "pairs" else code
     args = (
         x2d, x2d.stride(0), x2d.stride(1),
         packed, absmax, table, nested_code, nested_absmax, offset,
         nested_blocksize,
-        bias if bias is not None else out, t, t.stride(0), lora_b_arg, lora_b_arg.stride(0), lora_b_arg.stride(1),
+        addend if addend is not None else out, t, t.stride(0), lora_b_arg, lora_b_arg.stride(0), lora_b_arg.stride(1),
         float(scale),
         out, out.stride(0),
     )
     sizes = (n_rows, n_out, n_in, rank)
     meta = dict(
-        BLOCKSIZE=blocksize, NESTED=nested, HAS_BIAS=bias is not None, HAS_LORA=has_lora,
+        BLOCKSIZE=blocksize, NESTED=nested, BIAS=bias_kind, HAS_LORA=has_lora,
         BLOCK_R=max(2, triton.next_power_of_2(rank)),
     )
     if blocked and words:
@@ -450,9 +470,10 @@ def nf4_matvec_reference(
     lora_b: torch.Tensor | None = None,
     scale: float = 1.0,
     quant_state=None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch `nf4_matvec`: the weight dequantised by `dequantize_nf4_reference`, any number of rows, the
-    product in x's dtype (the CPU path without the interpreter)."""
+    product in x's dtype (the CPU path without the interpreter), the residual added after it."""
     qs = quant_state if quant_state is not None else weight.quant_state
     packed = weight.data if isinstance(weight, torch.nn.Parameter) else weight
     dense = dequantize_nf4_reference(packed, qs).to(x.dtype)
@@ -460,4 +481,4 @@ def nf4_matvec_reference(
     y = linear(x, dense, None if bias is None else bias.to(x.dtype))
     if lora_a is not None and lora_a.shape[0] > 0:
         y = y + scale * linear(linear(x, lora_a.to(x.dtype)), lora_b.to(x.dtype))
-    return y
+    return y if residual is None else residual.reshape(y.shape) + y

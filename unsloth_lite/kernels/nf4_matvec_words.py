@@ -182,7 +182,7 @@ def _nf4_matvec_words_kernel(
     out_ptr, out_row_stride, partial_ptr, arrivals_ptr,
     n_rows, n_out, n_in, rank,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
@@ -204,5 +204,5 @@ def _nf4_matvec_words_kernel(
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
         lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-        BLOCK_M, PDL, SPLIT_K, HAS_BIAS, HAS_LORA, BLOCK_R,
+        BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R,
     )

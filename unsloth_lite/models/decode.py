@@ -13,6 +13,9 @@ and gates stay on their fused kernels, which take one token as they take many.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 from transformers.cache_utils import StaticLayer
 
@@ -41,6 +44,10 @@ GROUPED_MATVEC = False
 # far (SDPA reads the cache's whole length, with its mask) and Qwen3.5's output gate. Off until measured on the
 # H200.
 DECODE_ATTENTION = False
+# The residual stream's two adds of each decoder layer in a decoding step (Hugging Face's `residual + ...`) done in
+# the epilogues of the token mixer's and the MLP's output projections (`decoder_layer_forward`): two launches fewer
+# a layer, the sum rounded once. Off until measured on the H200.
+RESIDUAL_IN_PRODUCTS = False
 # A Gated DeltaNet layer's token step after its convolution in one launch (`delta_rule_gated_step`: the gates,
 # the delta-rule step and the gated RMSNorm of each head), instead of three. Off until measured on the H200.
 GATED_DELTANET_STEP = False
@@ -54,14 +61,20 @@ def is_decode_rows(x: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() and 1 <= rows <= MAX_ROWS
 
 
-def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor, residual=None) -> tuple[torch.Tensor, ...]:
     """`x Wᵀ + b + s (x Aᵀ) Bᵀ` for each projection of the rows `x`: NF4 bases through `nf4_matvec` (its
     PyTorch reference off the kernels' devices, and for float64), or all in one `nf4_grouped_matvec` launch with
-    `GROUPED_MATVEC` where it takes them; dense bases through one product each."""
+    `GROUPED_MATVEC` where it takes them; dense bases through one product each. `residual` (one projection):
+    added to its result, in `nf4_matvec`'s epilogue for an NF4 base."""
     kernels = (x.is_cuda or INTERPRET) and x.dtype != torch.float64
     quantized = [getattr(p.base, "quant_state", None) is not None for p in projections]
     t, products = first_products(projections, x, [kernels and q for q in quantized])
-    if GROUPED_MATVEC and kernels and all(quantized):
+    if residual is not None:
+        if len(projections) != 1:
+            raise ValueError("a residual joins the result of one projection")
+        y_shape = (*x.shape[:-1], -1)
+        residual = residual.reshape(y_shape)
+    if GROUPED_MATVEC and kernels and all(quantized) and residual is None:
         bases, biases = [p.base for p in projections], [p.bias for p in projections]
         loras = [(p.lora_b, p.scale) if p.rank else None for p in projections]
         if grouped_matvec_supported(x, bases, biases, loras):
@@ -70,11 +83,11 @@ def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor) -> tu
     for i, p in enumerate(projections):
         if quantized[i] and kernels:
             lora = dict(lora_b=p.lora_b, lora_t=products[i]) if p.rank else {}
-            outputs.append(nf4_matvec(x, p.base, p.bias, scale=p.scale, **lora))
+            outputs.append(nf4_matvec(x, p.base, p.bias, scale=p.scale, residual=residual, **lora))
             continue
         if quantized[i]:
             adapter = (p.lora_a, p.lora_b) if p.rank else (None, None)
-            outputs.append(nf4_matvec_reference(x, p.base, p.bias, *adapter, scale=p.scale))
+            outputs.append(nf4_matvec_reference(x, p.base, p.bias, *adapter, scale=p.scale, residual=residual))
             continue
         weight = p.base if p.base.dtype == x.dtype else p.base.to(x.dtype)
         y = torch.nn.functional.linear(x, weight, None if p.bias is None else p.bias.to(x.dtype))
@@ -82,8 +95,54 @@ def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor) -> tu
             y = y + p.scale * torch.nn.functional.linear(
                 torch.nn.functional.linear(x, p.lora_a.to(x.dtype)), p.lora_b.to(x.dtype)
             )
-        outputs.append(y)
+        outputs.append(y if residual is None else residual + y)
     return tuple(outputs)
+
+
+_PENDING_RESIDUAL = threading.local()
+
+
+@contextlib.contextmanager
+def residual_for_output(residual: torch.Tensor):
+    """Within: the next output projection of decoding rows (`output_rows`) returns `residual +` its result, and
+    marks it taken (`yield`s {"taken": bool}); a nested use holds its own."""
+    previous = getattr(_PENDING_RESIDUAL, "pending", None)
+    pending = _PENDING_RESIDUAL.pending = {"residual": residual, "taken": False}
+    try:
+        yield pending
+    finally:
+        _PENDING_RESIDUAL.pending = previous
+
+
+def output_rows(projection: LoRAProjection, x: torch.Tensor) -> torch.Tensor:
+    """`project_rows` of a token mixer's or an MLP's output projection, joined by the pending residual
+    (`residual_for_output`) where there is one not yet taken."""
+    pending = getattr(_PENDING_RESIDUAL, "pending", None)
+    if pending is None or pending["taken"]:
+        return project_rows((projection,), x)[0]
+    pending["taken"] = True
+    return project_rows((projection,), x, residual=pending["residual"])[0]
+
+
+def decoder_layer_forward(self, hidden_states, *args, **kwargs):
+    """Hugging Face's decoder layer (Qwen2, Qwen3, Qwen3.5), whose decoding step over a cache, with
+    `RESIDUAL_IN_PRODUCTS`, adds the residual stream in the epilogues of the token mixer's and the MLP's output
+    projections (`output_rows`) instead of in two launches of its own. Anything else runs Hugging Face's forward."""
+    cache = next((kwargs[name] for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
+    if args or cache is None or not RESIDUAL_IN_PRODUCTS or not is_decode_rows(hidden_states):
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    if getattr(self, "block_type", None) == "linear_attention":  # Qwen3.5's Gated DeltaNet takes no positions
+        mixer = self.linear_attn
+        mixer_kwargs = {k: v for k, v in kwargs.items() if k not in ("position_embeddings", "position_ids")}
+    else:
+        mixer, mixer_kwargs = self.self_attn, kwargs
+    with residual_for_output(hidden_states) as pending:
+        mixed = mixer(hidden_states=self.input_layernorm(hidden_states), **mixer_kwargs)
+    mixed = mixed[0] if isinstance(mixed, tuple) else mixed
+    hidden_states = mixed if pending["taken"] else hidden_states + mixed
+    with residual_for_output(hidden_states) as pending:
+        out = self.mlp(self.post_attention_layernorm(hidden_states))
+    return out if pending["taken"] else hidden_states + out
 
 
 def first_products(projections, x: torch.Tensor, on_kernels: list[bool]):

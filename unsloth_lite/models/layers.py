@@ -42,6 +42,7 @@ from unsloth_lite.models.decode import (
     grouped_attention,
     grouped_attention_applies,
     is_decode_rows,
+    output_rows,
     project_rows,
 )
 from unsloth_lite.models.decode_graph import decode_graph_applies, graphed_decode_step
@@ -246,7 +247,7 @@ def zero_centred_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Te
 def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     projections = _lora_projections(self, ("gate_proj", "up_proj", "down_proj"), x)
     if projections is not None and is_decode_rows(x):
-        return project_rows(projections[2:], gated_rows(projections[:2], x))[0]
+        return output_rows(projections[2], gated_rows(projections[:2], x))
     if projections is not None:
         kept, into = getattr(_MLP_PREACTIVATIONS, "kept", None), getattr(_MLP_PREACTIVATIONS, "into", None)
         return lora_mlp(
@@ -337,7 +338,7 @@ def output_projection(self, name: str, x: torch.Tensor) -> torch.Tensor:
     stream after it leaves uncomputed."""
     projection = _lora_projections(self, (name,), x)
     if projection is not None and is_decode_rows(x):
-        return project_rows(projection, x)[0]
+        return output_rows(projection[0], x)
     if projection is not None:
         output_needed = not getattr(_RECOMPUTATION, "attention_output_unused", False)
         return lora_projections(x, projection, output_needed=output_needed)[0]

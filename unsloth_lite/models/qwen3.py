@@ -1,5 +1,6 @@
 """Qwen3 (dense): which Hugging Face modules take which fused forward."""
 
+from unsloth_lite.models.decode import decoder_layer_forward
 from unsloth_lite.models.decode_loop import bind_generate
 from unsloth_lite.models.layers import (
     causal_lm_forward,
@@ -15,6 +16,8 @@ from unsloth_lite.models.layers import (
 from unsloth_lite.models.patching import Rule, register
 
 ATTENTION_ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx", "config")
+# What `decoder_layer_forward`'s decoding step reads of a decoder layer (besides its token mixer).
+DECODER_LAYER_ATTRIBUTES = ("input_layernorm", "post_attention_layernorm", "mlp")
 
 # Every architecture's 4-bit layers (bitsandbytes' Linear4bit and its NF4 subclass): dequantised by our code.
 LINEAR4BIT_RULES = tuple(
@@ -29,6 +32,7 @@ RULES = (
         ATTENTION_ATTRIBUTES + ("q_norm.weight", "q_norm.variance_epsilon", "k_norm.weight"),
     ),
     Rule("Qwen3MLP", swiglu_mlp_forward, ("gate_proj", "up_proj", "down_proj", "config"), check=mlp_uses_silu),
+    Rule("Qwen3DecoderLayer", decoder_layer_forward, (*DECODER_LAYER_ATTRIBUTES, "self_attn")),
     Rule(
         "Qwen3ForCausalLM", causal_lm_forward, ("model", "lm_head"), check=lm_head_is_plain_linear,
         on_patch=bind_generate,

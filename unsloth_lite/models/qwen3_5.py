@@ -2,6 +2,7 @@
 forward. Every module of the text model runs fused: the zero-centred norms, the MLP, the loss, the gated
 attention and the Gated DeltaNet layers (`qwen3_5_layers.py`)."""
 
+from unsloth_lite.models.decode import decoder_layer_forward
 from unsloth_lite.models.decode_loop import bind_generate
 from unsloth_lite.models.layers import (
     causal_lm_forward,
@@ -11,7 +12,7 @@ from unsloth_lite.models.layers import (
     zero_centred_rms_norm_forward,
 )
 from unsloth_lite.models.patching import Rule, register
-from unsloth_lite.models.qwen3 import LINEAR4BIT_RULES
+from unsloth_lite.models.qwen3 import DECODER_LAYER_ATTRIBUTES, LINEAR4BIT_RULES
 from unsloth_lite.models.qwen3_5_layers import (
     DELTANET_PROJECTIONS,
     deltanet_checks,
@@ -34,6 +35,7 @@ RULES = (
         check=deltanet_checks,
     ),
     Rule("Qwen3_5MLP", swiglu_mlp_forward, ("gate_proj", "up_proj", "down_proj", "config"), check=mlp_uses_silu),
+    Rule("Qwen3_5DecoderLayer", decoder_layer_forward, (*DECODER_LAYER_ATTRIBUTES, "block_type")),
     Rule(
         "Qwen3_5ForCausalLM", causal_lm_forward, ("model", "lm_head"), check=lm_head_is_plain_linear,
         on_patch=bind_generate,
