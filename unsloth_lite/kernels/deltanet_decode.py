@@ -81,26 +81,38 @@ def _delta_rule_step_kernel(
 ):
     batch_head = tl.program_id(0)
     batch, head = (batch_head // n_v_heads).to(tl.int64), batch_head % n_v_heads
-    key_head = head // group
     dk = tl.arange(0, BLOCK_K)
     dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = dk < key_dim, dv < value_dim
+    q, k = _query_key(q_ptr, q_batch_stride, q_head_stride, k_ptr, k_batch_stride, k_head_stride, batch,
+                      head // group, dk, mask_k, scale, L2)
+    v = tl.load(v_ptr + batch * v_batch_stride + head * v_head_stride + dv, mask=mask_v, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + batch * g_batch_stride + head * g_head_stride).to(tl.float32)
+    beta = tl.load(beta_ptr + batch * beta_batch_stride + head * beta_head_stride).to(tl.float32)
+    state_tile = state_ptr + batch * state_batch_stride + head * state_head_stride + dk[:, None] * state_k_stride
+    o = _state_step(state_tile, dv, mask_k, mask_v, q, k, v, g, beta)
+    tl.store(out_ptr + batch_head * value_dim + dv, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+
+
+@triton.jit
+def _query_key(q_ptr, q_batch_stride, q_head_stride, k_ptr, k_batch_stride, k_head_stride, batch, key_head, dk,
+               mask_k, scale, L2: tl.constexpr):
+    """(scale · q̂, k̂) of one key head in fp32, L2-normalised where asked."""
     q = tl.load(q_ptr + batch * q_batch_stride + key_head * q_head_stride + dk, mask=mask_k, other=0.0)
     k = tl.load(k_ptr + batch * k_batch_stride + key_head * k_head_stride + dk, mask=mask_k, other=0.0)
-    q = _l2_normalised(q.to(tl.float32), L2) * scale
-    k = _l2_normalised(k.to(tl.float32), L2)
-    v = tl.load(v_ptr + batch * v_batch_stride + head * v_head_stride + dv, mask=mask_v, other=0.0).to(tl.float32)
-    decay = tl.exp(tl.load(g_ptr + batch * g_batch_stride + head * g_head_stride).to(tl.float32))
-    beta = tl.load(beta_ptr + batch * beta_batch_stride + head * beta_head_stride).to(tl.float32)
+    return _l2_normalised(q.to(tl.float32), L2) * scale, _l2_normalised(k.to(tl.float32), L2)
 
-    state_tile = state_ptr + batch * state_batch_stride + head * state_head_stride + dk[:, None] * state_k_stride
+
+@triton.jit
+def _state_step(state_tile, dv, mask_k, mask_v, q, k, v, g, beta):
+    """One delta-rule step of the state's columns `dv` (rows `state_tile` `[Dk, 1]` pointers), stored in place:
+    S ← exp(g) S; S ← S + k ⊗ β (v − Sᵀ k). Returns o = Sᵀ q in fp32."""
     mask_state = mask_k[:, None] & mask_v[None, :]
-    state = tl.load(state_tile + dv[None, :], mask=mask_state, other=0.0).to(tl.float32) * decay
+    state = tl.load(state_tile + dv[None, :], mask=mask_state, other=0.0).to(tl.float32) * tl.exp(g)
     delta = beta * (v - tl.sum(state * k[:, None], axis=0))
     state += k[:, None] * delta[None, :]
-    tl.store(state_tile + dv[None, :], state.to(state_ptr.dtype.element_ty), mask=mask_state)
-    o = tl.sum(state * q[:, None], axis=0)
-    tl.store(out_ptr + batch_head * value_dim + dv, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+    tl.store(state_tile + dv[None, :], state.to(state_tile.dtype.element_ty), mask=mask_state)
+    return tl.sum(state * q[:, None], axis=0)
 
 
 def conv_state_update(

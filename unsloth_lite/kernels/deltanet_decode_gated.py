@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unsloth_lite.kernels.deltanet_decode import _l2_normalised
+from unsloth_lite.kernels.deltanet_decode import _query_key, _state_step
 from unsloth_lite.kernels.deltanet_gates import SOFTPLUS_THRESHOLD, _softplus_and_slope
 from unsloth_lite.kernels.utils import check_kernel_device, empty
 
@@ -38,14 +38,11 @@ def _delta_rule_gated_step_kernel(
 ):
     batch_head = tl.program_id(0)
     batch, head = (batch_head // n_v_heads).to(tl.int64), batch_head % n_v_heads
-    key_head = head // group
     dk = tl.arange(0, BLOCK_K)
     dv = tl.arange(0, BLOCK_V)
     mask_k, mask_v = dk < key_dim, dv < value_dim
-    q = tl.load(q_ptr + batch * q_batch_stride + key_head * q_head_stride + dk, mask=mask_k, other=0.0)
-    k = tl.load(k_ptr + batch * k_batch_stride + key_head * k_head_stride + dk, mask=mask_k, other=0.0)
-    q = _l2_normalised(q.to(tl.float32), L2) * scale
-    k = _l2_normalised(k.to(tl.float32), L2)
+    q, k = _query_key(q_ptr, q_batch_stride, q_head_stride, k_ptr, k_batch_stride, k_head_stride, batch,
+                      head // group, dk, mask_k, scale, L2)
     v = tl.load(v_ptr + batch * v_batch_stride + head * v_head_stride + dv, mask=mask_v, other=0.0).to(tl.float32)
 
     a = tl.load(a_ptr + batch * a_batch_stride + head * a_head_stride).to(tl.float32)
@@ -55,12 +52,8 @@ def _delta_rule_gated_step_kernel(
     beta = tl.sigmoid(b).to(b_ptr.dtype.element_ty).to(tl.float32)  # as the gates write it
 
     state_tile = state_ptr + batch * state_batch_stride + head * state_head_stride + dk[:, None] * state_k_stride
-    mask_state = mask_k[:, None] & mask_v[None, :]
-    state = tl.load(state_tile + dv[None, :], mask=mask_state, other=0.0).to(tl.float32) * tl.exp(g)
-    delta = beta * (v - tl.sum(state * k[:, None], axis=0))
-    state += k[:, None] * delta[None, :]
-    tl.store(state_tile + dv[None, :], state.to(state_ptr.dtype.element_ty), mask=mask_state)
-    o = tl.sum(state * q[:, None], axis=0).to(v_ptr.dtype.element_ty).to(tl.float32)  # as the step writes it
+    o = _state_step(state_tile, dv, mask_k, mask_v, q, k, v, g, beta)
+    o = o.to(v_ptr.dtype.element_ty).to(tl.float32)  # as the step writes it
 
     z = tl.load(z_ptr + batch * z_batch_stride + head * z_head_stride + dv, mask=mask_v, other=0.0).to(tl.float32)
     weight = tl.load(norm_weight_ptr + dv, mask=mask_v, other=0.0).to(tl.float32)

@@ -52,6 +52,24 @@ def _tile_products(code_even, code_odd, absmax, x_even, x_odd):
 
 
 @triton.jit
+def _accumulate(products, m, rows, acc, partial, BLOCK_M: tl.constexpr):
+    """(acc, partial) with row m's products of a tile `[N, B, W]` added: elementwise into partial for one row
+    (reduced once at the end, `_reduced`), reduced into row m of acc `[BLOCK_M, N]` for several."""
+    if BLOCK_M == 1:
+        partial += products
+    else:
+        acc += tl.where(rows[:, None] == m, tl.sum(tl.sum(products, axis=2), axis=1)[None, :], 0.0)
+    return acc, partial
+
+
+@triton.jit
+def _reduced(acc, partial, BLOCK_M: tl.constexpr):
+    if BLOCK_M == 1:
+        acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
+    return acc
+
+
+@triton.jit
 def _gated_blocked_sums(
     x_ptr, x_row_stride, x_col_stride, gate_packed_ptr, gate_absmax_ptr, up_packed_ptr, up_absmax_ptr, table_ptr,
     features, n_rows, n_out, n_in, BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -85,16 +103,9 @@ def _gated_blocked_sums(
             x_even, x_odd = tl.split(tl.load(x_pairs_ptr + m * x_row_stride, mask=mask_row, other=0.0).to(tl.float32))
             gate = _tile_products(gate_even, gate_odd, gate_absmax, x_even, x_odd)
             up = _tile_products(up_even, up_odd, up_absmax, x_even, x_odd)
-            if BLOCK_M == 1:
-                partial_gate += gate
-                partial_up += up
-            else:
-                acc_gate += tl.where(rows[:, None] == m, tl.sum(tl.sum(gate, axis=2), axis=1)[None, :], 0.0)
-                acc_up += tl.where(rows[:, None] == m, tl.sum(tl.sum(up, axis=2), axis=1)[None, :], 0.0)
-    if BLOCK_M == 1:
-        acc_gate += tl.sum(tl.sum(partial_gate, axis=2), axis=1)[None, :]
-        acc_up += tl.sum(tl.sum(partial_up, axis=2), axis=1)[None, :]
-    return acc_gate, acc_up
+            acc_gate, partial_gate = _accumulate(gate, m, rows, acc_gate, partial_gate, BLOCK_M)
+            acc_up, partial_up = _accumulate(up, m, rows, acc_up, partial_up, BLOCK_M)
+    return _reduced(acc_gate, partial_gate, BLOCK_M), _reduced(acc_up, partial_up, BLOCK_M)
 
 
 @triton.jit
@@ -133,16 +144,9 @@ def _gated_word_sums(
             x = _word_x(x_ptr, m, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
             gate = _word_sums(gate_codes, x, X_PAIRS) * gate_absmax
             up = _word_sums(up_codes, x, X_PAIRS) * up_absmax
-            if BLOCK_M == 1:
-                partial_gate += gate
-                partial_up += up
-            else:
-                acc_gate += tl.where(rows[:, None] == m, tl.sum(tl.sum(gate, axis=2), axis=1)[None, :], 0.0)
-                acc_up += tl.where(rows[:, None] == m, tl.sum(tl.sum(up, axis=2), axis=1)[None, :], 0.0)
-    if BLOCK_M == 1:
-        acc_gate += tl.sum(tl.sum(partial_gate, axis=2), axis=1)[None, :]
-        acc_up += tl.sum(tl.sum(partial_up, axis=2), axis=1)[None, :]
-    return acc_gate, acc_up
+            acc_gate, partial_gate = _accumulate(gate, m, rows, acc_gate, partial_gate, BLOCK_M)
+            acc_up, partial_up = _accumulate(up, m, rows, acc_up, partial_up, BLOCK_M)
+    return _reduced(acc_gate, partial_gate, BLOCK_M), _reduced(acc_up, partial_up, BLOCK_M)
 
 
 @triton.jit
