@@ -82,7 +82,7 @@ def test_bench_nf4_matvec_tiny_mode_runs():
     assert "| qwen3_8b | unsloth_lite |" in out and "| qwen3_8b | unsloth_lite_words |" in out
     assert "| out | in | chosen | 4x1024/4w | 8x512/4w |" in out
     assert "| 16x2048/8w split | words 4x1024/4w | words 8x512/4w |" in out
-    assert ("| words 16x1024/8w split | chosen, pairs | chosen, code_book | chosen, exact codes | chosen, 2 stages |"
+    assert ("| words 8x512/2w | chosen, pairs | chosen, code_book | chosen, exact codes | chosen, 2 stages |"
             in out)
     assert "| chosen, words | chosen, words, 3 stages |" in out
     assert "| model | out | in | rank | three_launches_us | gated_us | gated_vs_three | ms_per_token_saved |" in out
@@ -95,7 +95,8 @@ def test_bench_nf4_matvec_sweep_of_the_chosen_tile():
     out = run_tiny("bench_nf4_matvec.py", "--sweep", "--sweep-chosen-tile", "--shapes", "qwen3_8b",
                    "--variants", "unsloth_lite")
     header = ("| out | in | chosen | chosen, pairs | chosen, code_book | chosen, exact codes | chosen, 2 stages | "
-              "chosen, 3 stages | chosen, 4 stages | chosen, 3 stages, 16x512/8w | chosen, 3 stages, 4x1024/4w | "
+              "chosen, 3 stages | chosen, 4 stages | chosen, 6 stages | chosen, 3 stages, 16x512/8w | "
+              "chosen, 3 stages, 4x1024/4w | "
               "chosen, words | chosen, words, 3 stages |")
     assert header in out
     assert "| 4x1024/4w |" not in out and "| words 8x512/4w |" not in out  # no other tile's column

@@ -121,8 +121,9 @@ def test_patch_is_idempotent_and_per_instance(device):
     untouched = copy.deepcopy(model)
     patch_model(model)
     forwards = {name: m.forward for name, m in model.named_modules() if "forward" in m.__dict__}
-    # per layer: two decoder norms, q_norm, k_norm, attention, MLP; then the final norm and the causal-LM head
-    assert len(forwards) == 2 * 6 + 2
+    # per layer: the decoder layer, its two norms, q_norm, k_norm, attention, MLP; then the final norm and the
+    # causal-LM head
+    assert len(forwards) == 2 * 7 + 2
     patch_model(model)
     assert {name: m.forward for name, m in model.named_modules() if "forward" in m.__dict__} == forwards
     assert not any("forward" in m.__dict__ for m in untouched.modules())  # a second model stays unpatched
