@@ -65,7 +65,7 @@ def test_tiny_recipe_trains_saves_and_merges(tmp_path):
 def test_resume_after_kill_continues_like_an_uninterrupted_run(tmp_path):
     # A full-precision base: bitsandbytes repacks 4-bit CPU weights the first time they run in eval mode, which
     # changes the summation order of later steps in the uninterrupted run but not in the resumed one.
-    settings = ["training.max_steps=12", "training.save_total_limit=5", "model.load_in_4bit=false", *QUICK]
+    settings = ["training.max_steps=8", "training.save_total_limit=5", "model.load_in_4bit=false", *QUICK]
     whole = tmp_path / "whole"
     assert run(f"training.output_dir={whole}", *settings).returncode == 0
 
@@ -79,17 +79,16 @@ def test_resume_after_kill_continues_like_an_uninterrupted_run(tmp_path):
     process.wait()
     for checkpoint in cut.glob("checkpoint-*"):  # only complete checkpoints carry the checkpoint name
         assert (checkpoint / "trainer_state.json").exists(), checkpoint
-    for later in ("checkpoint-8", "checkpoint-12"):  # if the kill came late, resume from checkpoint-4 anyway
-        if (cut / later).exists():
-            import shutil
+    if (cut / "checkpoint-8").exists():  # if the kill came late, resume from checkpoint-4 anyway
+        import shutil
 
-            shutil.rmtree(cut / later)
+        shutil.rmtree(cut / "checkpoint-8")
 
     resumed = run(f"training.output_dir={cut}", *settings, "training.resume_from_checkpoint=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     expected, got = losses(whole), losses(cut)
-    assert sorted(got) == sorted(expected) == list(range(1, 13))
-    for step in range(5, 13):
+    assert sorted(got) == sorted(expected) == list(range(1, 9))
+    for step in range(5, 9):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
 
 
