@@ -28,8 +28,8 @@ decodes in one step, times 8). Launched from a CPU, the kernels are
 compiled without programmatic dependent launch.
 
 `--decode-kernels`: `decode_attention` at the W3 models' attention shapes (bf16, batch 1, a boolean mask,
-Qwen3.5's gate), a cache of 256 positions (W3's) and one of 4,096, and `delta_rule_gated_step` at the 27B's
-DeltaNet shape, as shipped.
+Qwen3.5's gate), a cache of 256 positions (W3's) and one of 4,096, `delta_rule_gated_step` at the 27B's DeltaNet
+shape and `rms_norm_lora_down_rows` at both models' hidden sizes (three rank-16 adapters), as shipped.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from unsloth_lite.kernels import (  # noqa: E402
     decode_attention,
     deltanet_decode_gated,
     gated_delta_rule,
+    lora_down,
     nf4_gated_matvec,
     nf4_grouped_matvec,
     nf4_matvec,
@@ -155,7 +156,7 @@ def deltanet_launches(seq, key_heads, value_heads, head_dim, dtype):
 def compiled_on_cpu():
     """CPU tensors taken by the launchers that check for CUDA (the launches are captured, never run)."""
     saved = {module: module.check_kernel_device
-             for module in (nf4_matvec, dequantize_module, decode_attention, deltanet_decode_gated)}
+             for module in (nf4_matvec, dequantize_module, decode_attention, deltanet_decode_gated, lora_down)}
     supported = nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported
     try:
         for module in saved:
@@ -268,8 +269,9 @@ DECODE_ATTENTION_SHAPES = (("qwen3_8b", 32, 8, 128, False), ("qwen3_5_27b", 24, 
 
 
 def decode_kernel_rows(arch: int) -> list[dict]:
-    """One row per (W3 model, cache length): `decode_attention`'s launch compiled for `arch`; and one for
-    `delta_rule_gated_step` at the 27B's DeltaNet shape (16 key and 48 value heads of 128)."""
+    """One row per (W3 model, cache length): `decode_attention`'s launch compiled for `arch`; one for
+    `delta_rule_gated_step` at the 27B's DeltaNet shape (16 key and 48 value heads of 128); one per model for
+    `rms_norm_lora_down_rows`."""
     rows = []
     for model, q_heads, kv_heads, head_dim, gated in DECODE_ATTENTION_SHAPES:
         for cache_len in (256, 4096):
@@ -301,6 +303,17 @@ def decode_kernel_rows(arch: int) -> list[dict]:
     total, loop = loop_instructions(sass_of(compiled))
     rows.append(dict(kernel="delta_rule_gated_step", model="qwen3_5_27b", registers=registers, stack_bytes=stack,
                      shared_bytes=compiled.metadata.shared, instructions=total, loop=loop))
+    for model, hidden in (("qwen3_8b", 4096), ("qwen3_5_27b", 5120)):  # the norm with q/k/v's rank-16 adapters
+        x = torch.empty(1, hidden, dtype=torch.bfloat16)
+        with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
+            lora_down.rms_norm_lora_down_rows(x, torch.empty(hidden, dtype=torch.bfloat16), 1e-6, 0.0,
+                                              [torch.empty(16, hidden)] * 3)
+        (kernel, kernel_args, kernel_kwargs), = launches
+        compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
+        registers, stack = resource_usage(compiled)
+        total, loop = loop_instructions(sass_of(compiled))
+        rows.append(dict(kernel="rms_norm_lora_down", model=model, registers=registers, stack_bytes=stack,
+                         shared_bytes=compiled.metadata.shared, instructions=total, loop=loop))
     return rows
 
 

@@ -164,7 +164,8 @@ def test_kernel_resources_refuses_a_matvec_shape_off_the_blocks():
 
 def test_kernel_resources_compiles_the_decoding_kernels_for_hopper(tmp_path):
     """`--decode-kernels`: the decoding attention kernel compiled for sm_90 at W3's attention shapes without
-    spills, the longer cache split over more programs; the DeltaNet's gated step at the 27B's shape."""
+    spills, the longer cache split over more programs; the DeltaNet's gated step at the 27B's shape; the norm with
+    its adapters' first products at both models' hidden sizes."""
     out = tmp_path / "decode.json"
     result = run_compiled("--decode-kernels", "--out", str(out))
     assert result.returncode == 0, result.stderr
@@ -177,3 +178,4 @@ def test_kernel_resources_compiles_the_decoding_kernels_for_hopper(tmp_path):
     by_cache = {(row["model"], row["cache"]): row["splits"] for row in attention}
     assert all(by_cache[(model, 4096)] > by_cache[(model, 256)] for model in ("qwen3_8b", "qwen3_5_27b"))
     assert [row["kernel"] for row in rows].count("delta_rule_gated_step") == 1
+    assert [row["kernel"] for row in rows].count("rms_norm_lora_down") == 2

@@ -27,9 +27,10 @@ from test_patch_model import tiny_model, tiny_qwen3_5
 from unsloth_lite.kernels.decode_attention import decode_attention
 from unsloth_lite.kernels.deltanet_decode_gated import delta_rule_gated_step
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
+from unsloth_lite.kernels.lora_down import lora_down_rows, rms_norm_lora_down_rows
 from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
 from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
-from unsloth_lite.models import decode, layers, patch_model, qwen3_5_layers
+from unsloth_lite.models import decode, decoder_layer, layers, patch_model, qwen3_5_layers
 from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
 from unsloth_lite.models.quantize import quantize_linears_nf4
 
@@ -237,6 +238,24 @@ def test_greedy_tokens_match_with_the_residual_in_the_products(arch, cache_imple
     assert taken and all(taken)
 
 
+@pytest.mark.parametrize("arch,cache_implementation", [("qwen3", "static"), ("qwen3_5", None)])
+def test_greedy_tokens_match_with_norms_and_first_products_in_one_launch(arch, cache_implementation, device,
+                                                                         monkeypatch):
+    """`decode.NORM_FIRST_PRODUCTS`: each decoder layer's norms in one launch with the first products of the
+    adapters after them, taken by those projections instead of their own launch; the greedy tokens those of the
+    unpatched model."""
+    monkeypatch.setattr(decode, "NORM_FIRST_PRODUCTS", True)
+    launches = []
+    monkeypatch.setattr(decode, "lora_down_rows", lambda x, lora_as: launches.append(len(lora_as)) or
+                        lora_down_rows(x, lora_as))
+    fused = []
+    monkeypatch.setattr(decoder_layer, "rms_norm_lora_down_rows",
+                        lambda *args: fused.append(len(args[-1])) or rms_norm_lora_down_rows(*args))
+    assert_same_greedy_tokens(arch, "4bit+lora", cache_implementation, 3, device, prompt_shape=(2, 4))
+    # left to their own launches: o's and down's one adapter, the DeltaNet's four (more than one launch takes)
+    assert fused and all(count in (1, 4) for count in launches), (fused, launches)
+
+
 def test_greedy_tokens_match_with_the_gated_deltanet_step(device, monkeypatch):
     """`decode.GATED_DELTANET_STEP`: each DeltaNet layer's gates, step and gated norm in one
     `delta_rule_gated_step` launch, the greedy tokens those of the unpatched model."""
@@ -337,12 +356,13 @@ def test_bf16_greedy_path_check_runs_on_cpu():
 @pytest.mark.parametrize("setting,arch", [
     ("GATED_MATVEC", "qwen3_5"), ("GROUPED_MATVEC", "qwen3_5"), ("DECODE_ATTENTION", "qwen3_5"),
     ("DECODE_ATTENTION", "qwen3"), ("GATED_DELTANET_STEP", "qwen3_5"), ("RESIDUAL_IN_PRODUCTS", "qwen3_5"),
-    ("RESIDUAL_IN_PRODUCTS", "qwen3"),
+    ("RESIDUAL_IN_PRODUCTS", "qwen3"), ("NORM_FIRST_PRODUCTS", "qwen3"),
 ], ids=["gated_mlp", "grouped_projections", "decode_attention_gated", "decode_attention", "gated_deltanet_step",
-        "residual_hybrid", "residual"])
+        "residual_hybrid", "residual", "norm_first_products"])
 def test_bf16_greedy_path_matches_cuda_with_the_fused_launches(setting, arch, torch_delta_rule, monkeypatch):
     """The fused decoding launches, kept off by default (`decode.GATED_MATVEC`, `decode.GROUPED_MATVEC`,
-    `decode.DECODE_ATTENTION`, `decode.GATED_DELTANET_STEP`, `decode.RESIDUAL_IN_PRODUCTS`), on: 32 bf16 tokens
+    `decode.DECODE_ATTENTION`, `decode.GATED_DELTANET_STEP`, `decode.RESIDUAL_IN_PRODUCTS`,
+    `decode.NORM_FIRST_PRODUCTS`), on: 32 bf16 tokens
     along the reference's greedy path through the captured step (the tiny Qwen3.5, whose projections of a
     64-wide input hold whole blocks and whose attention is gated; the tiny Qwen3's attention ungated)."""
     monkeypatch.setattr(decode, setting, True)

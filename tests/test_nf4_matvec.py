@@ -13,8 +13,9 @@ from unsloth_lite.kernels import matvec_epilogue, nf4_matvec_state
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels import utils as kernel_utils
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
-from unsloth_lite.kernels.lora_down import lora_down_rows
+from unsloth_lite.kernels.lora_down import lora_down_rows, rms_norm_lora_down_rows
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec, nf4_matvec_reference
+from unsloth_lite.kernels.rms_norm import rms_norm
 
 # (out, in): 96 and 160 split 64-element blocks across rows; 515 is odd (a byte holds two rows' nibbles): the
 # general kernel. 64 and 320 hold whole blocks: the blocked one, whose tiles are part-filled along K here.
@@ -301,6 +302,22 @@ def test_lora_down_rows_several_adapters(split, rows, stages, device, monkeypatc
     assert_close(got, expected, 1e-5, "t")
     assert torch.equal(got, lora_down_rows(x, adapters))
     assert all(int(counters.abs().sum()) == 0 for counters in matvec_epilogue._ARRIVALS.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("rows,n_in,offset", [(1, 96, 0.0), (3, 200, 1.0)])
+def test_rms_norm_lora_down_rows(rows, n_in, offset, dtype, device):
+    """The norm and the adapters' first products in one launch: y with `rms_norm`'s bits, t as `lora_down_rows`
+    of y computes it (fp32, another summation order), three adapters of different ranks."""
+    x = torch.randn(rows, 2, n_in, device=device, dtype=dtype)[:, 1]  # row-strided, as a view of a wider batch
+    weight = torch.randn(n_in, device=device, dtype=dtype)
+    adapters = [torch.randn(r, n_in, device=device) for r in (4, 2, 8)]
+    y, t = rms_norm_lora_down_rows(x, weight, 1e-6, offset, adapters)
+    assert torch.equal(y, rms_norm(x, weight, 1e-6, offset=offset))
+    assert t.dtype == torch.float32 and t.shape == (rows, 14)
+    assert_close(t, y.double() @ torch.cat(adapters).double().t(), 1e-5, "t")
+    with pytest.raises(ValueError, match="1 to 3 adapters"):
+        rms_norm_lora_down_rows(x, weight, 1e-6, offset, adapters + adapters[:1])
 
 
 def test_nf4_matvec_takes_a_precomputed_adapter_product(device):

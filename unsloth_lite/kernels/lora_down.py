@@ -5,7 +5,8 @@ one, the adapters of projections that share an input (q, k and v; gate and up) w
 program per adapter row walks K once, for every row of x, and writes its fp32 column of t; `nf4_matvec` then
 adds s · t Bᵀ to its product (`lora_t`). With `SPLIT_K`, program (j, s) takes step s of row j alone and the row's
 last program to arrive adds the steps in order (`matvec_epilogue._sum_of_splits`: deterministic, one launch).
-Inference only.
+`rms_norm_lora_down_rows` makes the RMSNorm of x and the first products of the projections that read it one
+launch. Inference only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
 from unsloth_lite.kernels.matvec_epilogue import _arrival_counters, _sum_of_splits
-from unsloth_lite.kernels.utils import INTERPRET, check_kernel_device, compute_capability, empty
+from unsloth_lite.kernels.utils import (
+    INTERPRET,
+    check_kernel_device,
+    compute_capability,
+    empty,
+    row_launch_config,
+)
 
 MAX_ROWS = 8  # rows of x (tokens of all sequences together) the decoding kernels take
 
@@ -26,6 +33,18 @@ def _x_step(x_ptr, x_row_stride, x_col_stride, rows, mask_rows, cols, n_in):
     """x's rows over columns `cols` as fp32 `[BLOCK_M, BLOCK_K]` (0 past x's rows and past K)."""
     return tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride,
                    mask=mask_rows[:, None] & (cols < n_in)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _adapter_row(j, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, n_in):
+    """Row j of [A0; A1; A2] (each `[r_i, K]`, contiguous)."""
+    if j < rank0:
+        a_row = a0_ptr + j.to(tl.int64) * n_in
+    elif j < rank0 + rank1:
+        a_row = a1_ptr + (j - rank0).to(tl.int64) * n_in
+    else:
+        a_row = a2_ptr + (j - rank0 - rank1).to(tl.int64) * n_in
+    return a_row
 
 
 @triton.jit
@@ -39,12 +58,7 @@ def _lora_down_kernel(
     row's programs to arrive sums the steps in order (`matvec_epilogue._sum_of_splits`: one launch, the same
     bits whichever arrives last). PDL: the adapter, which no kernel writes, is read before `gdc_wait`; x after."""
     j = tl.program_id(0)
-    if j < rank0:
-        a_row = a0_ptr + j.to(tl.int64) * n_in
-    elif j < rank0 + rank1:
-        a_row = a1_ptr + (j - rank0).to(tl.int64) * n_in
-    else:
-        a_row = a2_ptr + (j - rank0 - rank1).to(tl.int64) * n_in
+    a_row = _adapter_row(j, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, n_in)
     rows = tl.arange(0, BLOCK_M)
     mask_rows = rows < n_rows
     if SPLIT_K:
@@ -123,3 +137,55 @@ def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor
         )
         start += width
     return t
+
+
+@triton.jit
+def _rms_norm_lora_down_kernel(
+    x_ptr, x_row_stride, w_ptr, eps, offset, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, y_ptr, t_ptr, t_row_stride,
+    n_rows, n_in, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Column j of t = y [A0; A1; A2]ᵀ for y = RMSNorm(x) computed as `rms_norm`'s forward kernel computes it (one
+    reduction over the row, the same expression, rounded to y's dtype); program 0 also writes y."""
+    j = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_in
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
+    a = tl.load(_adapter_row(j, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, n_in) + cols, mask=mask, other=0.0)
+    for m in tl.static_range(BLOCK_M):
+        if m < n_rows:
+            x = tl.load(x_ptr + m * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_in + eps)
+            y = (x * rstd * w).to(y_ptr.dtype.element_ty)
+            if j == 0:
+                tl.store(y_ptr + m * n_in + cols, y, mask=mask)
+            tl.store(t_ptr + m * t_row_stride + j, tl.sum(y.to(tl.float32) * a.to(tl.float32), axis=0))
+
+
+def rms_norm_lora_down_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                            lora_as: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, t): y = `rms_norm(x, weight, eps, offset)` for x `[rows, K]` (1 to MAX_ROWS rows) and t = y [A_1; ...]ᵀ
+    (`lora_down_rows` of y: up to MAX_ADAPTERS_PER_LAUNCH adapters `[r_i, K]`), in one launch instead of two: each
+    program normalises the few rows itself and takes one adapter row. Inference only."""
+    rows, n_in = x.shape
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"rms_norm_lora_down_rows takes 1 to {MAX_ROWS} rows of x, got {rows}")
+    if not 1 <= len(lora_as) <= MAX_ADAPTERS_PER_LAUNCH or any(
+            a.dim() != 2 or a.shape[1] != n_in or a.shape[0] == 0 for a in lora_as):
+        raise ValueError(f"1 to {MAX_ADAPTERS_PER_LAUNCH} adapters A of [r > 0, {n_in}]; got "
+                         f"{[tuple(a.shape) for a in lora_as]}")
+    if tuple(weight.shape) != (n_in,):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({n_in},)")
+    check_kernel_device("x", x)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    group = [a.contiguous() for a in lora_as]
+    pointers = group + [group[-1]] * (MAX_ADAPTERS_PER_LAUNCH - len(group))
+    width = sum(a.shape[0] for a in group)
+    y = empty((rows, n_in), x.dtype, x.device)
+    t = empty((rows, width), torch.float32, x.device)
+    block, warps = row_launch_config(n_in)  # rms_norm's: the same reduction, the same bits
+    _rms_norm_lora_down_kernel[(width,)](
+        x, x.stride(0), weight.contiguous(), float(eps), float(offset), *pointers, group[0].shape[0],
+        group[1].shape[0] if len(group) > 1 else 0, y, t, t.stride(0), rows, n_in,
+        BLOCK_M=triton.next_power_of_2(rows), BLOCK=block, num_warps=warps,
+    )
+    return y, t

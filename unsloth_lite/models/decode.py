@@ -45,9 +45,13 @@ GROUPED_MATVEC = False
 # H200.
 DECODE_ATTENTION = False
 # The residual stream's two adds of each decoder layer in a decoding step (Hugging Face's `residual + ...`) done in
-# the epilogues of the token mixer's and the MLP's output projections (`decoder_layer_forward`): two launches fewer
-# a layer, the sum rounded once. Off until measured on the H200.
+# the epilogues of the token mixer's and the MLP's output projections (`decoder_layer.py`): two launches fewer a
+# layer, the sum rounded once. Off until measured on the H200.
 RESIDUAL_IN_PRODUCTS = False
+# A decoder layer's two RMSNorms each in one launch with the first products x Aᵀ of the adapters of the
+# projections that read its output (q/k/v or the DeltaNet's four; gate and up: `rms_norm_lora_down_rows`), instead
+# of a norm and a `lora_down_rows` launch (`decoder_layer.py`). Off until measured on the H200.
+NORM_FIRST_PRODUCTS = False
 # A Gated DeltaNet layer's token step after its convolution in one launch (`delta_rule_gated_step`: the gates,
 # the delta-rule step and the gated RMSNorm of each head), instead of three. Off until measured on the H200.
 GATED_DELTANET_STEP = False
@@ -124,34 +128,35 @@ def output_rows(projection: LoRAProjection, x: torch.Tensor) -> torch.Tensor:
     return project_rows((projection,), x, residual=pending["residual"])[0]
 
 
-def decoder_layer_forward(self, hidden_states, *args, **kwargs):
-    """Hugging Face's decoder layer (Qwen2, Qwen3, Qwen3.5), whose decoding step over a cache, with
-    `RESIDUAL_IN_PRODUCTS`, adds the residual stream in the epilogues of the token mixer's and the MLP's output
-    projections (`output_rows`) instead of in two launches of its own. Anything else runs Hugging Face's forward."""
-    cache = next((kwargs[name] for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
-    if args or cache is None or not RESIDUAL_IN_PRODUCTS or not is_decode_rows(hidden_states):
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    if getattr(self, "block_type", None) == "linear_attention":  # Qwen3.5's Gated DeltaNet takes no positions
-        mixer = self.linear_attn
-        mixer_kwargs = {k: v for k, v in kwargs.items() if k not in ("position_embeddings", "position_ids")}
-    else:
-        mixer, mixer_kwargs = self.self_attn, kwargs
-    with residual_for_output(hidden_states) as pending:
-        mixed = mixer(hidden_states=self.input_layernorm(hidden_states), **mixer_kwargs)
-    mixed = mixed[0] if isinstance(mixed, tuple) else mixed
-    hidden_states = mixed if pending["taken"] else hidden_states + mixed
-    with residual_for_output(hidden_states) as pending:
-        out = self.mlp(self.post_attention_layernorm(hidden_states))
-    return out if pending["taken"] else hidden_states + out
+_PENDING_PRODUCTS = threading.local()
+
+
+@contextlib.contextmanager
+def first_products_of(x: torch.Tensor, lora_as: list[torch.Tensor], t: torch.Tensor):
+    """Within: `first_products` of exactly the adapters `lora_as` (the same tensors, in order) on exactly the
+    tensor `x` takes t = x [A_1; ...]ᵀ, computed already (`rms_norm_lora_down_rows`), instead of a launch."""
+    previous = getattr(_PENDING_PRODUCTS, "pending", None)
+    _PENDING_PRODUCTS.pending = (x, lora_as, t)
+    try:
+        yield
+    finally:
+        _PENDING_PRODUCTS.pending = previous
 
 
 def first_products(projections, x: torch.Tensor, on_kernels: list[bool]):
-    """(t, {i: t_i}): x Aᵀ of every adapted projection i with `on_kernels[i]` from one `lora_down_rows` launch,
-    side by side in t, and each one's columns (t None and no columns where none is adapted)."""
+    """(t, {i: t_i}): x Aᵀ of every adapted projection i with `on_kernels[i]` from one `lora_down_rows` launch (or
+    as `first_products_of` holds it), side by side in t, and each one's columns (t None and no columns where none
+    is adapted)."""
     adapted = [i for i, p in enumerate(projections) if on_kernels[i] and p.rank]
     if not adapted:
         return None, {}
-    t = lora_down_rows(x.reshape(-1, x.shape[-1]), [projections[i].lora_a for i in adapted])
+    lora_as = [projections[i].lora_a for i in adapted]
+    pending = getattr(_PENDING_PRODUCTS, "pending", None)
+    if (pending is not None and pending[0] is x and len(pending[1]) == len(lora_as)
+            and all(a is b for a, b in zip(pending[1], lora_as, strict=True))):
+        t = pending[2]
+    else:
+        t = lora_down_rows(x.reshape(-1, x.shape[-1]), lora_as)
     return t, dict(zip(adapted, t.split([projections[i].rank for i in adapted], dim=1), strict=True))
 
 

@@ -1,7 +1,7 @@
 """Qwen3 (dense): which Hugging Face modules take which fused forward."""
 
-from unsloth_lite.models.decode import decoder_layer_forward
 from unsloth_lite.models.decode_loop import bind_generate
+from unsloth_lite.models.decoder_layer import decoder_layer_forward
 from unsloth_lite.models.layers import (
     causal_lm_forward,
     disable_cpu_repacking,

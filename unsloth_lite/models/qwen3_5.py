@@ -2,8 +2,8 @@
 forward. Every module of the text model runs fused: the zero-centred norms, the MLP, the loss, the gated
 attention and the Gated DeltaNet layers (`qwen3_5_layers.py`)."""
 
-from unsloth_lite.models.decode import decoder_layer_forward
 from unsloth_lite.models.decode_loop import bind_generate
+from unsloth_lite.models.decoder_layer import decoder_layer_forward
 from unsloth_lite.models.layers import (
     causal_lm_forward,
     lm_head_is_plain_linear,
