@@ -85,6 +85,15 @@ def test_decode_attention_single_split_and_last_position(device):
     assert torch.equal(key_cache[:, :, -1], key[:, :, 0]) and torch.equal(value_cache[:, :, -1], value[:, :, 0])
     exact = _exact(query, key_cache, value_cache, cache_len, None, head_dim ** -0.5, None)
     assert_close(out, exact, TOLERANCE[torch.float32], "output")
+    # one token more than the cache holds: nothing written or read past its end, the new token attended from
+    # registers
+    kept = key_cache.clone(), value_cache.clone()
+    out = decode_attention(query, 2 * key, value, key_cache, value_cache, length)
+    assert torch.equal(key_cache, kept[0]) and torch.equal(value_cache, kept[1])
+    keys = torch.cat([key_cache, 2 * key], dim=2)
+    values = torch.cat([value_cache, value], dim=2)
+    assert_close(out, _exact(query, keys, values, cache_len + 1, None, head_dim ** -0.5, None),
+                 TOLERANCE[torch.float32], "output past the cache's end")
 
 
 @pytest.mark.gpu

@@ -124,7 +124,7 @@ def _decode_attention_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     start = split * CHUNK
-    end = tl.minimum(start + CHUNK, position)
+    end = tl.minimum(tl.minimum(start + CHUNK, position), cache_len)  # a full cache: never past its end
     for first in range(start, end, BLOCK_L):
         positions = first + tl.arange(0, BLOCK_L)
         valid = positions < end
@@ -149,16 +149,17 @@ def _decode_attention_kernel(
     if split == 0:  # the new token: written into the cache, its score from registers
         new_key = tl.load(k_ptr + batch * k_batch_stride + kv_head * k_head_stride + d, mask=mask_d, other=0.0)
         new_value = tl.load(v_ptr + batch * v_batch_stride + kv_head * v_head_stride + d, mask=mask_d, other=0.0)
-        inside = mask_d & ((d * 0 + position) < cache_len)
+        inside = mask_d & ((d * 0 + position) < cache_len)  # a full cache keeps its last positions
         tl.store(key_cache + position * kc_pos_stride + d, new_key.to(key_cache_ptr.dtype.element_ty), mask=inside)
         tl.store(value_cache + position * vc_pos_stride + d, new_value.to(value_cache_ptr.dtype.element_ty),
                  mask=inside)
         score = tl.sum(q.to(tl.float32) * new_key.to(tl.float32)[None, :], axis=1) * scale_log2
+        in_cache = position < cache_len
+        new_mask = mask_ptr + batch * mask_batch_stride + position * mask_pos_stride
         if MASK == 1:
-            score = tl.where(tl.load(mask_ptr + batch * mask_batch_stride + position * mask_pos_stride) != 0,
-                             score, float("-inf"))
+            score = tl.where(tl.load(new_mask, mask=in_cache, other=1) != 0, score, float("-inf"))
         if MASK == 2:
-            score += _base2(tl.load(mask_ptr + batch * mask_batch_stride + position * mask_pos_stride))
+            score += _base2(tl.load(new_mask, mask=in_cache, other=0.0))
         m_new = tl.maximum(m_i, score)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
