@@ -29,7 +29,8 @@ compiled without programmatic dependent launch.
 
 `--decode-kernels`: `decode_attention` at the W3 models' attention shapes (bf16, batch 1, a boolean mask,
 Qwen3.5's gate), a cache of 256 positions (W3's) and one of 4,096, `delta_rule_gated_step` at the 27B's DeltaNet
-shape and `rms_norm_lora_down_rows` at both models' hidden sizes (three rank-16 adapters), as shipped.
+shape and `rms_norm_lora_down_rows` at both models' hidden sizes (three rank-16 adapters), as shipped (the
+attention's splits as a launch without a GPU chooses them: on a GPU they follow its SM count).
 """
 
 from __future__ import annotations
