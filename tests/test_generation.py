@@ -256,6 +256,15 @@ def test_greedy_tokens_match_with_norms_and_first_products_in_one_launch(arch, c
     assert fused and all(count in (1, 4) for count in launches), (fused, launches)
 
 
+def test_greedy_tokens_match_with_every_fused_launch(device, monkeypatch):
+    """Every fused decoding launch at once (the tiny Qwen3.5: gated attention and DeltaNet layers), the greedy
+    tokens those of the unpatched model."""
+    for setting in ("GATED_MATVEC", "GROUPED_MATVEC", "DECODE_ATTENTION", "GATED_DELTANET_STEP",
+                    "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS"):
+        monkeypatch.setattr(decode, setting, True)
+    assert_same_greedy_tokens("qwen3_5", "4bit+lora", "static", 3, device, prompt_shape=(2, 4))
+
+
 def test_greedy_tokens_match_with_the_gated_deltanet_step(device, monkeypatch):
     """`decode.GATED_DELTANET_STEP`: each DeltaNet layer's gates, step and gated norm in one
     `delta_rule_gated_step` launch, the greedy tokens those of the unpatched model."""
@@ -366,6 +375,23 @@ def test_bf16_greedy_path_matches_cuda_with_the_fused_launches(setting, arch, to
     along the reference's greedy path through the captured step (the tiny Qwen3.5, whose projections of a
     64-wide input hold whole blocks and whose attention is gated; the tiny Qwen3's attention ungated)."""
     monkeypatch.setattr(decode, setting, True)
+    patched = assert_greedy_path_followed(arch, "4bit+lora", "static", 32, "cuda", torch.bfloat16)
+    assert captured_decode_steps(patched) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_bf16_greedy_path_matches_cuda_with_every_fused_launch(arch, torch_delta_rule, monkeypatch):
+    """Every fused decoding launch on at once, the small kernels and `lora_down` (split along K) as programmatic
+    dependent launches: 32 bf16 tokens along the reference's greedy path through the captured step."""
+    from unsloth_lite.kernels import lora_down, utils
+
+    for setting in ("GATED_MATVEC", "GROUPED_MATVEC", "DECODE_ATTENTION", "GATED_DELTANET_STEP",
+                    "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS"):
+        monkeypatch.setattr(decode, setting, True)
+    monkeypatch.setattr(utils, "DECODE_PDL", True)
+    monkeypatch.setattr(lora_down, "SPLIT_K", True)
+    monkeypatch.setattr(lora_down, "PDL", True)
     patched = assert_greedy_path_followed(arch, "4bit+lora", "static", 32, "cuda", torch.bfloat16)
     assert captured_decode_steps(patched) == 1
 

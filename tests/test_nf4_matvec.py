@@ -205,6 +205,20 @@ def test_programmatic_dependent_launch_only_on_hopper_and_later(monkeypatch):
     assert not nf4_matvec_module.uses_pdl(torch.device("cuda", 0))
 
 
+def test_small_decoding_kernels_take_programmatic_dependent_launch_where_asked(monkeypatch):
+    """`kernels.utils.DECODE_PDL`: the small decoding kernels' launch options, on Hopper and later only."""
+    monkeypatch.setattr(kernel_utils, "INTERPRET", False)
+    monkeypatch.setattr(kernel_utils, "_CAPABILITIES", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _index: (9, 0))
+    assert kernel_utils.pdl_launch(torch.device("cuda", 0)) == {"PDL": False}  # off until measured
+    monkeypatch.setattr(kernel_utils, "DECODE_PDL", True)
+    assert kernel_utils.pdl_launch(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    assert kernel_utils.pdl_launch(torch.device("cpu")) == {"PDL": False}
+    kernel_utils._CAPABILITIES.clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _index: (8, 0))
+    assert kernel_utils.pdl_launch(torch.device("cuda", 0)) == {"PDL": False}
+
+
 def test_bf16_code_book_only_for_bf16_weights(monkeypatch):
     """Rounding the code book to bf16 is within a bf16 weight's own rounding, not an fp32 or fp16 weight's (an
     fp32 model's greedy tokens change with it), and only the compiled PTX lookup has it."""

@@ -33,9 +33,17 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
 from unsloth_lite.kernels.matvec_epilogue import _arrival_counters
-from unsloth_lite.kernels.utils import INTERPRET, check_float, check_kernel_device, empty, multiprocessor_count
+from unsloth_lite.kernels.utils import (
+    INTERPRET,
+    check_float,
+    check_kernel_device,
+    empty,
+    multiprocessor_count,
+    pdl_launch,
+)
 
 # Cache positions of one step of a program's loop: a tile of keys and values [BLOCK_L, D] read at once, half as
 # many positions for heads over 128 wide (the same bytes a step).
@@ -103,12 +111,17 @@ def _decode_attention_kernel(
     n_kv_heads, group, cache_len, head_dim, scale_log2,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr,
     SPLITS: tl.constexpr, MASK: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """PDL: the cache's length (advanced by this kernel alone, a step before) is read before `gdc_wait`; the
+    query, the new key and value, the mask and the gate after it."""
     program = tl.program_id(0)
     split = tl.program_id(1)
     batch = (program // n_kv_heads).to(tl.int64)
     kv_head = program % n_kv_heads
     position = tl.load(length_ptr)  # p: the cache's length before this token
+    if PDL:
+        gdc_wait()
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     mask_g = g < group
@@ -167,6 +180,8 @@ def _decode_attention_kernel(
         l_i = l_i * alpha + prob
         acc = acc * alpha[:, None] + prob[:, None] * new_value.to(tl.float32)[None, :]
         m_i = m_new
+    if PDL:
+        gdc_launch_dependents()
     finish = True
     if SPLITS > 1:
         acc, l_i, finish = _combine_splits(acc, m_i, l_i, g, d, scratch_ptr, arrivals_ptr, program, split,
@@ -314,7 +329,7 @@ def decode_attention(
         kv_heads, group, cache_len, head_dim, scale * 1.4426950408889634,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=position_block(head_dim), CHUNK=chunk, SPLITS=splits, MASK=mask_kind,
         GATED=gate is not None, DOT_F32=INTERPRET or query.dtype == torch.float32,
-        IEEE=query.dtype == torch.float32, num_warps=4,
+        IEEE=query.dtype == torch.float32, num_warps=4, **pdl_launch(query.device),
     )
     return out
 

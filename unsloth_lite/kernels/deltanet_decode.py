@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
-from unsloth_lite.kernels.utils import check_kernel_device, empty
+from unsloth_lite.kernels.utils import check_kernel_device, empty, pdl_launch
 
 BLOCK_CHANNELS = 256
 BLOCK_V = 32
@@ -34,8 +35,10 @@ def _conv_state_update_kernel(
     state_ptr, state_batch_stride, state_chan_stride, state_pos_stride,
     weight_ptr, weight_chan_stride, weight_pos_stride, bias_ptr,
     out_ptr, n_channels, kernel_width,
-    BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
 ):
+    """PDL: the state (written by this kernel alone, a step before), the weight and the bias are read before
+    `gdc_wait`; x after it."""
     batch = tl.program_id(0).to(tl.int64)
     channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     taps = tl.arange(0, BLOCK_W)
@@ -47,15 +50,21 @@ def _conv_state_update_kernel(
         state + (taps[None, :] + 1) * state_pos_stride,
         mask=mask_channels[:, None] & (taps[None, :] + 1 < kernel_width), other=0.0,
     )
-    x = tl.load(x_ptr + batch * x_batch_stride + channels * x_chan_stride, mask=mask_channels, other=0.0)
-    window = tl.where(taps[None, :] == kernel_width - 1, x[:, None].to(shifted.dtype), shifted)
     weight = tl.load(
         weight_ptr + channels[:, None] * weight_chan_stride + taps[None, :] * weight_pos_stride,
         mask=mask_channels[:, None] & mask_taps[None, :], other=0.0,
     ).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + channels, mask=mask_channels, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+    x = tl.load(x_ptr + batch * x_batch_stride + channels * x_chan_stride, mask=mask_channels, other=0.0)
+    if PDL:
+        gdc_launch_dependents()
+    window = tl.where(taps[None, :] == kernel_width - 1, x[:, None].to(shifted.dtype), shifted)
     y = tl.sum(weight * window.to(tl.float32), axis=1)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + channels, mask=mask_channels, other=0.0).to(tl.float32)
+        y += bias
     if SILU:
         y = y * tl.sigmoid(y)
     tl.store(state + taps[None, :] * state_pos_stride, window, mask=mask_channels[:, None] & mask_taps[None, :])
@@ -77,20 +86,27 @@ def _delta_rule_step_kernel(
     g_ptr, g_batch_stride, g_head_stride, beta_ptr, beta_batch_stride, beta_head_stride,
     state_ptr, state_batch_stride, state_head_stride, state_k_stride,
     out_ptr, n_v_heads, group, key_dim, value_dim, scale,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2: tl.constexpr, PDL: tl.constexpr,
 ):
+    """PDL: the state (written by this kernel alone, a step before) is read before `gdc_wait`, the token's
+    inputs after it."""
     batch_head = tl.program_id(0)
     batch, head = (batch_head // n_v_heads).to(tl.int64), batch_head % n_v_heads
     dk = tl.arange(0, BLOCK_K)
     dv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = dk < key_dim, dv < value_dim
+    state_tile = state_ptr + batch * state_batch_stride + head * state_head_stride + dk[:, None] * state_k_stride
+    state = _state_load(state_tile, dv, mask_k, mask_v)
+    if PDL:
+        gdc_wait()
     q, k = _query_key(q_ptr, q_batch_stride, q_head_stride, k_ptr, k_batch_stride, k_head_stride, batch,
                       head // group, dk, mask_k, scale, L2)
     v = tl.load(v_ptr + batch * v_batch_stride + head * v_head_stride + dv, mask=mask_v, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + batch * g_batch_stride + head * g_head_stride).to(tl.float32)
     beta = tl.load(beta_ptr + batch * beta_batch_stride + head * beta_head_stride).to(tl.float32)
-    state_tile = state_ptr + batch * state_batch_stride + head * state_head_stride + dk[:, None] * state_k_stride
-    o = _state_step(state_tile, dv, mask_k, mask_v, q, k, v, g, beta)
+    if PDL:
+        gdc_launch_dependents()
+    o = _state_step(state, state_tile, dv, mask_k, mask_v, q, k, v, g, beta)
     tl.store(out_ptr + batch_head * value_dim + dv, o.to(out_ptr.dtype.element_ty), mask=mask_v)
 
 
@@ -104,11 +120,17 @@ def _query_key(q_ptr, q_batch_stride, q_head_stride, k_ptr, k_batch_stride, k_he
 
 
 @triton.jit
-def _state_step(state_tile, dv, mask_k, mask_v, q, k, v, g, beta):
-    """One delta-rule step of the state's columns `dv` (rows `state_tile` `[Dk, 1]` pointers), stored in place:
-    S ← exp(g) S; S ← S + k ⊗ β (v − Sᵀ k). Returns o = Sᵀ q in fp32."""
+def _state_load(state_tile, dv, mask_k, mask_v):
+    """The state's columns `dv` (rows `state_tile` `[Dk, 1]` pointers) in fp32."""
+    return tl.load(state_tile + dv[None, :], mask=mask_k[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _state_step(state, state_tile, dv, mask_k, mask_v, q, k, v, g, beta):
+    """One delta-rule step of the state's columns `dv` (`_state_load`), stored in place: S ← exp(g) S;
+    S ← S + k ⊗ β (v − Sᵀ k). Returns o = Sᵀ q in fp32."""
     mask_state = mask_k[:, None] & mask_v[None, :]
-    state = tl.load(state_tile + dv[None, :], mask=mask_state, other=0.0).to(tl.float32) * tl.exp(g)
+    state = state * tl.exp(g)
     delta = beta * (v - tl.sum(state * k[:, None], axis=0))
     state += k[:, None] * delta[None, :]
     tl.store(state_tile + dv[None, :], state.to(state_tile.dtype.element_ty), mask=mask_state)
@@ -136,7 +158,7 @@ def conv_state_update(
         weight, weight.stride(0), weight.stride(1), bias if bias is not None else weight,
         out, channels, width,
         BLOCK_C=BLOCK_CHANNELS, BLOCK_W=max(2, triton.next_power_of_2(width)), HAS_BIAS=bias is not None,
-        SILU=activation is not None,
+        SILU=activation is not None, **pdl_launch(x.device),
     )
     return out
 
@@ -172,7 +194,7 @@ def delta_rule_step(q, k, v, g, beta, state, scale=None, use_qk_l2norm=True) -> 
         g, g.stride(0), g.stride(1), beta, beta.stride(0), beta.stride(1),
         state, state.stride(0), state.stride(1), state.stride(2),
         out, n_v_heads, n_v_heads // n_k_heads, key_dim, value_dim, float(scale),
-        BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=BLOCK_V, L2=bool(use_qk_l2norm),
+        BLOCK_K=triton.next_power_of_2(key_dim), BLOCK_V=BLOCK_V, L2=bool(use_qk_l2norm), **pdl_launch(v.device),
     )
     return out
 

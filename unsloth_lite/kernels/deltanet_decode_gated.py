@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
-from unsloth_lite.kernels.deltanet_decode import _query_key, _state_step
+from unsloth_lite.kernels.deltanet_decode import _query_key, _state_load, _state_step
 from unsloth_lite.kernels.deltanet_gates import SOFTPLUS_THRESHOLD, _softplus_and_slope
-from unsloth_lite.kernels.utils import check_kernel_device, empty
+from unsloth_lite.kernels.utils import check_kernel_device, empty, pdl_launch
 
 
 @triton.jit
@@ -34,29 +35,36 @@ def _delta_rule_gated_step_kernel(
     state_ptr, state_batch_stride, state_head_stride, state_k_stride,
     z_ptr, z_batch_stride, z_head_stride, norm_weight_ptr, eps,
     out_ptr, n_v_heads, group, key_dim, value_dim, scale,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2: tl.constexpr, THRESHOLD: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, L2: tl.constexpr, THRESHOLD: tl.constexpr, PDL: tl.constexpr,
 ):
+    """PDL: the state (written by this kernel alone, a step before) and the per-head parameters are read before
+    `gdc_wait`, the token's inputs after it."""
     batch_head = tl.program_id(0)
     batch, head = (batch_head // n_v_heads).to(tl.int64), batch_head % n_v_heads
     dk = tl.arange(0, BLOCK_K)
     dv = tl.arange(0, BLOCK_V)
     mask_k, mask_v = dk < key_dim, dv < value_dim
+    state_tile = state_ptr + batch * state_batch_stride + head * state_head_stride + dk[:, None] * state_k_stride
+    state = _state_load(state_tile, dv, mask_k, mask_v)
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    neg_rate = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
+    weight = tl.load(norm_weight_ptr + dv, mask=mask_v, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
     q, k = _query_key(q_ptr, q_batch_stride, q_head_stride, k_ptr, k_batch_stride, k_head_stride, batch,
                       head // group, dk, mask_k, scale, L2)
     v = tl.load(v_ptr + batch * v_batch_stride + head * v_head_stride + dv, mask=mask_v, other=0.0).to(tl.float32)
-
     a = tl.load(a_ptr + batch * a_batch_stride + head * a_head_stride).to(tl.float32)
     b = tl.load(b_ptr + batch * b_batch_stride + head * b_head_stride).to(tl.float32)
-    softplus, _ = _softplus_and_slope(a + tl.load(dt_bias_ptr + head).to(tl.float32), THRESHOLD)
-    g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus
+    z = tl.load(z_ptr + batch * z_batch_stride + head * z_head_stride + dv, mask=mask_v, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_launch_dependents()
+    softplus, _ = _softplus_and_slope(a + dt_bias, THRESHOLD)
+    g = neg_rate * softplus
     beta = tl.sigmoid(b).to(b_ptr.dtype.element_ty).to(tl.float32)  # as the gates write it
 
-    state_tile = state_ptr + batch * state_batch_stride + head * state_head_stride + dk[:, None] * state_k_stride
-    o = _state_step(state_tile, dv, mask_k, mask_v, q, k, v, g, beta)
+    o = _state_step(state, state_tile, dv, mask_k, mask_v, q, k, v, g, beta)
     o = o.to(v_ptr.dtype.element_ty).to(tl.float32)  # as the step writes it
-
-    z = tl.load(z_ptr + batch * z_batch_stride + head * z_head_stride + dv, mask=mask_v, other=0.0).to(tl.float32)
-    weight = tl.load(norm_weight_ptr + dv, mask=mask_v, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(o * o, axis=0) / value_dim + eps)
     y = o * r * weight * (z * tl.sigmoid(z))
     tl.store(out_ptr + batch_head * value_dim + dv, y.to(out_ptr.dtype.element_ty), mask=mask_v)
@@ -93,6 +101,6 @@ def delta_rule_gated_step(
         z, z.stride(0), z.stride(1), norm_weight, float(eps),
         out, n_v_heads, n_v_heads // n_k_heads, key_dim, value_dim, float(scale),
         BLOCK_K=block_k, BLOCK_V=block_v, L2=bool(use_qk_l2norm), THRESHOLD=SOFTPLUS_THRESHOLD,
-        num_warps=8 if block_k * block_v >= 128 * 128 else 4,
+        num_warps=8 if block_k * block_v >= 128 * 128 else 4, **pdl_launch(v.device),
     )
     return out

@@ -22,6 +22,7 @@ from unsloth_lite.kernels.utils import (
     check_kernel_device,
     compute_capability,
     empty,
+    pdl_launch,
     row_launch_config,
 )
 
@@ -142,15 +143,19 @@ def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor
 @triton.jit
 def _rms_norm_lora_down_kernel(
     x_ptr, x_row_stride, w_ptr, eps, offset, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, y_ptr, t_ptr, t_row_stride,
-    n_rows, n_in, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+    n_rows, n_in, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Column j of t = y [A0; A1; A2]ᵀ for y = RMSNorm(x) computed as `rms_norm`'s forward kernel computes it (one
-    reduction over the row, the same expression, rounded to y's dtype); program 0 also writes y."""
+    reduction over the row, the same expression, rounded to y's dtype); program 0 also writes y. PDL: the norm's
+    weight and the adapter row are read before `gdc_wait`, x after it."""
     j = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_in
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
     a = tl.load(_adapter_row(j, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, n_in) + cols, mask=mask, other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     for m in tl.static_range(BLOCK_M):
         if m < n_rows:
             x = tl.load(x_ptr + m * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -186,6 +191,6 @@ def rms_norm_lora_down_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, o
     _rms_norm_lora_down_kernel[(width,)](
         x, x.stride(0), weight.contiguous(), float(eps), float(offset), *pointers, group[0].shape[0],
         group[1].shape[0] if len(group) > 1 else 0, y, t, t.stride(0), rows, n_in,
-        BLOCK_M=triton.next_power_of_2(rows), BLOCK=block, num_warps=warps,
+        BLOCK_M=triton.next_power_of_2(rows), BLOCK=block, num_warps=warps, **pdl_launch(x.device),
     )
     return y, t

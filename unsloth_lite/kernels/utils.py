@@ -77,6 +77,25 @@ def compute_capability(device: torch.device) -> int:
     return _CAPABILITIES[index]
 
 
+# Programmatic dependent launch (Hopper and later) of the small decoding kernels (`decode_attention`, the DeltaNet's
+# conv-state update and steps, `rms_norm_lora_down_rows`): each may start while the kernel before it finishes, its
+# reads of what that kernel cannot write (its own cached state, weights, adapters) already issued, and waits for it
+# before the rest. Off until measured on the H200.
+DECODE_PDL = False
+
+
+def uses_decode_pdl(device: torch.device) -> bool:
+    """Whether the small decoding kernels are launched as programmatic dependent launches on `device`
+    (`DECODE_PDL`, on Hopper and later)."""
+    return DECODE_PDL and compute_capability(device) >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """The small decoding kernels' launch options: `PDL` and, where `uses_decode_pdl`, `launch_pdl`."""
+    pdl = uses_decode_pdl(device)
+    return {"PDL": pdl, **({"launch_pdl": True} if pdl else {})}
+
+
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _poison(torch.empty(shape, dtype=dtype, device=device))
 
