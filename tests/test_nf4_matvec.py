@@ -330,8 +330,10 @@ def test_rms_norm_lora_down_rows(rows, n_in, offset, dtype, device):
     assert torch.equal(y, rms_norm(x, weight, 1e-6, offset=offset))
     assert t.dtype == torch.float32 and t.shape == (rows, 14)
     assert_close(t, y.double() @ torch.cat(adapters).double().t(), 1e-5, "t")
-    with pytest.raises(ValueError, match="1 to 3 adapters"):
+    with pytest.raises(ValueError, match="0 to 3 adapters"):
         rms_norm_lora_down_rows(x, weight, 1e-6, offset, adapters + adapters[:1])
+    y, t = rms_norm_lora_down_rows(x, weight, 1e-6, offset, [])  # the norm alone
+    assert t is None and torch.equal(y, rms_norm(x, weight, 1e-6, offset=offset))
 
 
 def test_nf4_matvec_takes_a_precomputed_adapter_product(device):

@@ -143,16 +143,18 @@ def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor
 @triton.jit
 def _rms_norm_lora_down_kernel(
     x_ptr, x_row_stride, w_ptr, eps, offset, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, y_ptr, t_ptr, t_row_stride,
-    n_rows, n_in, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    n_rows, n_in, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, HAS_T: tl.constexpr, PDL: tl.constexpr,
 ):
     """Column j of t = y [A0; A1; A2]ᵀ for y = RMSNorm(x) computed as `rms_norm`'s forward kernel computes it (one
-    reduction over the row, the same expression, rounded to y's dtype); program 0 also writes y. PDL: the norm's
-    weight and the adapter row are read before `gdc_wait`, x after it."""
+    reduction over the row, the same expression, rounded to y's dtype); program 0 also writes y (the only program
+    without HAS_T: no adapters). PDL: the norm's weight and the adapter row are read before `gdc_wait`, x after
+    it."""
     j = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_in
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
-    a = tl.load(_adapter_row(j, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, n_in) + cols, mask=mask, other=0.0)
+    if HAS_T:
+        a = tl.load(_adapter_row(j, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, n_in) + cols, mask=mask, other=0.0)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -163,34 +165,39 @@ def _rms_norm_lora_down_kernel(
             y = (x * rstd * w).to(y_ptr.dtype.element_ty)
             if j == 0:
                 tl.store(y_ptr + m * n_in + cols, y, mask=mask)
-            tl.store(t_ptr + m * t_row_stride + j, tl.sum(y.to(tl.float32) * a.to(tl.float32), axis=0))
+            if HAS_T:
+                tl.store(t_ptr + m * t_row_stride + j, tl.sum(y.to(tl.float32) * a.to(tl.float32), axis=0))
 
 
 def rms_norm_lora_down_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
                             lora_as: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, t): y = `rms_norm(x, weight, eps, offset)` for x `[rows, K]` (1 to MAX_ROWS rows) and t = y [A_1; ...]ᵀ
     (`lora_down_rows` of y: up to MAX_ADAPTERS_PER_LAUNCH adapters `[r_i, K]`), in one launch instead of two: each
-    program normalises the few rows itself and takes one adapter row. Inference only."""
+    program normalises the few rows itself and takes one adapter row. Without adapters, y alone (t None) from one
+    program: the decoding step's norm, which can be a programmatic dependent launch (`utils.DECODE_PDL`).
+    Inference only."""
     rows, n_in = x.shape
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rms_norm_lora_down_rows takes 1 to {MAX_ROWS} rows of x, got {rows}")
-    if not 1 <= len(lora_as) <= MAX_ADAPTERS_PER_LAUNCH or any(
+    if len(lora_as) > MAX_ADAPTERS_PER_LAUNCH or any(
             a.dim() != 2 or a.shape[1] != n_in or a.shape[0] == 0 for a in lora_as):
-        raise ValueError(f"1 to {MAX_ADAPTERS_PER_LAUNCH} adapters A of [r > 0, {n_in}]; got "
+        raise ValueError(f"0 to {MAX_ADAPTERS_PER_LAUNCH} adapters A of [r > 0, {n_in}]; got "
                          f"{[tuple(a.shape) for a in lora_as]}")
     if tuple(weight.shape) != (n_in,):
         raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({n_in},)")
     check_kernel_device("x", x)
     x = x if x.stride(1) == 1 else x.contiguous()
     group = [a.contiguous() for a in lora_as]
-    pointers = group + [group[-1]] * (MAX_ADAPTERS_PER_LAUNCH - len(group))
     width = sum(a.shape[0] for a in group)
     y = empty((rows, n_in), x.dtype, x.device)
-    t = empty((rows, width), torch.float32, x.device)
+    t = empty((rows, width), torch.float32, x.device) if group else None
+    pointers = (group + [group[-1]] * (MAX_ADAPTERS_PER_LAUNCH - len(group))) if group else [y] * 3
     block, warps = row_launch_config(n_in)  # rms_norm's: the same reduction, the same bits
-    _rms_norm_lora_down_kernel[(width,)](
-        x, x.stride(0), weight.contiguous(), float(eps), float(offset), *pointers, group[0].shape[0],
-        group[1].shape[0] if len(group) > 1 else 0, y, t, t.stride(0), rows, n_in,
-        BLOCK_M=triton.next_power_of_2(rows), BLOCK=block, num_warps=warps, **pdl_launch(x.device),
+    _rms_norm_lora_down_kernel[(max(width, 1),)](
+        x, x.stride(0), weight.contiguous(), float(eps), float(offset), *pointers,
+        group[0].shape[0] if group else 0, group[1].shape[0] if len(group) > 1 else 0,
+        y, t if group else y, t.stride(0) if group else 0, rows, n_in,
+        BLOCK_M=triton.next_power_of_2(rows), BLOCK=block, HAS_T=bool(group), num_warps=warps,
+        **pdl_launch(x.device),
     )
     return y, t

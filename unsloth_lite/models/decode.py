@@ -50,7 +50,8 @@ DECODE_ATTENTION = False
 RESIDUAL_IN_PRODUCTS = False
 # A decoder layer's two RMSNorms each in one launch with the first products x Aᵀ of the adapters of the
 # projections that read its output (q/k/v or the DeltaNet's four; gate and up: `rms_norm_lora_down_rows`), instead
-# of a norm and a `lora_down_rows` launch (`decoder_layer.py`). Off until measured on the H200.
+# of a norm and a `lora_down_rows` launch; without adapters the same kernel's norm alone, which, unlike the
+# training path's, can be a programmatic dependent launch (`decoder_layer.py`). Off until measured on the H200.
 NORM_FIRST_PRODUCTS = False
 # A Gated DeltaNet layer's token step after its convolution in one launch (`delta_rule_gated_step`: the gates,
 # the delta-rule step and the gated RMSNorm of each head), instead of three. Off until measured on the H200.

@@ -69,17 +69,18 @@ def _residual(residual: torch.Tensor):
 
 def _normed(norm, x: torch.Tensor, consumer, names) -> tuple[torch.Tensor, contextlib.AbstractContextManager]:
     """(norm(x), the context in which the consumer's projections `names` take their adapters' first products):
-    one `rms_norm_lora_down_rows` launch with `NORM_FIRST_PRODUCTS` where the norm runs a fused forward and the
-    projections have adapters over NF4 bases on the kernels' device; else the norm alone and no context."""
+    with `NORM_FIRST_PRODUCTS`, where the norm runs a fused forward on the kernels' device, one
+    `rms_norm_lora_down_rows` launch with the first products of the projections' adapters over NF4 bases (or the
+    norm alone from it where there are none); else the norm's own forward and no context."""
     offset = NORM_OFFSETS.get(getattr(norm.forward, "__func__", None))
     if not decode.NORM_FIRST_PRODUCTS or offset is None or not use_kernels(x) or x.dtype == torch.float64:
         return norm(x), contextlib.nullcontext()
     projections = _lora_projections(consumer, names, x)
     lora_as = [p.lora_a for p in projections or ()
                if p.rank and getattr(p.base, "quant_state", None) is not None]
-    if not lora_as or len(lora_as) > MAX_ADAPTERS_PER_LAUNCH:
+    if len(lora_as) > MAX_ADAPTERS_PER_LAUNCH:
         return norm(x), contextlib.nullcontext()
     eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
     y, t = rms_norm_lora_down_rows(x.reshape(-1, x.shape[-1]), norm.weight, eps, offset, lora_as)
     y = y.view(x.shape)
-    return y, decode.first_products_of(y, lora_as, t)
+    return y, decode.first_products_of(y, lora_as, t) if lora_as else contextlib.nullcontext()
