@@ -1,10 +1,9 @@
 """Qwen2 and Qwen2.5 (which share the `qwen2` model type): which Hugging Face modules take which fused forward."""
 
+from unsloth_lite.models.causal_lm import causal_lm_forward, lm_head_is_plain_linear
 from unsloth_lite.models.decode_loop import bind_generate
 from unsloth_lite.models.decoder_layer import decoder_layer_forward
 from unsloth_lite.models.layers import (
-    causal_lm_forward,
-    lm_head_is_plain_linear,
     mlp_uses_silu,
     rms_norm_forward,
     rope_attention_forward,

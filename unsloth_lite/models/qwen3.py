@@ -1,13 +1,12 @@
 """Qwen3 (dense): which Hugging Face modules take which fused forward."""
 
+from unsloth_lite.models.causal_lm import causal_lm_forward, lm_head_is_plain_linear
 from unsloth_lite.models.decode_loop import bind_generate
 from unsloth_lite.models.decoder_layer import decoder_layer_forward
 from unsloth_lite.models.layers import (
-    causal_lm_forward,
     disable_cpu_repacking,
     is_nf4_linear4bit,
     linear4bit_forward,
-    lm_head_is_plain_linear,
     mlp_uses_silu,
     qk_norm_rope_attention_forward,
     rms_norm_forward,

@@ -2,11 +2,10 @@
 forward. Every module of the text model runs fused: the zero-centred norms, the MLP, the loss, the gated
 attention and the Gated DeltaNet layers (`qwen3_5_layers.py`)."""
 
+from unsloth_lite.models.causal_lm import causal_lm_forward, lm_head_is_plain_linear
 from unsloth_lite.models.decode_loop import bind_generate
 from unsloth_lite.models.decoder_layer import decoder_layer_forward
 from unsloth_lite.models.layers import (
-    causal_lm_forward,
-    lm_head_is_plain_linear,
     mlp_uses_silu,
     swiglu_mlp_forward,
     zero_centred_rms_norm_forward,
