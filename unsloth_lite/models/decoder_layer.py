@@ -18,6 +18,7 @@ adds and launches where a part cannot take the fused form.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
@@ -43,9 +44,9 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
     fused = decode.RESIDUAL_IN_PRODUCTS or decode.NORM_FIRST_PRODUCTS
     if args or cache is None or not fused or not decode.is_decode_rows(hidden_states):
         return type(self).forward(self, hidden_states, *args, **kwargs)
-    if getattr(self, "block_type", None) == "linear_attention":  # Qwen3.5's Gated DeltaNet takes no positions
+    if getattr(self, "block_type", None) == "linear_attention":
         mixer_name = "linear_attn"
-        mixer_kwargs = {k: v for k, v in kwargs.items() if k not in ("position_embeddings", "position_ids")}
+        mixer_kwargs = _linear_attention_kwargs(self.linear_attn, kwargs, cache)
     else:
         mixer_name, mixer_kwargs = "self_attn", kwargs
     mixer = getattr(self, mixer_name)
@@ -58,6 +59,18 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
     with products, _residual(hidden_states) as pending:
         out = self.mlp(normed)
     return out if pending["taken"] else hidden_states + out
+
+
+_CACHE_NAMES = ("cache", "cache_params", "past_key_values")
+
+
+def _linear_attention_kwargs(mixer, kwargs: dict, cache) -> dict:
+    """The layer's keywords as Hugging Face's Qwen3.5 layer hands them to its Gated DeltaNet: no positions, the
+    cache under the name the DeltaNet's forward takes (`cache_params` in transformers 5.1x, `cache` after)."""
+    mixer_kwargs = {k: v for k, v in kwargs.items() if k not in ("position_embeddings", "position_ids", *_CACHE_NAMES)}
+    parameters = inspect.signature(type(mixer).forward).parameters
+    mixer_kwargs[next((name for name in _CACHE_NAMES if name in parameters), "cache")] = cache
+    return mixer_kwargs
 
 
 def _residual(residual: torch.Tensor):
