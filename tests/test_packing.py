@@ -15,8 +15,8 @@ from peft import LoraConfig, get_peft_model
 from test_patch_model import tiny_model, tiny_qwen3_5
 
 import unsloth_lite
+from unsloth_lite.models import causal_lm, patch_model
 from unsloth_lite.models import layers as model_layers
-from unsloth_lite.models import patch_model
 from unsloth_lite.models.packing import block_diagonal_causal_mask, packed_sequence_kwargs, varlen_attention
 from unsloth_lite.training.data import PaddingCollator
 from unsloth_lite.training.packing import IGNORE_INDEX, PackingCollator, pack_dataset, pack_documents
@@ -223,7 +223,7 @@ def test_static_shapes_change_nothing(device, monkeypatch):
     packed = PackingCollator(PAD, max_tokens=24)(documents((9, 4, 6, 3)))
     exact_loss, exact_grads = loss_and_gradients(model, packed, device)
     static = functools.partial(packed_sequence_kwargs, static_shapes=True)
-    monkeypatch.setattr(model_layers, "packed_sequence_kwargs", static)
+    monkeypatch.setattr(causal_lm, "packed_sequence_kwargs", static)
     loss, grads = loss_and_gradients(model, packed, device)
     assert_close(loss, exact_loss, 1e-6, "loss")
     assert_gradients_close(grads, exact_grads, 1e-6)
