@@ -76,12 +76,19 @@ def decode_splits(batch: int, kv_heads: int, cache_len: int, head_dim: int, devi
 
 
 @triton.jit
+def _raised_maximum(m_i, candidate):
+    """(m, m with -inf as 0, the factor 2^(m_old − m) of what was summed under m_old) once `candidate` `[G]` joins
+    the running maximum: no -inf − -inf while every score so far is masked."""
+    m_new = tl.maximum(m_i, candidate)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, m_safe, tl.exp2(m_i - m_safe)
+
+
+@triton.jit
 def _online_softmax_step(m_i, l_i, acc, scores, values, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
     """(m, l, a) after the scores `[G, L]` (base 2, -inf where a position is not attended) and the values
     `[L, D]` of a tile. An all-masked tile leaves them as they are (no -inf − -inf)."""
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
+    m_new, m_safe, alpha = _raised_maximum(m_i, tl.max(scores, axis=1))
     probs = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(probs, axis=1)
     if DOT_F32:
@@ -173,13 +180,10 @@ def _decode_attention_kernel(
             score = tl.where(tl.load(new_mask, mask=in_cache, other=1) != 0, score, float("-inf"))
         if MASK == 2:
             score += _base2(tl.load(new_mask, mask=in_cache, other=0.0))
-        m_new = tl.maximum(m_i, score)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
+        m_i, m_safe, alpha = _raised_maximum(m_i, score)
         prob = tl.exp2(score - m_safe)
         l_i = l_i * alpha + prob
         acc = acc * alpha[:, None] + prob[:, None] * new_value.to(tl.float32)[None, :]
-        m_i = m_new
     if PDL:
         gdc_launch_dependents()
     finish = True

@@ -18,6 +18,7 @@ adds and launches where a part cannot take the fused form.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 
 import torch
@@ -64,12 +65,19 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
 _CACHE_NAMES = ("cache", "cache_params", "past_key_values")
 
 
+@functools.cache
+def _cache_keyword(mixer_class) -> str:
+    """The name under which the Gated DeltaNet's forward takes the cache (`cache_params` in transformers 5.1x,
+    `cache` after), read once a class."""
+    parameters = inspect.signature(mixer_class.forward).parameters
+    return next((name for name in _CACHE_NAMES if name in parameters), "cache")
+
+
 def _linear_attention_kwargs(mixer, kwargs: dict, cache) -> dict:
     """The layer's keywords as Hugging Face's Qwen3.5 layer hands them to its Gated DeltaNet: no positions, the
-    cache under the name the DeltaNet's forward takes (`cache_params` in transformers 5.1x, `cache` after)."""
+    cache under the name its forward takes."""
     mixer_kwargs = {k: v for k, v in kwargs.items() if k not in ("position_embeddings", "position_ids", *_CACHE_NAMES)}
-    parameters = inspect.signature(type(mixer).forward).parameters
-    mixer_kwargs[next((name for name in _CACHE_NAMES if name in parameters), "cache")] = cache
+    mixer_kwargs[_cache_keyword(type(mixer))] = cache
     return mixer_kwargs
 
 
