@@ -35,7 +35,8 @@ compares them (`unsloth_lite@stages=3/lora_stages=3`, `unsloth_lite_lora@flat=0`
 `lora_split=1` and `lora_pdl=1` (`lora_down.SPLIT_K`, `lora_down.PDL`), `flat=0`
 (`nf4_matvec.FLAT_ABSMAX` off: the nested absmax read in the kernel), `pdl=0` (`nf4_matvec.PDL` off: ordinary
 launches instead of programmatic dependent ones, each of which starts loading its weight while the kernel before
-it finishes), `words=1` (`nf4_matvec.WORD_KERNEL`: the weight read as words of eight codes), `gated=1`
+it finishes), `words=1` (`nf4_matvec.WORD_KERNEL`: the weight read as words of eight codes), `prefetch=1`
+(`nf4_matvec.REGISTER_PREFETCH`: the word kernel's next tile loaded into registers a step ahead), `gated=1`
 (`decode.GATED_MATVEC`: each MLP's gate and up products and SwiGLU in one launch), `grouped=1`
 (`decode.GROUPED_MATVEC`: the projections of one input in one launch), `attention=1`
 (`decode.DECODE_ATTENTION`: each full-attention layer's cache update, attention and output gate in one launch),
@@ -122,6 +123,7 @@ DECODE_SETTINGS = {
     "flat": ("unsloth_lite.kernels.nf4_matvec", "FLAT_ABSMAX", 0),
     "pdl": ("unsloth_lite.kernels.nf4_matvec", "PDL", 0),
     "words": ("unsloth_lite.kernels.nf4_matvec", "WORD_KERNEL", 0),
+    "prefetch": ("unsloth_lite.kernels.nf4_matvec", "REGISTER_PREFETCH", 0),
     "gated": ("unsloth_lite.models.decode", "GATED_MATVEC", 0),
     "grouped": ("unsloth_lite.models.decode", "GROUPED_MATVEC", 0),
     "attention": ("unsloth_lite.models.decode", "DECODE_ATTENTION", 0),

@@ -13,6 +13,8 @@ compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), 
   bytes, but a dependent second-level lookup before each block's scale);
 - `unsloth_lite_words`: the word kernel (`nf4_matvec.WORD_KERNEL`: the weight read as 32-bit words, eight codes
   decoded at once, 30% fewer instructions a weight);
+- `unsloth_lite_prefetch`: the word kernel with each step's next tile loaded into registers before it decodes its
+  own (`nf4_matvec.REGISTER_PREFETCH`) instead of Triton's pipelining through shared memory;
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
@@ -24,7 +26,8 @@ chosen tile with each setting of `CHOSEN_OPTIONS`: the codes read from memory in
 (`nf4_matvec.LOOKUP` "pairs", the interpreter's lookup, and "code_book"), the exact fp32 code book instead of
 the one rounded to bf16 that bf16 weights take (`BF16_CODES` off: more instructions a weight; whether they
 bound the kernel), the loop's loads kept 2, 3, 4 or 6 tiles ahead (`PIPELINE_STAGES`; three also at two other
-tiles), and the word kernel at its chosen tile (`word_tile`), looped and with three stages.
+tiles), and the word kernel at its chosen tile (`word_tile`), looped, with three stages and with the next tile
+loaded into registers a step ahead (`REGISTER_PREFETCH`).
 
 Each model's MLP input (gate and up) is also timed as decoding runs it: the two products and `swiglu` (three
 launches) against `nf4_gated_matvec` (one launch, `decode.GATED_MATVEC`), with and without LoRA adapters of rank
@@ -63,11 +66,13 @@ from bench_common import (
 from decode_shapes import SHAPES, nf4_bytes, shape_config
 from random_checkpoint import weightless_model
 
-VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "bitsandbytes", "dequantize_matmul")
+VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "unsloth_lite_prefetch", "bitsandbytes",
+            "dequantize_matmul")
 NESTED_ABSMAX = "unsloth_lite_nested_absmax"  # the kernel reading the double-quantised absmax itself
 # `nf4_matvec` settings of the unsloth-lite variants
 KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False},
-                   "unsloth_lite_words": {"WORD_KERNEL": True}}
+                   "unsloth_lite_words": {"WORD_KERNEL": True},
+                   "unsloth_lite_prefetch": {"WORD_KERNEL": True, "PIPELINE_STAGES": 1, "REGISTER_PREFETCH": True}}
 # (features, weights along K, warps, split along K) a program
 SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (32, 512, 4, False),
                (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),
@@ -100,6 +105,7 @@ CHOSEN_OPTIONS = {
     **{f"3 stages, {tile_name(tile)}": {"PIPELINE_STAGES": 3, "blocked_tile": lambda _n, tile=tile: tile}
        for tile in ((16, 512, 8, False), (4, 1024, 4, False))},
     "words": {"WORD_KERNEL": True}, "words, 3 stages": {"WORD_KERNEL": True, "PIPELINE_STAGES": 3},
+    "words, prefetch": {"WORD_KERNEL": True, "PIPELINE_STAGES": 1, "REGISTER_PREFETCH": True},
 }
 
 

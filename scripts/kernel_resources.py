@@ -18,7 +18,8 @@ every DeltaNet kernel's registers and shared memory equal those the H200 reporte
 (`docs/results/deltanet_launch_sweep_2026-12-02b.json`, rounded products).
 
 `--nf4-matvec`: `nf4_matvec` at every decoder projection shape of W3's models (bf16, one row, flat absmax as
-shipped; `--matvec-shapes` for others), through the blocked kernel, the word kernel (`WORD_KERNEL`) and the
+shipped; `--matvec-shapes` for others), through the blocked kernel, the word kernel (`WORD_KERNEL`; also with
+`REGISTER_PREFETCH`, `words_prefetch`) and the
 gate-and-up kernel (`nf4_gated_matvec`, the shape as both weights' and the instructions per weight over both; on
 the blocked walk and on the word walk, `gated_words`), each at its tile as shipped, and (without
 `--matvec-shapes`) `nf4_grouped_matvec` at W3's groups of projections of one input (both walks); the SASS
@@ -227,10 +228,11 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
     for n_out, n_in in shapes:
         packed, state = nf4_weight(n_out, n_in)
         x = torch.empty(1, n_in, dtype=torch.bfloat16)
-        for name, words in (("blocked", False), ("words", True), ("gated", False), ("gated_words", True)):
-            saved = nf4_matvec.WORD_KERNEL
+        for name, words in (("blocked", False), ("words", True), ("words_prefetch", True), ("gated", False),
+                            ("gated_words", True)):
+            saved = nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH
             try:
-                nf4_matvec.WORD_KERNEL = words
+                nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH = words, name == "words_prefetch"
                 with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
                     if name.startswith("gated"):  # gate and up: two weights a program
                         weight = nf4_param(n_out, n_in)
@@ -238,7 +240,7 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
                     else:
                         nf4_matvec.nf4_matvec(x, packed, quant_state=state)
             finally:
-                nf4_matvec.WORD_KERNEL = saved
+                nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH = saved
             tile = (nf4_matvec.word_tile if words else nf4_matvec.blocked_tile)(n_out)
             rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=tile_name(tile),
                              **launch_figures(launches, arch, 2 if name.startswith("gated") else 1)))

@@ -73,6 +73,17 @@ def test_word_kernel_split_along_k(rows, device, word_kernel, monkeypatch):
     assert word_kernel
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("split_k", [False, True], ids=["walk", "split_along_k"])
+def test_word_kernel_with_register_prefetch(rows, split_k, device, word_kernel, monkeypatch):
+    """`REGISTER_PREFETCH`: each step loads the next tile before decoding its own; several tiles along K, the last
+    part-filled (its prefetch past the walk reloads it), 40 features, and a walk of one tile (the K split)."""
+    monkeypatch.setattr(nf4_matvec_module, "REGISTER_PREFETCH", True)
+    monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda n_out: (16, 256, 4, split_k))
+    check((40, 64 * 37), rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
+    assert len(word_kernel) == 1
+
+
 def test_lane_tables_hold_the_lookup_tables_once_per_lane():
     tables = nf4_matvec_state.lane_tables(torch.device("cpu"), True)
     assert tables.shape == (32, 8) and tables.dtype == torch.int32
@@ -109,12 +120,14 @@ def test_word_kernel_exact_codes_cuda(shape, rows, word_kernel, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [1, 3], ids=lambda n: f"{n}stages")
+@pytest.mark.parametrize("stages", [1, 3, "prefetch"], ids=lambda n: f"{n}stages" if n != "prefetch" else n)
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("shape", [(1024, 4096), (17408, 5120), (5120, 17408)], ids=str)
 def test_word_kernel_every_swept_tile_cuda(shape, rows, stages, word_kernel, monkeypatch):
-    """Every tile of the benchmark's sweep (split along K or not, 1 to 8 warps), looped and pipelined."""
-    monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", stages)
+    """Every tile of the benchmark's sweep (split along K or not, 1 to 8 warps), looped, pipelined and with the
+    next tile loaded into registers (`REGISTER_PREFETCH`)."""
+    monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", 1 if stages == "prefetch" else stages)
+    monkeypatch.setattr(nf4_matvec_module, "REGISTER_PREFETCH", stages == "prefetch")
     for tile in sweep_word_tiles():
         monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda n_out, tile=tile: tile)
         check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")

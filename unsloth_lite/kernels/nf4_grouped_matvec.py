@@ -44,7 +44,7 @@ def _nf4_grouped_matvec_kernel(
     n_rows, n_in,
     BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr,
-    BF16_CODES: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, WORDS: tl.constexpr,
+    BF16_CODES: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr,
     WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
 ):
     """Program p: weight i, the first with p < end_i (the slots past the last weight repeat it and are never
@@ -70,7 +70,7 @@ def _nf4_grouped_matvec_kernel(
         acc, partial = _word_walk(
             x_ptr, x_row_stride, packed, absmax, table_ptr, tables_ptr, absmax, absmax, absmax, 1, features, n_rows,
             n_out, n_in, 0, n_in // BLOCKSIZE, BLOCKSIZE, False, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP == 0,
-            BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS,
+            BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH,
         )
     else:
         acc, partial = _blocked_sums(
@@ -163,6 +163,7 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
         BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
         BLOCK_R=max(2, triton.next_power_of_2(max(ranks))), LOOKUP=LOOKUPS.index(matvec.LOOKUP),
         BF16_CODES=bf16_codes, PDL=pdl, STAGES=matvec.PIPELINE_STAGES, WORDS=words,
+        PREFETCH=matvec.REGISTER_PREFETCH,
         WHOLE_TILES=all(n % block_n == 0 for n in widths) and n_in % tile_k == 0, X_PAIRS=x_pairs,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )

@@ -100,6 +100,10 @@ BF16_CODES = True
 # sum a token: Qwen3-8B 4.64 -> 4.11 ms, Qwen3.5-27B 12.40 -> 11.27; `docs/benchmarks.md`), the blocked kernel
 # from 1% more to 18% less.
 PIPELINE_STAGES = 3
+# The word kernel's loop with the next tile's loads issued into registers before each step decodes its own
+# (`_prefetched_word_walk`) instead of Triton's pipelining through shared memory: more bytes in flight a warp
+# without a barrier a step. Not yet measured on a GPU: off.
+REGISTER_PREFETCH = False
 # The kernels read a double-quantised weight's absmax as one fp32 value a block (`flat_absmax`: dequantised once
 # a weight, on its first product, and kept while the weight's absmax is unchanged) instead of the nested form,
 # whose scale is a chain of three dependent loads a tile (8-bit absmax, its second-level code, then the
@@ -441,7 +445,7 @@ def nf4_matvec(
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             PTX=LOOKUP == "registers", BF16_CODES=bf16_codes,
             SPLIT_K=split_k, PDL=pdl, STAGES=PIPELINE_STAGES, num_warps=warps,
-            WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
+            WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs, PREFETCH=REGISTER_PREFETCH,
             **({"launch_pdl": True} if pdl else {}), **meta,
         )
     elif blocked:

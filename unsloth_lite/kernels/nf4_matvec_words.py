@@ -96,16 +96,13 @@ def _lane_tables(tables_ptr, PTX: tl.constexpr, BF16_CODES: tl.constexpr):
 
 
 @triton.jit
-def _word_tile(
+def _word_loads(
     b0, words_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize: tl.constexpr,
-    code_ptr, tables, features, mask_features, blocks_per_row,
-    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, PTX: tl.constexpr,
-    BF16_CODES: tl.constexpr, WHOLE_TILES: tl.constexpr, PDL_WAIT: tl.constexpr,
+    features, mask_features, blocks_per_row,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, WHOLE_TILES: tl.constexpr,
 ):
-    """One weight's tile of quantisation blocks [b0, b0 + BLOCKS_PER_TILE): (its eight codes a word `[N, B, W]`
-    each, each block's absmax `[N, B, 1]`, each word's index in the row `[B, W]`, which blocks lie in the row
-    `[B]`). PDL_WAIT: `gdc_wait` once the weight's loads are issued (nothing another kernel writes is read
-    before)."""
+    """The loads of one weight's tile of quantisation blocks [b0, b0 + BLOCKS_PER_TILE): (its words `[N, B, W]`,
+    each block's absmax `[N, B, 1]`, each word's index in the row `[B, W]`, which blocks lie in the row `[B]`)."""
     WORDS: tl.constexpr = BLOCKSIZE // 8  # words of one quantisation block
     blocks = b0 + tl.arange(0, BLOCKS_PER_TILE)
     mask_blocks = (blocks < blocks_per_row) | WHOLE_TILES
@@ -118,6 +115,23 @@ def _word_tile(
     row_words = features.to(tl.int64) * (blocks_per_row * WORDS)
     words = tl.load(words_ptr + row_words[:, None, None] + word_in_row[None, :, :], mask=mask_nb[:, :, None],
                     other=0)
+    return words, absmax, word_in_row, mask_blocks
+
+
+@triton.jit
+def _word_tile(
+    b0, words_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize: tl.constexpr,
+    code_ptr, tables, features, mask_features, blocks_per_row,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, PTX: tl.constexpr,
+    BF16_CODES: tl.constexpr, WHOLE_TILES: tl.constexpr, PDL_WAIT: tl.constexpr,
+):
+    """One weight's tile (`_word_loads`), its words decoded: (its eight codes a word `[N, B, W]` each, absmax,
+    word_in_row, mask_blocks). PDL_WAIT: `gdc_wait` once the weight's loads are issued (nothing another kernel
+    writes is read before)."""
+    words, absmax, word_in_row, mask_blocks = _word_loads(
+        b0, words_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, features,
+        mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE, WHOLE_TILES,
+    )
     if PDL_WAIT:
         gdc_wait()  # returns at once after the first tile
     t0, t1, t2, t3, t4, t5, t6, t7 = tables
@@ -142,34 +156,95 @@ def _word_walk(
     offset_ptr, nested_blocksize: tl.constexpr, features, n_rows, n_out, n_in, first_block, end_block,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCKS_PER_TILE: tl.constexpr, PTX: tl.constexpr, BF16_CODES: tl.constexpr, PDL: tl.constexpr,
-    STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
+    STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """(acc `[BLOCK_M, BLOCK_N]`, partial `[BLOCK_N, BLOCKS_PER_TILE, WORDS]`): the word kernel's walk over
     quantisation blocks [first_block, end_block) of the rows `features` of one weight, its sums for several rows
-    in acc, for one row kept elementwise in partial (`_finish_product` reduces them)."""
+    in acc, for one row kept elementwise in partial (`_finish_product` reduces them). PREFETCH: each step issues
+    the next tile's loads into registers before it decodes its own (STAGES ignored)."""
     WORDS: tl.constexpr = BLOCKSIZE // 8
-    rows = tl.arange(0, BLOCK_M)
     mask_features = (features < n_out) | WHOLE_TILES
     blocks_per_row = n_in // BLOCKSIZE
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)  # one row: reduced at the end
     tables = _lane_tables(tables_ptr, PTX, BF16_CODES)
-    if PDL and STAGES > 1:
-        gdc_wait()  # the pipelined loop loads x for later tiles before its body runs: wait first
-    for b0 in tl.range(first_block, end_block, BLOCKS_PER_TILE, num_stages=STAGES):
-        codes, absmax, word_in_row, mask_blocks = _word_tile(
-            b0, words_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, code_ptr,
-            tables, features, mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE, PTX, BF16_CODES,
-            WHOLE_TILES, PDL and STAGES == 1,
+    if PREFETCH:
+        acc, partial = _prefetched_word_walk(
+            acc, partial, x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables, nested_code_ptr,
+            nested_absmax_ptr, offset_ptr, nested_blocksize, features, mask_features, blocks_per_row, n_rows,
+            first_block, end_block, BLOCKSIZE, NESTED, BLOCK_M, BLOCKS_PER_TILE, PTX, BF16_CODES, PDL, WHOLE_TILES,
+            X_PAIRS,
         )
+    else:
+        if PDL and STAGES > 1:
+            gdc_wait()  # the pipelined loop loads x for later tiles before its body runs: wait first
+        for b0 in tl.range(first_block, end_block, BLOCKS_PER_TILE, num_stages=STAGES):
+            codes, absmax, word_in_row, mask_blocks = _word_tile(
+                b0, words_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+                code_ptr, tables, features, mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE, PTX,
+                BF16_CODES, WHOLE_TILES, PDL and STAGES == 1,
+            )
+            acc, partial = _word_tile_sums(
+                acc, partial, codes, absmax, x_ptr, x_row_stride, word_in_row, mask_blocks, n_rows, BLOCK_M, X_PAIRS,
+            )
+    return acc, partial
+
+
+@triton.jit
+def _word_tile_sums(acc, partial, codes, absmax, x_ptr, x_row_stride, word_in_row, mask_blocks, n_rows,
+                    BLOCK_M: tl.constexpr, X_PAIRS: tl.constexpr):
+    """acc and partial (`_word_walk`) with one decoded tile's products added, x read here."""
+    if BLOCK_M == 1:
+        x = _word_x(x_ptr, 0, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
+        partial = _word_sums(codes, x, X_PAIRS) * absmax + partial
+    else:
+        rows = tl.arange(0, BLOCK_M)
+        for m in tl.static_range(BLOCK_M):
+            x = _word_x(x_ptr, m, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
+            row_sum = tl.sum(tl.sum(_word_sums(codes, x, X_PAIRS) * absmax, axis=2), axis=1)
+            acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
+    return acc, partial
+
+
+@triton.jit
+def _prefetched_word_walk(
+    acc, partial, x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables, nested_code_ptr,
+    nested_absmax_ptr, offset_ptr, nested_blocksize: tl.constexpr, features, mask_features, blocks_per_row, n_rows,
+    first_block, end_block, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCKS_PER_TILE: tl.constexpr, PTX: tl.constexpr, BF16_CODES: tl.constexpr, PDL: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
+):
+    """`_word_walk` with PREFETCH: the tile a step decodes was loaded by the step before, into registers (its
+    bytes arrive while that step computes; no shared memory, no barrier). The last step loads its own tile
+    again (in L1 or L2) rather than masking a load past the walk. One row's x comes with its tile; several rows'
+    are read as the tile is used."""
+    last_block = first_block + (end_block - 1 - first_block) // BLOCKS_PER_TILE * BLOCKS_PER_TILE
+    words, absmax, word_in_row, mask_blocks = _word_loads(
+        first_block, words_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+        features, mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE, WHOLE_TILES,
+    )
+    if PDL:
+        gdc_wait()  # x is the kernel before's output
+    x = 0
+    if BLOCK_M == 1:
+        x = _word_x(x_ptr, 0, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
+    t0, t1, t2, t3, t4, t5, t6, t7 = tables
+    for b0 in range(first_block, end_block, BLOCKS_PER_TILE):
+        next_words, next_absmax, next_word_in_row, next_mask_blocks = _word_loads(
+            tl.minimum(b0 + BLOCKS_PER_TILE, last_block), words_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr,
+            offset_ptr, nested_blocksize, features, mask_features, blocks_per_row, BLOCKSIZE, NESTED,
+            BLOCKS_PER_TILE, WHOLE_TILES,
+        )
+        codes = _nf4_word_codes(words, code_ptr, t0, t1, t2, t3, t4, t5, t6, t7, PTX, BF16_CODES)
         if BLOCK_M == 1:
-            x = _word_x(x_ptr, 0, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
+            next_x = _word_x(x_ptr, 0, x_row_stride, next_word_in_row, next_mask_blocks, n_rows, X_PAIRS)
             partial = _word_sums(codes, x, X_PAIRS) * absmax + partial
+            x = next_x
         else:
-            for m in tl.static_range(BLOCK_M):
-                x = _word_x(x_ptr, m, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
-                row_sum = tl.sum(tl.sum(_word_sums(codes, x, X_PAIRS) * absmax, axis=2), axis=1)
-                acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
+            acc, partial = _word_tile_sums(
+                acc, partial, codes, absmax, x_ptr, x_row_stride, word_in_row, mask_blocks, n_rows, BLOCK_M, X_PAIRS,
+            )
+        words, absmax, word_in_row, mask_blocks = next_words, next_absmax, next_word_in_row, next_mask_blocks
     return acc, partial
 
 
@@ -185,7 +260,7 @@ def _nf4_matvec_words_kernel(
     BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-    STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
+    STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) for all rows, walking K BLOCKS_PER_TILE quantisation
     blocks at a time (with SPLIT_K, program (i, j) takes tile j alone, `_sum_of_splits`). `words_ptr`: the packed
@@ -199,7 +274,7 @@ def _nf4_matvec_words_kernel(
     acc, partial = _word_walk(
         x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
         offset_ptr, nested_blocksize, features, n_rows, n_out, n_in, first_block, end_block, BLOCKSIZE, NESTED,
-        BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, PTX, BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS,
+        BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, PTX, BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH,
     )
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
