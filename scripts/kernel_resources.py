@@ -21,7 +21,7 @@ every DeltaNet kernel's registers and shared memory equal those the H200 reporte
 shipped; `--matvec-shapes` for others), through the blocked kernel, the word kernel (`WORD_KERNEL`; also with
 `REGISTER_PREFETCH`, `words_prefetch`) and the
 gate-and-up kernel (`nf4_gated_matvec`, the shape as both weights' and the instructions per weight over both; on
-the blocked walk and on the word walk, `gated_words`), each at its tile as shipped, and (without
+the blocked walk and on the word walk, `gated_words`, also prefetched), each at its tile as shipped, and (without
 `--matvec-shapes`) `nf4_grouped_matvec` at W3's groups of projections of one input (both walks); the SASS
 (`cuobjdump -sass`) gives the instructions of the kernel and of its loop over K (the longest backward branch), and
 of the loop per eight weights of a thread (`per_8_weights`: the loop's instructions over the weights a thread
@@ -229,10 +229,10 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
         packed, state = nf4_weight(n_out, n_in)
         x = torch.empty(1, n_in, dtype=torch.bfloat16)
         for name, words in (("blocked", False), ("words", True), ("words_prefetch", True), ("gated", False),
-                            ("gated_words", True)):
+                            ("gated_words", True), ("gated_words_prefetch", True)):
             saved = nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH
             try:
-                nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH = words, name == "words_prefetch"
+                nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH = words, name.endswith("prefetch")
                 with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
                     if name.startswith("gated"):  # gate and up: two weights a program
                         weight = nf4_param(n_out, n_in)

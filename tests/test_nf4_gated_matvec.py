@@ -15,11 +15,12 @@ from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 from unsloth_lite.kernels.swiglu import swiglu
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["blocked", "words"])
+@pytest.fixture(autouse=True, params=["blocked", "words", "words_prefetch"])
 def walk(request, monkeypatch):
-    """The blocked kernel's walk and the word kernel's (`nf4_matvec.WORD_KERNEL`): the fused launch and the
-    three launches compared with both take it."""
-    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", request.param)
+    """The blocked kernel's walk, the word kernel's (`nf4_matvec.WORD_KERNEL`) and the word kernel's with the next
+    tile loaded a step ahead (`REGISTER_PREFETCH`): the fused launch and the three launches compared take it."""
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", request.param != "blocked")
+    monkeypatch.setattr(nf4_matvec_module, "REGISTER_PREFETCH", request.param == "words_prefetch")
     return request.param
 
 

@@ -25,10 +25,10 @@ from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 from unsloth_lite.kernels import nf4_matvec as matvec  # its settings (tiles, lookup, PDL) are read at each call
 from unsloth_lite.kernels.dequantize_nf4 import _launch
 from unsloth_lite.kernels.matvec_epilogue import _output_values
-from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
+from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, _nf4_word_codes, code_pairs
 from unsloth_lite.kernels.nf4_matvec import _blocked_tile_loads, packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_state import lane_tables
-from unsloth_lite.kernels.nf4_matvec_words import _lane_tables, _word_sums, _word_tile, _word_x
+from unsloth_lite.kernels.nf4_matvec_words import _lane_tables, _word_loads, _word_sums, _word_tile, _word_x
 from unsloth_lite.kernels.utils import INTERPRET, empty
 
 
@@ -113,13 +113,13 @@ def _gated_word_sums(
     x_ptr, x_row_stride, gate_words_ptr, gate_absmax_ptr, up_words_ptr, up_absmax_ptr, code_ptr, tables_ptr,
     features, n_rows, n_out, n_in, BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCKS_PER_TILE: tl.constexpr, PTX: tl.constexpr, BF16_CODES: tl.constexpr, PDL: tl.constexpr,
-    STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
+    STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """`_gated_blocked_sums` by the word kernel's walk (`nf4_matvec_words.py`): both weights read as words, each
     decoded word's sum with x's tile, loaded once for both, scaled by its block's absmax; the loads of STAGES
-    tiles in flight."""
+    tiles in flight, or with PREFETCH the next tile's loaded into registers a step ahead (`_prefetched_word_walk`:
+    the last step reloads its own tile)."""
     WORDS: tl.constexpr = BLOCKSIZE // 8
-    rows = tl.arange(0, BLOCK_M)
     mask_features = (features < n_out) | WHOLE_TILES
     blocks_per_row = n_in // BLOCKSIZE
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -127,26 +127,76 @@ def _gated_word_sums(
     partial_gate = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)  # one row: reduced at the end
     partial_up = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)
     tables = _lane_tables(tables_ptr, PTX, BF16_CODES)
-    if PDL and STAGES > 1:
-        gdc_wait()  # the pipelined loop loads x for later tiles before its body runs: wait first
-    for b0 in tl.range(0, blocks_per_row, BLOCKS_PER_TILE, num_stages=STAGES):
-        gate_codes, gate_absmax, word_in_row, mask_blocks = _word_tile(
-            b0, gate_words_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, 1, code_ptr,
-            tables, features, mask_features, blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, PTX, BF16_CODES,
-            WHOLE_TILES, False,
+    t0, t1, t2, t3, t4, t5, t6, t7 = tables
+    if PREFETCH:
+        last_block = (blocks_per_row - 1) // BLOCKS_PER_TILE * BLOCKS_PER_TILE
+        gate_words, gate_absmax, word_in_row, mask_blocks = _word_loads(
+            0, gate_words_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, 1, features,
+            mask_features, blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, WHOLE_TILES,
         )
-        up_codes, up_absmax, _, _ = _word_tile(
-            b0, up_words_ptr, up_absmax_ptr, up_absmax_ptr, up_absmax_ptr, up_absmax_ptr, 1, code_ptr, tables,
-            features, mask_features, blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, PTX, BF16_CODES,
-            WHOLE_TILES, PDL and STAGES == 1,
+        up_words, up_absmax, _, _ = _word_loads(
+            0, up_words_ptr, up_absmax_ptr, up_absmax_ptr, up_absmax_ptr, up_absmax_ptr, 1, features, mask_features,
+            blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, WHOLE_TILES,
         )
-        for m in tl.static_range(BLOCK_M):
-            x = _word_x(x_ptr, m, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
-            gate = _word_sums(gate_codes, x, X_PAIRS) * gate_absmax
-            up = _word_sums(up_codes, x, X_PAIRS) * up_absmax
-            acc_gate, partial_gate = _accumulate(gate, m, rows, acc_gate, partial_gate, BLOCK_M)
-            acc_up, partial_up = _accumulate(up, m, rows, acc_up, partial_up, BLOCK_M)
+        if PDL:
+            gdc_wait()  # x is the kernel before's output
+        x = _word_x(x_ptr, 0, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
+        for b0 in range(0, blocks_per_row, BLOCKS_PER_TILE):
+            next_block = tl.minimum(b0 + BLOCKS_PER_TILE, last_block)
+            next_gate_words, next_gate_absmax, next_word_in_row, next_mask_blocks = _word_loads(
+                next_block, gate_words_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, 1,
+                features, mask_features, blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, WHOLE_TILES,
+            )
+            next_up_words, next_up_absmax, _, _ = _word_loads(
+                next_block, up_words_ptr, up_absmax_ptr, up_absmax_ptr, up_absmax_ptr, up_absmax_ptr, 1, features,
+                mask_features, blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, WHOLE_TILES,
+            )
+            next_x = _word_x(x_ptr, 0, x_row_stride, next_word_in_row, next_mask_blocks, n_rows, X_PAIRS)
+            gate_codes = _nf4_word_codes(gate_words, code_ptr, t0, t1, t2, t3, t4, t5, t6, t7, PTX, BF16_CODES)
+            up_codes = _nf4_word_codes(up_words, code_ptr, t0, t1, t2, t3, t4, t5, t6, t7, PTX, BF16_CODES)
+            acc_gate, partial_gate, acc_up, partial_up = _gated_tile_sums(
+                gate_codes, gate_absmax, up_codes, up_absmax, x, x_ptr, x_row_stride, word_in_row, mask_blocks,
+                n_rows, acc_gate, partial_gate, acc_up, partial_up, BLOCK_M, X_PAIRS,
+            )
+            gate_words, gate_absmax = next_gate_words, next_gate_absmax
+            up_words, up_absmax = next_up_words, next_up_absmax
+            word_in_row, mask_blocks, x = next_word_in_row, next_mask_blocks, next_x
+    else:
+        if PDL and STAGES > 1:
+            gdc_wait()  # the pipelined loop loads x for later tiles before its body runs: wait first
+        for b0 in tl.range(0, blocks_per_row, BLOCKS_PER_TILE, num_stages=STAGES):
+            gate_codes, gate_absmax, word_in_row, mask_blocks = _word_tile(
+                b0, gate_words_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, 1, code_ptr,
+                tables, features, mask_features, blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, PTX, BF16_CODES,
+                WHOLE_TILES, False,
+            )
+            up_codes, up_absmax, _, _ = _word_tile(
+                b0, up_words_ptr, up_absmax_ptr, up_absmax_ptr, up_absmax_ptr, up_absmax_ptr, 1, code_ptr, tables,
+                features, mask_features, blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, PTX, BF16_CODES,
+                WHOLE_TILES, PDL and STAGES == 1,
+            )
+            x = _word_x(x_ptr, 0, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
+            acc_gate, partial_gate, acc_up, partial_up = _gated_tile_sums(
+                gate_codes, gate_absmax, up_codes, up_absmax, x, x_ptr, x_row_stride, word_in_row, mask_blocks,
+                n_rows, acc_gate, partial_gate, acc_up, partial_up, BLOCK_M, X_PAIRS,
+            )
     return _reduced(acc_gate, partial_gate, BLOCK_M), _reduced(acc_up, partial_up, BLOCK_M)
+
+
+@triton.jit
+def _gated_tile_sums(gate_codes, gate_absmax, up_codes, up_absmax, x, x_ptr, x_row_stride, word_in_row, mask_blocks,
+                     n_rows, acc_gate, partial_gate, acc_up, partial_up, BLOCK_M: tl.constexpr, X_PAIRS: tl.constexpr):
+    """The sums (`_accumulate`) with one decoded tile of both weights added; x: row 0's tile, the others read
+    here."""
+    rows = tl.arange(0, BLOCK_M)
+    for m in tl.static_range(BLOCK_M):
+        if m > 0:
+            x = _word_x(x_ptr, m, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
+        gate = _word_sums(gate_codes, x, X_PAIRS) * gate_absmax
+        up = _word_sums(up_codes, x, X_PAIRS) * up_absmax
+        acc_gate, partial_gate = _accumulate(gate, m, rows, acc_gate, partial_gate, BLOCK_M)
+        acc_up, partial_up = _accumulate(up, m, rows, acc_up, partial_up, BLOCK_M)
+    return acc_gate, partial_gate, acc_up, partial_up
 
 
 @triton.jit
@@ -162,6 +212,7 @@ def _nf4_gated_matvec_kernel(
     UP_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
     GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr,
     PDL: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) of both projections for all rows (module docstring).
     PDL as in `nf4_matvec`'s blocked kernel: only the frozen weights are read before `gdc_wait`. WORDS: the word
@@ -173,7 +224,7 @@ def _nf4_gated_matvec_kernel(
         acc_gate, acc_up = _gated_word_sums(
             x_ptr, x_row_stride, gate_packed_ptr, gate_absmax_ptr, up_packed_ptr, up_absmax_ptr, table_ptr,
             tables_ptr, features, n_rows, n_out, n_in, BLOCKSIZE, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP == 0,
-            BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS,
+            BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH,
         )
     else:
         acc_gate, acc_up = _gated_blocked_sums(
@@ -269,6 +320,6 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         UP_BLOCK_R=max(2, triton.next_power_of_2(ranks[1])),
         LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=bf16_codes, PDL=pdl, WORDS=words,
         STAGES=matvec.PIPELINE_STAGES, WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
-        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+        PREFETCH=matvec.REGISTER_PREFETCH, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return out.view(*x.shape[:-1], n_out)
