@@ -28,7 +28,14 @@ from unsloth_lite.kernels.matvec_epilogue import _output_values
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, _nf4_word_codes, code_pairs
 from unsloth_lite.kernels.nf4_matvec import _blocked_tile_loads, packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_state import lane_tables
-from unsloth_lite.kernels.nf4_matvec_words import _lane_tables, _word_loads, _word_sums, _word_tile, _word_x
+from unsloth_lite.kernels.nf4_matvec_words import (
+    _accumulate,
+    _lane_tables,
+    _word_loads,
+    _word_sums,
+    _word_tile,
+    _word_x,
+)
 from unsloth_lite.kernels.utils import INTERPRET, empty
 
 
@@ -49,17 +56,6 @@ def _tile_codes(b0, packed_ptr, absmax_ptr, table_ptr, features, mask_features, 
 @triton.jit
 def _tile_products(code_even, code_odd, absmax, x_even, x_odd):
     return (code_even * x_even[None, :, :] + code_odd * x_odd[None, :, :]) * absmax
-
-
-@triton.jit
-def _accumulate(products, m, rows, acc, partial, BLOCK_M: tl.constexpr):
-    """(acc, partial) with row m's products of a tile `[N, B, W]` added: elementwise into partial for one row
-    (reduced once at the end, `_reduced`), reduced into row m of acc `[BLOCK_M, N]` for several."""
-    if BLOCK_M == 1:
-        partial += products
-    else:
-        acc += tl.where(rows[:, None] == m, tl.sum(tl.sum(products, axis=2), axis=1)[None, :], 0.0)
-    return acc, partial
 
 
 @triton.jit

@@ -184,25 +184,35 @@ def _word_walk(
                 code_ptr, tables, features, mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE, PTX,
                 BF16_CODES, WHOLE_TILES, PDL and STAGES == 1,
             )
+            x = _word_x(x_ptr, 0, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
             acc, partial = _word_tile_sums(
-                acc, partial, codes, absmax, x_ptr, x_row_stride, word_in_row, mask_blocks, n_rows, BLOCK_M, X_PAIRS,
+                acc, partial, codes, absmax, x, x_ptr, x_row_stride, word_in_row, mask_blocks, n_rows, BLOCK_M,
+                X_PAIRS,
             )
     return acc, partial
 
 
 @triton.jit
-def _word_tile_sums(acc, partial, codes, absmax, x_ptr, x_row_stride, word_in_row, mask_blocks, n_rows,
-                    BLOCK_M: tl.constexpr, X_PAIRS: tl.constexpr):
-    """acc and partial (`_word_walk`) with one decoded tile's products added, x read here."""
+def _accumulate(products, m, rows, acc, partial, BLOCK_M: tl.constexpr):
+    """(acc, partial) with row m's products of a tile `[N, B, W]` added: elementwise into partial for one row
+    (reduced once at the end), reduced into row m of acc `[BLOCK_M, N]` for several."""
     if BLOCK_M == 1:
-        x = _word_x(x_ptr, 0, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
-        partial = _word_sums(codes, x, X_PAIRS) * absmax + partial
+        partial += products
     else:
-        rows = tl.arange(0, BLOCK_M)
-        for m in tl.static_range(BLOCK_M):
+        acc += tl.where(rows[:, None] == m, tl.sum(tl.sum(products, axis=2), axis=1)[None, :], 0.0)
+    return acc, partial
+
+
+@triton.jit
+def _word_tile_sums(acc, partial, codes, absmax, x, x_ptr, x_row_stride, word_in_row, mask_blocks, n_rows,
+                    BLOCK_M: tl.constexpr, X_PAIRS: tl.constexpr):
+    """acc and partial (`_word_walk`) with one decoded tile's products added; x: row 0's tile, the others read
+    here."""
+    rows = tl.arange(0, BLOCK_M)
+    for m in tl.static_range(BLOCK_M):
+        if m > 0:
             x = _word_x(x_ptr, m, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
-            row_sum = tl.sum(tl.sum(_word_sums(codes, x, X_PAIRS) * absmax, axis=2), axis=1)
-            acc += tl.where(rows[:, None] == m, row_sum[None, :], 0.0)
+        acc, partial = _accumulate(_word_sums(codes, x, X_PAIRS) * absmax, m, rows, acc, partial, BLOCK_M)
     return acc, partial
 
 
@@ -216,8 +226,8 @@ def _prefetched_word_walk(
 ):
     """`_word_walk` with PREFETCH: the tile a step decodes was loaded by the step before, into registers (its
     bytes arrive while that step computes; no shared memory, no barrier). The last step loads its own tile
-    again (in L1 or L2) rather than masking a load past the walk. One row's x comes with its tile; several rows'
-    are read as the tile is used."""
+    again (in L1 or L2) rather than masking a load past the walk. Row 0's x comes with its tile; other rows' are
+    read as the tile is used."""
     last_block = first_block + (end_block - 1 - first_block) // BLOCKS_PER_TILE * BLOCKS_PER_TILE
     words, absmax, word_in_row, mask_blocks = _word_loads(
         first_block, words_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
@@ -225,9 +235,7 @@ def _prefetched_word_walk(
     )
     if PDL:
         gdc_wait()  # x is the kernel before's output
-    x = 0
-    if BLOCK_M == 1:
-        x = _word_x(x_ptr, 0, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
+    x = _word_x(x_ptr, 0, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
     t0, t1, t2, t3, t4, t5, t6, t7 = tables
     for b0 in range(first_block, end_block, BLOCKS_PER_TILE):
         next_words, next_absmax, next_word_in_row, next_mask_blocks = _word_loads(
@@ -235,16 +243,13 @@ def _prefetched_word_walk(
             offset_ptr, nested_blocksize, features, mask_features, blocks_per_row, BLOCKSIZE, NESTED,
             BLOCKS_PER_TILE, WHOLE_TILES,
         )
+        next_x = _word_x(x_ptr, 0, x_row_stride, next_word_in_row, next_mask_blocks, n_rows, X_PAIRS)
         codes = _nf4_word_codes(words, code_ptr, t0, t1, t2, t3, t4, t5, t6, t7, PTX, BF16_CODES)
-        if BLOCK_M == 1:
-            next_x = _word_x(x_ptr, 0, x_row_stride, next_word_in_row, next_mask_blocks, n_rows, X_PAIRS)
-            partial = _word_sums(codes, x, X_PAIRS) * absmax + partial
-            x = next_x
-        else:
-            acc, partial = _word_tile_sums(
-                acc, partial, codes, absmax, x_ptr, x_row_stride, word_in_row, mask_blocks, n_rows, BLOCK_M, X_PAIRS,
-            )
+        acc, partial = _word_tile_sums(
+            acc, partial, codes, absmax, x, x_ptr, x_row_stride, word_in_row, mask_blocks, n_rows, BLOCK_M, X_PAIRS,
+        )
         words, absmax, word_in_row, mask_blocks = next_words, next_absmax, next_word_in_row, next_mask_blocks
+        x = next_x
     return acc, partial
 
 
