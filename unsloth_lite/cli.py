@@ -23,9 +23,12 @@ from unsloth_lite.recipes import load_recipe
 
 EXIT_USAGE = 2
 
-# bitsandbytes logs an advisory at import on CPUs with AVX-512 BF16 when the optional `kernels` package (which
-# fetches kernels from a hub) is absent; its own fallback is used and nothing is wrong, so keep it quiet.
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+# On CPUs with AVX-512 BF16, bitsandbytes' import asks the `kernels` package (a dependency of transformers) for
+# a CPU kernel from the Hugging Face Hub. When that fails (no network, offline mode, `kernels` absent) it logs an
+# advisory, and `kernels` itself logs one in offline mode; bitsandbytes then uses its own fallback and nothing is
+# wrong, so keep both quiet: an input error stays one line.
+for _advisory_logger in ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub"):
+    logging.getLogger(_advisory_logger).setLevel(logging.ERROR)
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
