@@ -30,19 +30,19 @@ Variants, each in its own process (Unsloth patches transformers on import), each
   of each.
 
 An unsloth-lite variant may carry decoding settings after `@`, `/`-separated, set in its worker so that one run
-compares them (`unsloth_lite@stages=3/lora_stages=3`, `unsloth_lite_lora@flat=0`): `stages=N`
-(`nf4_matvec.PIPELINE_STAGES`, the NF4 loop's loads kept N tiles ahead), `lora_stages=N` (`lora_down`'s),
-`lora_split=1` and `lora_pdl=1` (`lora_down.SPLIT_K`, `lora_down.PDL`), `flat=0`
-(`nf4_matvec.FLAT_ABSMAX` off: the nested absmax read in the kernel), `pdl=0` (`nf4_matvec.PDL` off: ordinary
-launches instead of programmatic dependent ones, each of which starts loading its weight while the kernel before
-it finishes), `words=1` (`nf4_matvec.WORD_KERNEL`: the weight read as words of eight codes), `prefetch=1`
-(`nf4_matvec.REGISTER_PREFETCH`: the word kernel's next tile loaded into registers a step ahead), `gated=1`
-(`decode.GATED_MATVEC`: each MLP's gate and up products and SwiGLU in one launch), `grouped=1`
-(`decode.GROUPED_MATVEC`: the projections of one input in one launch), `attention=1`
-(`decode.DECODE_ATTENTION`: each full-attention layer's cache update, attention and output gate in one launch),
-`deltanet=1` (`decode.GATED_DELTANET_STEP`: each DeltaNet layer's gates, step and gated norm in one launch),
-`residual=1` (`decode.RESIDUAL_IN_PRODUCTS`: each layer's residual adds in its output projections' epilogues),
-`norm=1` (`decode.NORM_FIRST_PRODUCTS`: each norm and the first products of the adapters after it in one launch),
+compares them (`unsloth_lite@stages=3/lora_stages=3`, `unsloth_lite_lora@flat=0`). Numbers: `stages=N`
+(`nf4_matvec.PIPELINE_STAGES`, the NF4 loop's loads kept N tiles ahead), `lora_stages=N` (`lora_down`'s).
+Switches, 0 or 1, the default first: `lora_split=0` and `lora_pdl=0` (`lora_down.SPLIT_K`, `lora_down.PDL`),
+`flat=1` (`nf4_matvec.FLAT_ABSMAX`; 0: the nested absmax read in the kernel), `pdl=1` (`nf4_matvec.PDL`; 0:
+ordinary launches instead of programmatic dependent ones, each of which starts loading its weight while the
+kernel before it finishes), `words=1` (`nf4_matvec.WORD_KERNEL`: the weight read as words of eight codes),
+`prefetch=0` (`nf4_matvec.REGISTER_PREFETCH`: the word kernel's next tile loaded into registers a step ahead),
+`gated=1` (`decode.GATED_MATVEC`: each MLP's gate and up products and SwiGLU in one launch), `grouped=1`
+(`decode.GROUPED_MATVEC`: the projections of one input in one launch), `attention=1` (`decode.DECODE_ATTENTION`:
+each full-attention layer's cache update, attention and output gate in one launch), `deltanet=0`
+(`decode.GATED_DELTANET_STEP`: each DeltaNet layer's gates, step and gated norm in one launch), `residual=1`
+(`decode.RESIDUAL_IN_PRODUCTS`: each layer's residual adds in its output projections' epilogues), `norm=1`
+(`decode.NORM_FIRST_PRODUCTS`: each norm and the first products of the adapters after it in one launch),
 `small_pdl=1` (`kernels.utils.DECODE_PDL`: the small decoding kernels as programmatic dependent launches). A
 suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix.
 
@@ -169,7 +169,7 @@ def split_variant(variant: str) -> tuple[str, dict]:
         least = DECODE_SETTINGS[key][2] if key in DECODE_SETTINGS else None
         if least is None or not value.isdigit() or not setting_in_range(int(value), least):
             raise ValueError(f"{variant}: expected @KEY=N/... with KEY among {', '.join(DECODE_SETTINGS)} "
-                             f"(stages at least 1, flat and pdl 0 or 1), got {item!r}")
+                             f"(stages at least 1, switches 0 or 1), got {item!r}")
         settings[key] = int(value)
     if settings and not name.startswith("unsloth_lite"):
         raise ValueError(f"{variant}: only unsloth-lite's variants take @ settings")

@@ -176,11 +176,23 @@ def count_decode_calls(monkeypatch):
 
 # The interpreter is slow: the kernels run for a few tokens, each architecture with one cache kind.
 KERNEL_RUNS = [("qwen2", "static"), ("qwen3", "dynamic"), ("qwen3_5", None)]
+# `models.decode`'s switches of the fused decoding launches (most on by default).
+FUSED_LAUNCHES = ("GATED_MATVEC", "GROUPED_MATVEC", "DECODE_ATTENTION", "GATED_DELTANET_STEP",
+                  "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS")
+
+
+def set_fused_launches(monkeypatch, on=()):
+    """Each fused decoding launch on where `on` names it, off otherwise: one path under test, whatever the
+    defaults."""
+    for setting in FUSED_LAUNCHES:
+        monkeypatch.setattr(decode, setting, setting in on)
 
 
 @pytest.mark.parametrize("arch,cache_implementation", KERNEL_RUNS, ids=lambda v: str(v))
 def test_greedy_tokens_match_on_decoding_kernels(arch, cache_implementation, device, monkeypatch):
-    """A 4-bit base with an adapter, the decoding kernels run (interpreted on the CPU), every one called."""
+    """A 4-bit base with an adapter, the unfused decoding kernels run (interpreted on the CPU), every one
+    called."""
+    set_fused_launches(monkeypatch)
     calls = count_decode_calls(monkeypatch)
     assert_same_greedy_tokens(arch, "4bit+lora", cache_implementation, 3, device, prompt_shape=(2, 4))
     assert calls["nf4_matvec"] and calls["grouped_attention"]
@@ -191,7 +203,7 @@ def test_greedy_tokens_match_on_decoding_kernels(arch, cache_implementation, dev
 def test_greedy_tokens_match_with_the_gated_mlp_kernel(device, monkeypatch):
     """`decode.GATED_MATVEC`: each MLP's gate and up products and SwiGLU in one `nf4_gated_matvec` launch, the
     greedy tokens those of the unpatched model (the tiny Qwen3.5: its MLP's input, 64 wide, holds whole blocks)."""
-    monkeypatch.setattr(decode, "GATED_MATVEC", True)
+    set_fused_launches(monkeypatch, on=("GATED_MATVEC",))
     calls = []
     monkeypatch.setattr(decode, "nf4_gated_matvec", lambda *args: calls.append(1) or nf4_gated_matvec(*args))
     assert_same_greedy_tokens("qwen3_5", "4bit+lora", "static", 3, device, prompt_shape=(2, 4))
@@ -201,7 +213,7 @@ def test_greedy_tokens_match_with_the_gated_mlp_kernel(device, monkeypatch):
 def test_greedy_tokens_match_with_grouped_projections(device, monkeypatch):
     """`decode.GROUPED_MATVEC`: the projections of one input (the DeltaNet's four, q/k/v, gate/up) in one
     `nf4_grouped_matvec` launch each, the greedy tokens those of the unpatched model."""
-    monkeypatch.setattr(decode, "GROUPED_MATVEC", True)
+    set_fused_launches(monkeypatch, on=("GROUPED_MATVEC",))
     groups = []
     monkeypatch.setattr(decode, "nf4_grouped_matvec",
                         lambda x, weights, *args: groups.append(len(weights)) or nf4_grouped_matvec(x, weights, *args))
@@ -213,7 +225,7 @@ def test_greedy_tokens_match_with_grouped_projections(device, monkeypatch):
 def test_greedy_tokens_match_with_fused_decode_attention(arch, cache_implementation, device, monkeypatch):
     """`decode.DECODE_ATTENTION`: each full-attention layer's cache update, attention and (Qwen3.5) output gate
     in one `decode_attention` launch over the static cache, the greedy tokens those of the unpatched model."""
-    monkeypatch.setattr(decode, "DECODE_ATTENTION", True)
+    set_fused_launches(monkeypatch, on=("DECODE_ATTENTION",))
     calls = []
     monkeypatch.setattr(decode, "decode_attention", lambda *args: calls.append(args[-1]) or decode_attention(*args))
     assert_same_greedy_tokens(arch, "4bit+lora", cache_implementation, 3, device, prompt_shape=(2, 4))
@@ -224,7 +236,7 @@ def test_greedy_tokens_match_with_fused_decode_attention(arch, cache_implementat
 def test_greedy_tokens_match_with_the_residual_in_the_products(arch, cache_implementation, device, monkeypatch):
     """`decode.RESIDUAL_IN_PRODUCTS`: each decoder layer's two residual adds in its output projections'
     epilogues, the greedy tokens those of the unpatched model; every output projection took its residual."""
-    monkeypatch.setattr(decode, "RESIDUAL_IN_PRODUCTS", True)
+    set_fused_launches(monkeypatch, on=("RESIDUAL_IN_PRODUCTS",))
     taken = []
     original = decode.output_rows
 
@@ -244,7 +256,7 @@ def test_greedy_tokens_match_with_norms_and_first_products_in_one_launch(arch, c
     """`decode.NORM_FIRST_PRODUCTS`: each decoder layer's norms in one launch with the first products of the
     adapters after them, taken by those projections instead of their own launch; the greedy tokens those of the
     unpatched model."""
-    monkeypatch.setattr(decode, "NORM_FIRST_PRODUCTS", True)
+    set_fused_launches(monkeypatch, on=("NORM_FIRST_PRODUCTS",))
     launches = []
     monkeypatch.setattr(decode, "lora_down_rows", lambda x, lora_as: launches.append(len(lora_as)) or
                         lora_down_rows(x, lora_as))
@@ -259,16 +271,14 @@ def test_greedy_tokens_match_with_norms_and_first_products_in_one_launch(arch, c
 def test_greedy_tokens_match_with_every_fused_launch(device, monkeypatch):
     """Every fused decoding launch at once (the tiny Qwen3.5: gated attention and DeltaNet layers), the greedy
     tokens those of the unpatched model."""
-    for setting in ("GATED_MATVEC", "GROUPED_MATVEC", "DECODE_ATTENTION", "GATED_DELTANET_STEP",
-                    "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS"):
-        monkeypatch.setattr(decode, setting, True)
+    set_fused_launches(monkeypatch, on=FUSED_LAUNCHES)
     assert_same_greedy_tokens("qwen3_5", "4bit+lora", "static", 3, device, prompt_shape=(2, 4))
 
 
 def test_greedy_tokens_match_with_the_gated_deltanet_step(device, monkeypatch):
     """`decode.GATED_DELTANET_STEP`: each DeltaNet layer's gates, step and gated norm in one
     `delta_rule_gated_step` launch, the greedy tokens those of the unpatched model."""
-    monkeypatch.setattr(decode, "GATED_DELTANET_STEP", True)
+    set_fused_launches(monkeypatch, on=("GATED_DELTANET_STEP",))
     calls = []
     monkeypatch.setattr(qwen3_5_layers, "delta_rule_gated_step",
                         lambda *args, **kwargs: calls.append(1) or delta_rule_gated_step(*args, **kwargs))
@@ -365,16 +375,15 @@ def test_bf16_greedy_path_check_runs_on_cpu():
 @pytest.mark.parametrize("setting,arch", [
     ("GATED_MATVEC", "qwen3_5"), ("GROUPED_MATVEC", "qwen3_5"), ("DECODE_ATTENTION", "qwen3_5"),
     ("DECODE_ATTENTION", "qwen3"), ("GATED_DELTANET_STEP", "qwen3_5"), ("RESIDUAL_IN_PRODUCTS", "qwen3_5"),
-    ("RESIDUAL_IN_PRODUCTS", "qwen3"), ("NORM_FIRST_PRODUCTS", "qwen3"),
+    ("RESIDUAL_IN_PRODUCTS", "qwen3"), ("NORM_FIRST_PRODUCTS", "qwen3"), (None, "qwen3"), (None, "qwen3_5"),
 ], ids=["gated_mlp", "grouped_projections", "decode_attention_gated", "decode_attention", "gated_deltanet_step",
-        "residual_hybrid", "residual", "norm_first_products"])
+        "residual_hybrid", "residual", "norm_first_products", "unfused", "unfused_hybrid"])
 def test_bf16_greedy_path_matches_cuda_with_the_fused_launches(setting, arch, torch_delta_rule, monkeypatch):
-    """The fused decoding launches, kept off by default (`decode.GATED_MATVEC`, `decode.GROUPED_MATVEC`,
-    `decode.DECODE_ATTENTION`, `decode.GATED_DELTANET_STEP`, `decode.RESIDUAL_IN_PRODUCTS`,
-    `decode.NORM_FIRST_PRODUCTS`), on: 32 bf16 tokens
-    along the reference's greedy path through the captured step (the tiny Qwen3.5, whose projections of a
+    """Each fused decoding launch alone (`decode.GATED_MATVEC`, `decode.GROUPED_MATVEC`, `decode.DECODE_ATTENTION`,
+    `decode.GATED_DELTANET_STEP`, `decode.RESIDUAL_IN_PRODUCTS`, `decode.NORM_FIRST_PRODUCTS`), or none: 32 bf16
+    tokens along the reference's greedy path through the captured step (the tiny Qwen3.5, whose projections of a
     64-wide input hold whole blocks and whose attention is gated; the tiny Qwen3's attention ungated)."""
-    monkeypatch.setattr(decode, setting, True)
+    set_fused_launches(monkeypatch, on=(setting,))
     patched = assert_greedy_path_followed(arch, "4bit+lora", "static", 32, "cuda", torch.bfloat16)
     assert captured_decode_steps(patched) == 1
 
@@ -386,9 +395,7 @@ def test_bf16_greedy_path_matches_cuda_with_every_fused_launch(arch, torch_delta
     dependent launches: 32 bf16 tokens along the reference's greedy path through the captured step."""
     from unsloth_lite.kernels import lora_down, utils
 
-    for setting in ("GATED_MATVEC", "GROUPED_MATVEC", "DECODE_ATTENTION", "GATED_DELTANET_STEP",
-                    "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS"):
-        monkeypatch.setattr(decode, setting, True)
+    set_fused_launches(monkeypatch, on=FUSED_LAUNCHES)
     monkeypatch.setattr(utils, "DECODE_PDL", True)
     monkeypatch.setattr(lora_down, "SPLIT_K", True)
     monkeypatch.setattr(lora_down, "PDL", True)

@@ -206,14 +206,16 @@ def test_programmatic_dependent_launch_only_on_hopper_and_later(monkeypatch):
 
 
 def test_small_decoding_kernels_take_programmatic_dependent_launch_where_asked(monkeypatch):
-    """`kernels.utils.DECODE_PDL`: the small decoding kernels' launch options, on Hopper and later only."""
+    """`kernels.utils.DECODE_PDL` (on by default): the small decoding kernels' launch options, on Hopper and later
+    only."""
     monkeypatch.setattr(kernel_utils, "INTERPRET", False)
     monkeypatch.setattr(kernel_utils, "_CAPABILITIES", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _index: (9, 0))
-    assert kernel_utils.pdl_launch(torch.device("cuda", 0)) == {"PDL": False}  # off until measured
-    monkeypatch.setattr(kernel_utils, "DECODE_PDL", True)
-    assert kernel_utils.pdl_launch(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    assert kernel_utils.pdl_launch(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}  # the default
     assert kernel_utils.pdl_launch(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(kernel_utils, "DECODE_PDL", False)
+    assert kernel_utils.pdl_launch(torch.device("cuda", 0)) == {"PDL": False}
+    monkeypatch.setattr(kernel_utils, "DECODE_PDL", True)
     kernel_utils._CAPABILITIES.clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _index: (8, 0))
     assert kernel_utils.pdl_launch(torch.device("cuda", 0)) == {"PDL": False}

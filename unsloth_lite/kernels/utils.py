@@ -80,8 +80,8 @@ def compute_capability(device: torch.device) -> int:
 # Programmatic dependent launch (Hopper and later) of the small decoding kernels (`decode_attention`, the DeltaNet's
 # conv-state update and steps, `rms_norm_lora_down_rows`): each may start while the kernel before it finishes, its
 # reads of what that kernel cannot write (its own cached state, weights, adapters) already issued, and waits for it
-# before the rest. Off until measured on the H200.
-DECODE_PDL = False
+# before the rest. On since measured with the fused decoding launches (`models/decode.py`).
+DECODE_PDL = True
 
 
 def uses_decode_pdl(device: torch.device) -> bool:

@@ -28,33 +28,34 @@ from unsloth_lite.kernels.nf4_matvec import nf4_matvec, nf4_matvec_reference
 from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
 
-# The MLP's gate and up projections and its SwiGLU in one launch (`nf4_gated_matvec`) where both are NF4: the
-# same bits as the three launches, one launch instead of three a layer, x read once for both weights. Measured on
-# the H200 (2026-12-05) on the blocked kernel's walk, with the grouped launch below: Qwen3-8B decoding 221.9 ->
-# 226.4 tokens/s, Qwen3.5-27B 86.8 -> 84.6, against the word kernel's separate launches. Both now take the word
-# kernel's walk where `nf4_matvec.WORD_KERNEL` is on (offline for sm_90: 50.6 loop instructions per eight
-# weights of each of gate and up against the word kernel's 58.2); off until measured so.
-GATED_MATVEC = False
+# Five fused decoding launches, on together since measured as a set (docs/benchmarks.md, "W3 with the fused
+# decoding launches"; an H100, 2026-12-05, Qwen3-8B shape without adapters): 212.5 -> 287.9 tokens/s, the captured
+# step 4.63 -> 3.39 ms, with `kernels.utils.DECODE_PDL`. Their GPU tests (32 bf16 greedy tokens through the captured
+# step, each alone and all at once, Qwen3 and Qwen3.5) passed on the same machine.
+# The MLP's gate and up projections and its SwiGLU in one launch (`nf4_gated_matvec`) where both are NF4: the same
+# bits as the three launches, x read once for both weights, on the word kernel's walk where
+# `nf4_matvec.WORD_KERNEL` is on.
+GATED_MATVEC = True
 # The projections of one input (q, k, v; the DeltaNet's qkv, z, b, a) in one launch (`nf4_grouped_matvec`) where
-# all are NF4: each the bits of its own product at the widest one's tile, the small ones beside the large. Off
-# for the same reason.
-GROUPED_MATVEC = False
+# all are NF4: each the bits of its own product at the widest one's tile, the small ones beside the large.
+GROUPED_MATVEC = True
 # One new token's attention over a static cache's layer in one launch (`decode_attention`): the cache's update
 # (Hugging Face's two `index_copy_` and the position's arithmetic), the attention over the positions filled so
-# far (SDPA reads the cache's whole length, with its mask) and Qwen3.5's output gate. Off until measured on the
-# H200.
-DECODE_ATTENTION = False
+# far (SDPA reads the cache's whole length, with its mask) and Qwen3.5's output gate.
+DECODE_ATTENTION = True
 # The residual stream's two adds of each decoder layer in a decoding step (Hugging Face's `residual + ...`) done in
 # the epilogues of the token mixer's and the MLP's output projections (`decoder_layer.py`): two launches fewer a
-# layer, the sum rounded once. Off until measured on the H200.
-RESIDUAL_IN_PRODUCTS = False
+# layer, the sum rounded once.
+RESIDUAL_IN_PRODUCTS = True
 # A decoder layer's two RMSNorms each in one launch with the first products x Aᵀ of the adapters of the
 # projections that read its output (q/k/v or the DeltaNet's four; gate and up: `rms_norm_lora_down_rows`), instead
 # of a norm and a `lora_down_rows` launch; without adapters the same kernel's norm alone, which, unlike the
-# training path's, can be a programmatic dependent launch (`decoder_layer.py`). Off until measured on the H200.
-NORM_FIRST_PRODUCTS = False
+# training path's, can be a programmatic dependent launch (`decoder_layer.py`); measured in the set above
+# without adapters (with them: one launch instead of two, tested, not yet timed).
+NORM_FIRST_PRODUCTS = True
 # A Gated DeltaNet layer's token step after its convolution in one launch (`delta_rule_gated_step`: the gates,
-# the delta-rule step and the gated RMSNorm of each head), instead of three. Off until measured on the H200.
+# the delta-rule step and the gated RMSNorm of each head), instead of three. Correct on the GPU (the tests above;
+# on in that run, where the Qwen3-8B shape has no DeltaNet layer), not yet timed at the Qwen3.5-27B shape: off.
 GATED_DELTANET_STEP = False
 # Attention implementations whose mask (None, or 4-D boolean or additive) SDPA reads as they do.
 GROUPED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
