@@ -32,7 +32,7 @@ Variants, each in its own process (Unsloth patches transformers on import), each
 An unsloth-lite variant may carry decoding settings after `@`, `/`-separated, set in its worker so that one run
 compares them (`unsloth_lite@stages=3/lora_stages=3`, `unsloth_lite_lora@flat=0`). Numbers: `stages=N`
 (`nf4_matvec.PIPELINE_STAGES`, the NF4 loop's loads kept N tiles ahead), `lora_stages=N` (`lora_down`'s).
-Switches, 0 or 1, the default first: `lora_split=0` and `lora_pdl=0` (`lora_down.SPLIT_K`, `lora_down.PDL`),
+Switches, 0 or 1, the default first: `lora_split=1` and `lora_pdl=0` (`lora_down.SPLIT_K`, `lora_down.PDL`),
 `flat=1` (`nf4_matvec.FLAT_ABSMAX`; 0: the nested absmax read in the kernel), `pdl=1` (`nf4_matvec.PDL`; 0:
 ordinary launches instead of programmatic dependent ones, each of which starts loading its weight while the
 kernel before it finishes), `words=1` (`nf4_matvec.WORD_KERNEL`: the weight read as words of eight codes),
@@ -43,7 +43,9 @@ each full-attention layer's cache update, attention and output gate in one launc
 (`decode.GATED_DELTANET_STEP`: each DeltaNet layer's gates, step and gated norm in one launch), `residual=1`
 (`decode.RESIDUAL_IN_PRODUCTS`: each layer's residual adds in its output projections' epilogues), `norm=1`
 (`decode.NORM_FIRST_PRODUCTS`: each norm and the first products of the adapters after it in one launch),
-`small_pdl=1` (`kernels.utils.DECODE_PDL`: the small decoding kernels as programmatic dependent launches). A
+`small_pdl=1` (`kernels.utils.DECODE_PDL`: the small decoding kernels as programmatic dependent launches),
+`attention_products=0` (`decode.ATTENTION_FIRST_PRODUCTS`: o_proj's adapter's first product from the attention
+launch). A
 suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
@@ -131,6 +133,7 @@ DECODE_SETTINGS = {
     "residual": ("unsloth_lite.models.decode", "RESIDUAL_IN_PRODUCTS", 0),
     "norm": ("unsloth_lite.models.decode", "NORM_FIRST_PRODUCTS", 0),
     "small_pdl": ("unsloth_lite.kernels.utils", "DECODE_PDL", 0),
+    "attention_products": ("unsloth_lite.models.decode", "ATTENTION_FIRST_PRODUCTS", 0),
 }
 TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
 H200_COPY_GBPS = 4270.0
