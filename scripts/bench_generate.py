@@ -84,6 +84,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import sys
 import time
@@ -272,6 +273,13 @@ def graph_step_ms(generate, device) -> float | None:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+def profile_path(directory: str, variant: str, shape: str) -> Path:
+    """The profile's file for a variant and shape: the variant's "@" settings written with `_` for the characters
+    a file name should not hold (`unsloth_lite_lora@lora_split=1/lora_pdl=1` would name a directory)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{variant}_{shape}")
+    return Path(directory) / f"{name}.txt"
+
+
 def write_profile(model, c: dict, device, prompt: int, path: Path, new_tokens: int = 16) -> None:
     """The GPU kernels of one more `new_tokens`-token generation (warm), by total time, as a table at `path`."""
     from torch.profiler import ProfilerActivity, profile
@@ -299,7 +307,7 @@ def worker_main(args) -> int:
             result["load_s"] = round(time.perf_counter() - start, 1)
             result.update(measure(model, args.worker, c, device, args.prompt, args.new_tokens, args.repeats))
             if args.profile_dir:
-                write_profile(model, c, device, args.prompt, Path(args.profile_dir) / f"{args.worker}_{shape}.txt")
+                write_profile(model, c, device, args.prompt, profile_path(args.profile_dir, args.worker, shape))
         except (Exception, SystemExit) as error:  # this variant's error on this shape, never a crash of the run
             traceback.print_exc()
             result.update(_error(error))

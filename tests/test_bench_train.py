@@ -276,6 +276,12 @@ def test_bench_generate_tiny_mode_runs(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
+def test_bench_generate_profile_names_are_file_names(tmp_path):
+    """A variant with "@" settings profiles into one file of the directory, not into a directory of its own."""
+    path = bench_generate().profile_path(str(tmp_path), "unsloth_lite_lora@lora_split=1/lora_pdl=1", "qwen3_8b")
+    assert path.parent == tmp_path and path.name == "unsloth_lite_lora_lora_split_1_lora_pdl_1_qwen3_8b.txt"
+
+
 def test_bench_generate_resumes_a_run_on_the_same_machine_only(tmp_path):
     """--resume keeps the rows of the run in --out and runs only the (variant, shape) pairs it lacks, with the
     ratios over all of them; a run with other settings is refused with one line."""
