@@ -63,3 +63,26 @@ def test_float_dtypes_keep_their_numpy_storage():
     assert interpreter._get_np_dtype(tl.block_type(tl.float32, [4, 8])).name == "float32"
     assert interpreter._get_np_dtype(tl.block_type(tl.float16, [4, 8])).name == "float16"
     assert interpreter._get_np_dtype(tl.pointer_type(tl.float32)).name == "uint64"
+
+
+@triton.jit
+def _to_bf16_kernel(x_ptr, out_ptr, scalar_index, scalar_out_ptr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets).to(tl.bfloat16))
+    tl.store(scalar_out_ptr, tl.load(x_ptr + scalar_index).to(tl.bfloat16))
+
+
+def test_fp32_to_bf16_casts_round_to_nearest_even():
+    """As compiled kernels and torch round: ties to even, NaN and infinity kept, a value past bf16's largest to
+    infinity; a scalar as a block (the interpreter truncated them all)."""
+    assert speed_up_interpreter()
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)])  # half-way: to the even neighbour
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4e38, 0.0, -0.0, 1e-40])
+    x = torch.cat([torch.randn(54), ties, special])
+    out = torch.empty(64, dtype=torch.bfloat16)
+    scalar_out = torch.empty(1, dtype=torch.bfloat16)
+    _to_bf16_kernel[(1,)](x, out, 55, scalar_out, BLOCK=64)
+    expected = x.bfloat16()
+    nan = torch.isnan(x)
+    assert torch.equal(torch.isnan(out), nan) and torch.equal(out[~nan], expected[~nan])
+    assert torch.equal(scalar_out[0], expected[55]) and expected[55].item() == 1 + 4 * 2**-8

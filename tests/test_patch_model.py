@@ -104,8 +104,37 @@ def test_patched_loss_with_num_items_in_batch(device):
     assert_close(got, expected, 1e-5, "loss")
 
 
+def assert_bf16_as_close_as_the_unpatched(reference, device, loss_floor=1e-3, gradient_floor=2e-2):
+    """A bf16 model's patched copy against the same weights in float32 (the exact reference): its loss and each
+    parameter gradient within 2x the unpatched bf16 model's own error, or the floor. Two bf16 computations of one
+    model differ by their roundings, which for some random models is most of the unpatched one's error (a q_norm
+    gradient 4.8e-2 from float32 where the patched model's is 2.0e-2): a bound between the two would have to
+    cover the worse of them."""
+    exact = copy.deepcopy(reference).float()
+    patched = patch_model(copy.deepcopy(reference))
+    input_ids, labels = batch(device)
+    losses = {}
+    for name, model in (("unpatched", reference), ("exact", exact), ("patched", patched)):
+        out = model(input_ids=input_ids, labels=labels)
+        out.loss.backward()
+        losses[name] = out.loss.detach().double()
+    assert torch.isfinite(losses["patched"])
+    own_loss_error = float((losses["unpatched"] - losses["exact"]).abs() / losses["exact"].abs())
+    assert_close(losses["patched"], losses["exact"], max(2 * own_loss_error, loss_floor), "loss")
+    exact_grads, unpatched = dict(exact.named_parameters()), dict(reference.named_parameters())
+    largest = max(float(p.grad.norm()) for p in exact_grads.values())
+    for name, param in patched.named_parameters():
+        assert param.grad is not None and bool(torch.isfinite(param.grad).all()), name
+        expected = exact_grads[name].grad.double()
+        scale = max(float(expected.norm()), 1e-6 * largest)
+        error = float((param.grad.double() - expected).norm()) / scale
+        own_error = float((unpatched[name].grad.double() - expected).norm()) / scale
+        assert error <= max(2 * own_error, gradient_floor), (
+            f"grad {name}: error {error:.3e} from float32 against the unpatched bf16 model's {own_error:.3e}")
+
+
 def test_patched_bf16_model(device):
-    assert_patched_matches(tiny_model("qwen3", device, torch.bfloat16), 1e-2, 5e-2, device)
+    assert_bf16_as_close_as_the_unpatched(tiny_model("qwen3", device, torch.bfloat16), device)
 
 
 def test_patched_generation_matches(device):
