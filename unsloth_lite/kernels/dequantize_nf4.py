@@ -57,7 +57,9 @@ OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def _fp32_to_bf16_rne(x):
     """fp32 -> bf16, round to nearest even, in integer ops: what bitsandbytes' CPU `float_to_bf16`, CUDA's
-    `__float2bfloat16` and torch's `.to(torch.bfloat16)` do for finite values (Triton's interpreter truncates)."""
+    `__float2bfloat16` and torch's `.to(torch.bfloat16)` do for finite values. Written when Triton's interpreter
+    truncated `.to(tl.bfloat16)` (`kernels/interpreter.py` now rounds it to nearest even as well); kept in the
+    kernels measured with it."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -86,8 +88,8 @@ def _to_output_dtype(values, out_ptr):
 @triton.jit
 def _output_pairs(even, odd, out_ptr, CONVERT: tl.constexpr):
     """32-bit words of two 16-bit values each, `even` in the low half, rounded to `out_ptr`'s dtype. CONVERT
-    (compiled only): one `cvt.rn` a pair, round to nearest even as `_fp32_to_bf16_rne`, instead of the integer
-    rounding the interpreter needs."""
+    (compiled only): one `cvt.rn` a pair, round to nearest even as `_fp32_to_bf16_rne`, instead of its integer
+    rounding (inline PTX: not in the interpreter)."""
     if CONVERT:
         if out_ptr.dtype.element_ty == tl.bfloat16:
             return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [even, odd],
