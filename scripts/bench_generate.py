@@ -45,8 +45,7 @@ each full-attention layer's cache update, attention and output gate in one launc
 (`decode.NORM_FIRST_PRODUCTS`: each norm and the first products of the adapters after it in one launch),
 `small_pdl=1` (`kernels.utils.DECODE_PDL`: the small decoding kernels as programmatic dependent launches),
 `attention_products=0` (`decode.ATTENTION_FIRST_PRODUCTS`: o_proj's adapter's first product from the attention
-launch). A
-suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix.
+launch). A suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
 (`min_new_tokens`: random weights may say end-of-sequence at any step), one warm-up generation (compilation,

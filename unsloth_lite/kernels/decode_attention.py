@@ -45,7 +45,6 @@ from unsloth_lite.kernels.matvec_epilogue import (
     _arrival_counters,
     _sum_of_parts,
     parts_block,
-    parts_scratch,
 )
 from unsloth_lite.kernels.utils import (
     INTERPRET,
@@ -383,7 +382,7 @@ def decode_attention(
     if next_rank:
         next_a = next_lora_a.contiguous()
         next_t = empty((batch, next_rank), torch.float32, query.device)
-        next_parts = parts_scratch(query.device, programs, next_block_m, next_block_r)
+        next_parts = empty((programs, next_block_m, next_block_r), torch.float32, query.device)  # a slot a head
     else:
         next_a = next_t = next_parts = out
     _decode_attention_kernel[(programs, splits)](

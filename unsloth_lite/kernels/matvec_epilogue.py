@@ -22,8 +22,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_launch_dependents
 
-from unsloth_lite.kernels.utils import empty
-
 # What the products' epilogue adds (`_output_values`' BIAS): nothing, a bias a feature, an addend a row and feature.
 BIAS_NONE, BIAS_FEATURES, BIAS_ROWS = 0, 1, 2
 _ARRIVALS: dict = {}
@@ -60,11 +58,6 @@ def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr
             total += tl.load(partial_ptr + s * BLOCK_M * n_out + slot, mask=mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(arrivals_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
     return total, last
-
-
-def parts_scratch(device: torch.device, slots: int, block_m: int, block_r: int) -> torch.Tensor:
-    """The fp32 scratch `[slots, block_m, block_r]` of `_sum_of_parts` over `slots` programs."""
-    return empty((slots, block_m, block_r), torch.float32, device)
 
 
 def parts_block(block_m: int, block_r: int) -> int:

@@ -234,14 +234,13 @@ def fused_attention_layer(cache, layer_idx: int, query: torch.Tensor, key: torch
 
 def fused_attention(layer, query, key, value, attention_mask, scaling: float, gate=None, output_projection=None):
     """(`decode_attention` over `layer` (`fused_attention_layer`): `[B, 1, Hq, D]`, gated where `gate` is given;
-    a context for the output projection's input x, that output reshaped). With `ATTENTION_FIRST_PRODUCTS`,
-    where `output_projection` has an adapter over an NF4 base, the launch also gives its
-    first product, which `output_rows(output_projection, x)` takes within `context(x)` (`first_products_of`)
-    instead of a `lora_down_rows` launch; else the context is empty."""
+    a context for the output projection's input x, that output reshaped). `output_projection`: o_proj, given
+    where its first product is asked for (`ATTENTION_FIRST_PRODUCTS`); where it has an adapter over an NF4 base,
+    the launch also gives that product, which `output_rows(output_projection, x)` takes within `context(x)`
+    (`first_products_of`) instead of a `lora_down_rows` launch; else the context is empty."""
     cache = (layer.keys, layer.values, layer.cumulative_length)
     batch, _, _, head_dim = query.shape
-    if (ATTENTION_FIRST_PRODUCTS and output_projection is not None
-            and getattr(output_projection.base, "quant_state", None) is not None
+    if (output_projection is not None and getattr(output_projection.base, "quant_state", None) is not None
             and first_products_supported(batch, output_projection.rank, head_dim)):
         lora_a = output_projection.lora_a
         out, t = decode_attention(query, key, value, *cache, attention_mask, scaling, gate, next_lora_a=lora_a)

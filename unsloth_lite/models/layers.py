@@ -31,6 +31,7 @@ from unsloth_lite.kernels.rms_norm import rms_norm, rms_norm_reference
 from unsloth_lite.kernels.rope import apply_rope, apply_rope_reference
 from unsloth_lite.kernels.swiglu import sigmoid_gate, sigmoid_gate_reference, swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
+from unsloth_lite.models import decode
 from unsloth_lite.models.decode import (
     fused_attention,
     fused_attention_layer,
@@ -303,8 +304,9 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
     elif grouped_attention_applies(self, query, attention_mask, cache):  # decoding: KV heads never repeated
         layer, attn_weights = fused_attention_layer(cache, self.layer_idx, query, key, attention_mask), None
         if layer is not None:  # the cache's update, the attention, the gate (and o_proj's t) in one launch
+            o_proj = _lora_projection(self.o_proj) if decode.ATTENTION_FIRST_PRODUCTS else None
             attn_output, output_products = fused_attention(layer, query, key, value, attention_mask, self.scaling,
-                                                           gate, _lora_projection(self.o_proj))
+                                                           gate, o_proj)
             gate = None
         else:
             key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
