@@ -10,11 +10,8 @@ from unsloth_lite.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
     decode_splits,
-    first_products_supported,
     position_block,
 )
-from unsloth_lite.kernels.lora_down import lora_down_rows
-from unsloth_lite.kernels.matvec_epilogue import _arrival_counters
 
 
 def _inputs(batch, q_heads, kv_heads, head_dim, cache_len, filled, dtype, device):
@@ -97,64 +94,6 @@ def test_decode_attention_single_split_and_last_position(device):
     values = torch.cat([value_cache, value], dim=2)
     assert_close(out, _exact(query, keys, values, cache_len + 1, None, head_dim ** -0.5, None),
                  TOLERANCE[torch.float32], "output past the cache's end")
-
-
-def _check_first_products(q_heads, kv_heads, head_dim, batch, cache_len, rank, gated, dtype, device):
-    """`next_lora_a`: t = o Aᵀ from o as returned, against float64 and `lora_down_rows`, o the bits of a launch
-    without it, twice in a row (the counters back at 0 after each)."""
-    first = cache_len - 3
-    query, key, value, key_cache, value_cache, length = _inputs(
-        batch, q_heads, kv_heads, head_dim, cache_len, first, dtype, device)
-    caches = key_cache.clone(), value_cache.clone(), length.clone()
-    lora_a = torch.randn(rank, q_heads * head_dim, device=device, dtype=dtype) / head_dim
-    mask = _mask("boolean", batch, cache_len, device, dtype)
-    for step in range(2):
-        gate = torch.randn(batch, 1, q_heads, head_dim, device=device, dtype=dtype) if gated else None
-        out, t = decode_attention(query, key, value, key_cache, value_cache, length, mask, None, gate,
-                                  next_lora_a=lora_a)
-        plain = decode_attention(query, key, value, *caches, mask, None, gate)
-        assert int(length) == first + step + 1 == int(caches[2]), "the cache's length advanced by one"
-        assert torch.equal(out, plain), f"the output changed with the first product at step {step}"
-        assert t.shape == (batch, rank) and t.dtype == torch.float32
-        rows = out.reshape(batch, -1)
-        assert_close(t, rows.double() @ lora_a.double().T, TOLERANCE[torch.float32], f"t at step {step}")
-        assert_close(t, lora_down_rows(rows, [lora_a]), TOLERANCE[torch.float32], f"t vs lora_down_rows, {step}")
-        assert not _arrival_counters(out.device, 1).any(), "the arrival counters back at 0"
-        query, key, value = (torch.randn_like(x) for x in (query, key, value))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("q_heads,kv_heads,head_dim,rank,gated", [(4, 2, 32, 4, False), (6, 1, 24, 3, True)])
-def test_decode_attention_first_products(q_heads, kv_heads, head_dim, rank, gated, batch, dtype, device):
-    """Several splits of the positions (the interpreter's), one or two sequences, gated or not."""
-    cache_len = 2 * position_block(head_dim) + 8
-    assert decode_splits(batch, kv_heads, cache_len, head_dim, torch.device(device))[0] > 1
-    _check_first_products(q_heads, kv_heads, head_dim, batch, cache_len, rank, gated, dtype, device)
-
-
-def test_decode_attention_first_products_single_split(device):
-    assert decode_splits(1, 2, 12, 16, torch.device(device))[0] == 1
-    _check_first_products(4, 2, 16, 1, 12, 5, False, torch.float32, device)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("q_heads,kv_heads,head_dim,rank,gated", [(32, 8, 128, 32, False), (24, 4, 256, 16, True)],
-                         ids=["qwen3_8b", "qwen3_5_27b"])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_decode_attention_first_products_model_shapes(q_heads, kv_heads, head_dim, rank, gated, batch):
-    """bf16 at the W3 models' attention shapes, compiled, a cache of 256 positions."""
-    _check_first_products(q_heads, kv_heads, head_dim, batch, 256, rank, gated, torch.bfloat16, "cuda")
-
-
-def test_decode_attention_refuses_first_products_it_cannot_give(device):
-    assert first_products_supported(8, 32, 128) and not first_products_supported(9, 4, 128)
-    assert not first_products_supported(1, 32, 256) and not first_products_supported(1, 0, 128)
-    query, key, value, key_cache, value_cache, length = _inputs(1, 4, 2, 16, 8, 3, torch.float32, device)
-    for lora_a in (torch.randn(4, 32, device=device), torch.randn(1024, 64, device=device)):
-        with pytest.raises(ValueError, match="next_lora_a must be"):
-            decode_attention(query, key, value, key_cache, value_cache, length, next_lora_a=lora_a)
-    assert int(length) == 3, "refused before the launch"
 
 
 @pytest.mark.gpu

@@ -178,9 +178,7 @@ def count_decode_calls(monkeypatch):
 KERNEL_RUNS = [("qwen2", "static"), ("qwen3", "dynamic"), ("qwen3_5", None)]
 # `models.decode`'s switches of the fused decoding launches (most on by default).
 FUSED_LAUNCHES = ("GATED_MATVEC", "GROUPED_MATVEC", "DECODE_ATTENTION", "GATED_DELTANET_STEP",
-                  "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS", "ATTENTION_FIRST_PRODUCTS")
-# o_proj's first product from the attention launch, with that launch.
-ATTENTION_PRODUCTS = ("DECODE_ATTENTION", "ATTENTION_FIRST_PRODUCTS")
+                  "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS")
 
 
 def set_fused_launches(monkeypatch, on=()):
@@ -210,26 +208,6 @@ def test_greedy_tokens_match_with_the_gated_mlp_kernel(device, monkeypatch):
     monkeypatch.setattr(decode, "nf4_gated_matvec", lambda *args: calls.append(1) or nf4_gated_matvec(*args))
     assert_same_greedy_tokens("qwen3_5", "4bit+lora", "static", 3, device, prompt_shape=(2, 4))
     assert calls
-
-
-def test_greedy_tokens_match_with_the_output_first_product_from_the_attention_launch(device, monkeypatch):
-    """`decode.ATTENTION_FIRST_PRODUCTS` with `DECODE_ATTENTION`: each attention launch also gives o_proj's first
-    product, which o_proj takes instead of a `lora_down_rows` launch; the greedy tokens those of the unpatched
-    model."""
-    set_fused_launches(monkeypatch, on=ATTENTION_PRODUCTS)
-    given = []
-    monkeypatch.setattr(decode, "decode_attention",
-                        lambda *args, **kwargs: given.append("next_lora_a" in kwargs) or decode_attention(*args,
-                                                                                                          **kwargs))
-    widths = []
-    monkeypatch.setattr(decode, "lora_down_rows",
-                        lambda x, lora_as: widths.append(x.shape[-1]) or lora_down_rows(x, lora_as))
-    # a prompt over MAX_ROWS rows: its forward takes no decoding path, so o_proj's own launches would be the steps'
-    assert_same_greedy_tokens("qwen3", "4bit+lora", "static", 3, device, prompt_shape=(2, 5))
-    config = tiny("qwen3", "cpu", torch.float32).config
-    o_proj_width = config.num_attention_heads * config.head_dim
-    assert given and all(given)
-    assert widths and o_proj_width not in widths, (o_proj_width, widths)
 
 
 def test_greedy_tokens_match_with_grouped_projections(device, monkeypatch):
@@ -398,17 +376,14 @@ def test_bf16_greedy_path_check_runs_on_cpu():
     ("GATED_MATVEC", "qwen3_5"), ("GROUPED_MATVEC", "qwen3_5"), ("DECODE_ATTENTION", "qwen3_5"),
     ("DECODE_ATTENTION", "qwen3"), ("GATED_DELTANET_STEP", "qwen3_5"), ("RESIDUAL_IN_PRODUCTS", "qwen3_5"),
     ("RESIDUAL_IN_PRODUCTS", "qwen3"), ("NORM_FIRST_PRODUCTS", "qwen3"), (None, "qwen3"), (None, "qwen3_5"),
-    (ATTENTION_PRODUCTS, "qwen3"), (ATTENTION_PRODUCTS, "qwen3_5"),
 ], ids=["gated_mlp", "grouped_projections", "decode_attention_gated", "decode_attention", "gated_deltanet_step",
-        "residual_hybrid", "residual", "norm_first_products", "unfused", "unfused_hybrid",
-        "attention_first_products", "attention_first_products_gated"])
+        "residual_hybrid", "residual", "norm_first_products", "unfused", "unfused_hybrid"])
 def test_bf16_greedy_path_matches_cuda_with_the_fused_launches(setting, arch, torch_delta_rule, monkeypatch):
     """Each fused decoding launch alone (`decode.GATED_MATVEC`, `decode.GROUPED_MATVEC`, `decode.DECODE_ATTENTION`,
-    `decode.GATED_DELTANET_STEP`, `decode.RESIDUAL_IN_PRODUCTS`, `decode.NORM_FIRST_PRODUCTS`; o_proj's first
-    product from the attention launch with it, `decode.ATTENTION_FIRST_PRODUCTS`), or none: 32 bf16
+    `decode.GATED_DELTANET_STEP`, `decode.RESIDUAL_IN_PRODUCTS`, `decode.NORM_FIRST_PRODUCTS`), or none: 32 bf16
     tokens along the reference's greedy path through the captured step (the tiny Qwen3.5, whose projections of a
     64-wide input hold whole blocks and whose attention is gated; the tiny Qwen3's attention ungated)."""
-    set_fused_launches(monkeypatch, on=setting if isinstance(setting, tuple) else (setting,))
+    set_fused_launches(monkeypatch, on=(setting,))
     patched = assert_greedy_path_followed(arch, "4bit+lora", "static", 32, "cuda", torch.bfloat16)
     assert captured_decode_steps(patched) == 1
 

@@ -24,11 +24,6 @@ to arrive combines the slots in split order (the same bits whichever arrives las
 
 Every program also counts itself on one counter of the launch; the last advances p, after every program has
 read it. The counters are left at 0 for the next launch (no memset).
-
-Given the adapter A `[r, Hq · D]` of the output projection that reads o (`next_lora_a`), the launch also writes
-that projection's first product t = o Aᵀ (fp32 `[B, r]`, from o as written, rounded to its dtype): the program
-that writes a KV head's output multiplies it by A's columns of those G heads (`matvec_epilogue._sum_of_parts`
-then adds the heads' parts in program order), so the output projection starts without a `lora_down_rows` launch.
 """
 
 from __future__ import annotations
@@ -40,12 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
-from unsloth_lite.kernels.matvec_epilogue import (
-    _adapter_columns,
-    _arrival_counters,
-    _sum_of_parts,
-    parts_block,
-)
+from unsloth_lite.kernels.matvec_epilogue import _arrival_counters
 from unsloth_lite.kernels.utils import (
     INTERPRET,
     check_float,
@@ -64,20 +54,6 @@ MIN_GROUP_ROWS = 16
 # tests' short caches still take several splits).
 PROGRAMS_PER_SM = 2
 MASK_NONE, MASK_BOOLEAN, MASK_ADDITIVE = 0, 1, 2
-# The first product's bounds (`next_lora_a`): batch rows of t (the decoding rows), and elements of one query
-# head's columns of A `[r, D]` that the finishing program holds at once (32 a thread of its 4 warps). Compiled
-# on an H100 (Triton 3.6, bf16): D 128 at r 16 and D 256 at r 16 take 154 and 193 registers, no spills (88 and
-# 168 without); twice that, 255 and spills.
-MAX_PRODUCT_ROWS = 8
-MAX_HEAD_COLUMNS = 4096
-
-
-def first_products_supported(batch: int, rank: int, head_dim: int) -> bool:
-    """Whether `decode_attention` gives the output projection's first product (`next_lora_a`) for `batch`
-    sequences, an adapter of rank `rank` and heads `head_dim` wide."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_r = max(2, triton.next_power_of_2(rank))
-    return 1 <= batch <= MAX_PRODUCT_ROWS and 0 < rank and block_r * block_d <= MAX_HEAD_COLUMNS
 
 
 def position_block(head_dim: int) -> int:
@@ -139,17 +115,13 @@ def _decode_attention_kernel(
     gate_ptr, gate_batch_stride, gate_head_stride,
     out_ptr, out_batch_stride, out_head_stride,
     scratch_ptr, arrivals_ptr,
-    next_a_ptr, next_rank, next_t_ptr, next_parts_ptr,
-    n_kv_heads, n_batch, cache_len, head_dim, scale_log2,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr,
+    n_kv_heads, group, cache_len, head_dim, scale_log2,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr,
     SPLITS: tl.constexpr, MASK: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr, NEXT_LORA: tl.constexpr, NEXT_BLOCK_M: tl.constexpr, NEXT_BLOCK_R: tl.constexpr,
-    SLOTS_A_STEP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """PDL: the cache's length (advanced by this kernel alone, a step before) is read before `gdc_wait`; the
-    query, the new key and value, the mask and the gate after it. NEXT_LORA: the program that writes its head's
-    output also adds its part of t = o Aᵀ (`_group_first_products`); the finishing programs, one a head, count
-    themselves on the counter after the launch's, and the last writes t (`_sum_of_parts`)."""
+    query, the new key and value, the mask and the gate after it."""
     program = tl.program_id(0)
     split = tl.program_id(1)
     batch = (program // n_kv_heads).to(tl.int64)
@@ -159,9 +131,9 @@ def _decode_attention_kernel(
         gdc_wait()
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    mask_g = g < GROUP
+    mask_g = g < group
     mask_d = d < head_dim
-    heads = kv_head * GROUP + g
+    heads = kv_head * group + g
     q = tl.load(q_ptr + batch * q_batch_stride + heads[:, None] * q_head_stride + d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     if DOT_F32:
@@ -225,34 +197,9 @@ def _decode_attention_kernel(
             gate = tl.load(gate_ptr + batch * gate_batch_stride + heads[:, None] * gate_head_stride + d[None, :],
                            mask=mask_out, other=0.0).to(tl.float32)
             out = out * tl.sigmoid(gate)
-        out = out.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + batch * out_batch_stride + heads[:, None] * out_head_stride + d[None, :], out,
-                 mask=mask_out)
-        if NEXT_LORA:
-            part = _group_first_products(out.to(tl.float32), g, d, kv_head * GROUP, batch, head_dim,
-                                         n_kv_heads * GROUP * head_dim, next_a_ptr, next_rank, GROUP,
-                                         NEXT_BLOCK_M, NEXT_BLOCK_R)
-            _sum_of_parts(part, n_batch, next_rank, next_parts_ptr, arrivals_ptr + tl.num_programs(0) + 1,
-                          next_t_ptr, next_rank, NEXT_BLOCK_M, NEXT_BLOCK_R, SLOTS_A_STEP)
+        tl.store(out_ptr + batch * out_batch_stride + heads[:, None] * out_head_stride + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask_out)
     _advance_length(length_ptr, position, arrivals_ptr + tl.num_programs(0))
-
-
-@triton.jit
-def _group_first_products(out, g, d, first_head, batch, head_dim, width, a_ptr, rank, GROUP: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """This program's part `[BLOCK_M, BLOCK_R]` of t = o Aᵀ (A `[rank, width]`, contiguous): its G heads' output
-    `out` `[BLOCK_G, BLOCK_D]` (as written) times A's columns (first_head + g) · D + d, in row `batch` (0 in the
-    others). One real row of the padded tile at a time, with its head's columns `[BLOCK_R, BLOCK_D]`: A's share
-    `[BLOCK_R, BLOCK_G, BLOCK_D]` at once would take several times the registers of the whole walk."""
-    mask_d = d < head_dim
-    products = tl.zeros([BLOCK_R], tl.float32)
-    for row in tl.static_range(GROUP):
-        columns = tl.where(mask_d, (first_head + row) * head_dim + d, width)  # past the head: masked as past A
-        a_columns = _adapter_columns(a_ptr, columns, width, rank, BLOCK_R).to(tl.float32)
-        out_row = tl.sum(tl.where(g[:, None] == row, out, 0.0), axis=0)
-        products += tl.sum(a_columns * out_row[None, :], axis=1)
-    rows = tl.arange(0, BLOCK_M)
-    return tl.where((rows == batch)[:, None], products[None, :], 0.0)
 
 
 @triton.jit
@@ -341,18 +288,14 @@ def decode_attention(
     mask: torch.Tensor | None = None,
     scale: float | None = None,
     gate: torch.Tensor | None = None,
-    next_lora_a: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Attention of query `[B, Hq, 1, D]` over the cache after writing key, value `[B, Hkv, 1, D]` at position
     `cache_length` (a one-element device tensor, then advanced by one) of key_cache, value_cache `[B, Hkv, S, D]`
     (updated in place); mask None (positions up to the new token's attend) or `[B or 1, 1, Q, ≥S]` as Hugging
     Face builds it (its last query row read: boolean, True attends, or additive); gate `[B, 1, Hq, D]`, where
-    given, multiplies the output by its sigmoid. Returns o `[B, 1, Hq, D]` in query's dtype, or with
-    `next_lora_a` (A `[r, Hq · D]` of the adapter of the projection that reads o, `first_products_supported`)
-    (o, o Aᵀ as fp32 `[B, r]`, o as returned)."""
+    given, multiplies the output by its sigmoid. Returns `[B, 1, Hq, D]` in query's dtype."""
     _check_args(query, key, value, key_cache, value_cache, cache_length, mask, gate)
     batch, q_heads, _, head_dim = query.shape
-    next_rank = _check_next_lora_a(next_lora_a, query)
     kv_heads, cache_len = key_cache.shape[1], key_cache.shape[2]
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -364,8 +307,7 @@ def decode_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     splits, chunk = decode_splits(batch, kv_heads, cache_len, head_dim, query.device)
     programs = batch * kv_heads
-    # per head, then the launch's, then the first product's
-    arrivals = _arrival_counters(query.device, programs + 2)
+    arrivals = _arrival_counters(query.device, programs + 1)
     scratch = empty((programs, splits, block_g, block_d + 2), torch.float32, query.device) if splits > 1 else out
     mask_kind, mask_rows = MASK_NONE, out
     if mask is not None:
@@ -377,14 +319,6 @@ def decode_attention(
     if gate is not None and gate.stride(-1) != 1:
         gate = gate.contiguous()
     gate_arg = gate if gate is not None else out
-    next_block_m = triton.next_power_of_2(batch)
-    next_block_r = max(2, triton.next_power_of_2(next_rank))
-    if next_rank:
-        next_a = next_lora_a.contiguous()
-        next_t = empty((batch, next_rank), torch.float32, query.device)
-        next_parts = empty((programs, next_block_m, next_block_r), torch.float32, query.device)  # a slot a head
-    else:
-        next_a = next_t = next_parts = out
     _decode_attention_kernel[(programs, splits)](
         query, query.stride(0), query.stride(1),
         key, key.stride(0), key.stride(1),
@@ -396,31 +330,12 @@ def decode_attention(
         gate_arg, gate_arg.stride(0), gate_arg.stride(2),
         out, out.stride(0), out.stride(2),
         scratch, arrivals,
-        next_a, next_rank, next_t, next_parts,
-        kv_heads, batch, cache_len, head_dim, scale * 1.4426950408889634,
-        GROUP=group, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=position_block(head_dim), CHUNK=chunk,
-        SPLITS=splits, MASK=mask_kind, GATED=gate is not None, DOT_F32=INTERPRET or query.dtype == torch.float32,
-        IEEE=query.dtype == torch.float32, NEXT_LORA=next_rank > 0, NEXT_BLOCK_M=next_block_m,
-        NEXT_BLOCK_R=next_block_r, SLOTS_A_STEP=parts_block(next_block_m, next_block_r), num_warps=4,
-        **pdl_launch(query.device),
+        kv_heads, group, cache_len, head_dim, scale * 1.4426950408889634,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=position_block(head_dim), CHUNK=chunk, SPLITS=splits, MASK=mask_kind,
+        GATED=gate is not None, DOT_F32=INTERPRET or query.dtype == torch.float32,
+        IEEE=query.dtype == torch.float32, num_warps=4, **pdl_launch(query.device),
     )
-    return (out, next_t) if next_rank else out
-
-
-def _check_next_lora_a(next_lora_a, query) -> int:
-    """The rank of the output projection's adapter A (`next_lora_a`), 0 without one; ValueError where the launch
-    cannot give its first product."""
-    if next_lora_a is None:
-        return 0
-    batch, q_heads, _, head_dim = query.shape
-    width = q_heads * head_dim
-    if (next_lora_a.dim() != 2 or next_lora_a.shape[1] != width or next_lora_a.device != query.device
-            or not next_lora_a.is_floating_point()
-            or not first_products_supported(batch, next_lora_a.shape[0], head_dim)):
-        raise ValueError(f"next_lora_a must be a floating [r, {width}] on {query.device} within "
-                         f"first_products_supported({batch}, r, {head_dim}); got {next_lora_a.dtype} "
-                         f"{tuple(next_lora_a.shape)} on {next_lora_a.device}")
-    return next_lora_a.shape[0]
+    return out
 
 
 def decode_attention_reference(

@@ -5,14 +5,6 @@ a second launch, each stores its sums `[rows, features]` to its slot of an fp32 
 and counts itself on the feature block's counter; the last to arrive adds the slots in split order and writes y.
 Then y = acc + b + s · t Bᵀ with t = x Aᵀ (`lora_down_rows`): the unmerged adapter's second product, rank r; b
 a bias `[N]` or an addend `[rows, N]` (the residual stream, which an output projection's result joins).
-
-A kernel whose output y `[rows, N]` is the next projection's input can also give that projection's first product
-t' = y A'ᵀ (A' `[r', N]`, `_adapter_columns`): each program multiplies its own features of y by their columns of
-A', stores the `[rows, r']` part in its slot of an fp32 scratch and counts itself; the last to arrive adds every
-slot in program order (`_sum_of_parts`: the same bits whichever comes last) and writes t'. The next projection
-then starts without a `lora_down_rows` launch of its own. The last program's sum reads every slot: it pays where
-the writing launch has few programs (the attention's, one a KV head), not where it has a thousand (measured: the
-gate-and-up launch's 1,536 at the Qwen3-8B shape made a step 0.6 ms slower, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -58,45 +50,6 @@ def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr
             total += tl.load(partial_ptr + s * BLOCK_M * n_out + slot, mask=mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(arrivals_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
     return total, last
-
-
-def parts_block(block_m: int, block_r: int) -> int:
-    """Slots `_sum_of_parts` adds in one step: about 1,024 values a step, at least one slot."""
-    return max(1, 1024 // (block_m * block_r))
-
-
-@triton.jit
-def _adapter_columns(a_ptr, features, n_out, rank, BLOCK_R: tl.constexpr):
-    """Columns `features` of an adapter's A `[rank, n_out]` (contiguous) as `[BLOCK_R, BLOCK_N]`, 0 past either
-    end."""
-    ranks = tl.arange(0, BLOCK_R)
-    return tl.load(a_ptr + ranks[:, None] * n_out + features[None, :],
-                   mask=(ranks < rank)[:, None] & (features < n_out)[None, :], other=0.0)
-
-
-@triton.jit
-def _sum_of_parts(part, n_rows, rank, parts_ptr, arrival_ptr, t_ptr, t_row_stride,
-                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLOTS_A_STEP: tl.constexpr):
-    """t' = Σ over the launch's programs of their parts `[BLOCK_M, BLOCK_R]` (module docstring), written to t'
-    `[n_rows, rank]` fp32 by the last program to arrive, which adds the slots in program order, SLOTS_A_STEP at a
-    time, and sets the counter back to 0 for the next launch."""
-    SLOT: tl.constexpr = BLOCK_M * BLOCK_R
-    program = tl.program_id(0)
-    slots = tl.num_programs(0)
-    flat = tl.arange(0, SLOT)
-    tl.store(parts_ptr + program.to(tl.int64) * SLOT + flat, tl.reshape(part, [SLOT]))
-    tl.debug_barrier()  # every thread's stores before the arrival (released at GPU scope by the atomic)
-    arrived = tl.atomic_add(arrival_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == slots - 1:
-        total = tl.zeros([SLOT], dtype=tl.float32)
-        for first in range(0, slots, SLOTS_A_STEP):  # .cg: from L2, where the other SMs' stores are
-            slot = first + tl.arange(0, SLOTS_A_STEP)
-            parts = tl.load(parts_ptr + slot.to(tl.int64)[:, None] * SLOT + flat[None, :],
-                            mask=(slot < slots)[:, None], other=0.0, cache_modifier=".cg")
-            total += tl.sum(parts, axis=0)
-        row, column = flat // BLOCK_R, flat % BLOCK_R
-        tl.store(t_ptr + row * t_row_stride + column, total, mask=(row < n_rows) & (column < rank))
-        tl.atomic_xchg(arrival_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import threading
 import torch
 from transformers.cache_utils import StaticLayer
 
-from unsloth_lite.kernels.decode_attention import decode_attention, first_products_supported
+from unsloth_lite.kernels.decode_attention import decode_attention
 from unsloth_lite.kernels.lora import LoRAProjection
 from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
 from unsloth_lite.kernels.nf4_gated_matvec import gated_matvec_supported, nf4_gated_matvec
@@ -51,14 +51,10 @@ RESIDUAL_IN_PRODUCTS = True
 # projections that read its output (q/k/v or the DeltaNet's four; gate and up: `rms_norm_lora_down_rows`), instead
 # of a norm and a `lora_down_rows` launch; without adapters the same kernel's norm alone, which, unlike the
 # training path's, can be a programmatic dependent launch (`decoder_layer.py`); measured in the set above
-# without adapters (with them: one launch instead of two, tested, not yet timed).
+# without adapters (with them: one launch instead of two, tested, not yet timed). The output projections' first
+# products from the attention and gate-and-up launches (their programs' shares summed in the launch) were measured
+# slower than their own `lora_down_rows` launches and removed (docs/design.md).
 NORM_FIRST_PRODUCTS = True
-# o_proj's adapter's first product o A_oᵀ written by the attention launch that writes o (`decode_attention`'s
-# `next_lora_a`) instead of a `lora_down_rows` launch of its own: one launch fewer a full-attention layer, for a
-# longer tail of the attention's programs. Its GPU tests passed (tests/test_decode_attention.py; 32 bf16 greedy
-# tokens through the captured step), not yet timed alone: off. (The same for the down projection from the
-# gate-and-up launch was measured slower and removed: `matvec_epilogue`'s docstring.)
-ATTENTION_FIRST_PRODUCTS = False
 # A Gated DeltaNet layer's token step after its convolution in one launch (`delta_rule_gated_step`: the gates,
 # the delta-rule step and the gated RMSNorm of each head), instead of three. Correct on the GPU (the tests above;
 # on in that run, where the Qwen3-8B shape has no DeltaNet layer), not yet timed at the Qwen3.5-27B shape: off.
@@ -232,17 +228,7 @@ def fused_attention_layer(cache, layer_idx: int, query: torch.Tensor, key: torch
     return layer
 
 
-def fused_attention(layer, query, key, value, attention_mask, scaling: float, gate=None, output_projection=None):
-    """(`decode_attention` over `layer` (`fused_attention_layer`): `[B, 1, Hq, D]`, gated where `gate` is given;
-    a context for the output projection's input x, that output reshaped). `output_projection`: o_proj, given
-    where its first product is asked for (`ATTENTION_FIRST_PRODUCTS`); where it has an adapter over an NF4 base,
-    the launch also gives that product, which `output_rows(output_projection, x)` takes within `context(x)`
-    (`first_products_of`) instead of a `lora_down_rows` launch; else the context is empty."""
-    cache = (layer.keys, layer.values, layer.cumulative_length)
-    batch, _, _, head_dim = query.shape
-    if (output_projection is not None and getattr(output_projection.base, "quant_state", None) is not None
-            and first_products_supported(batch, output_projection.rank, head_dim)):
-        lora_a = output_projection.lora_a
-        out, t = decode_attention(query, key, value, *cache, attention_mask, scaling, gate, next_lora_a=lora_a)
-        return out, lambda x: first_products_of(x, [lora_a], t)
-    return decode_attention(query, key, value, *cache, attention_mask, scaling, gate), contextlib.nullcontext
+def fused_attention(layer, query, key, value, attention_mask, scaling: float, gate=None) -> torch.Tensor:
+    """`decode_attention` over `layer` (`fused_attention_layer`): `[B, 1, Hq, D]`, gated where `gate` is given."""
+    return decode_attention(query, key, value, layer.keys, layer.values, layer.cumulative_length, attention_mask,
+                            scaling, gate)

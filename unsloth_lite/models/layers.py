@@ -31,7 +31,6 @@ from unsloth_lite.kernels.rms_norm import rms_norm, rms_norm_reference
 from unsloth_lite.kernels.rope import apply_rope, apply_rope_reference
 from unsloth_lite.kernels.swiglu import sigmoid_gate, sigmoid_gate_reference, swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
-from unsloth_lite.models import decode
 from unsloth_lite.models.decode import (
     fused_attention,
     fused_attention_layer,
@@ -294,19 +293,15 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
     attends document by document through `varlen_attention` instead, whatever the implementation; the
     block-diagonal mask Hugging Face built from the position ids is then not read. One new token per sequence
     over a cache (decoding) takes `grouped_attention`, which never repeats the KV heads, even under a mask, or
-    over a static cache `fused_attention` (`decode.DECODE_ATTENTION`), which may also give o_proj's first product
-    (the context `output_products`)."""
+    over a static cache `fused_attention` (`decode.DECODE_ATTENTION`)."""
     dropout = 0.0 if not self.training else self.attention_dropout
     sliding_window = getattr(self, "sliding_window", None)
-    output_products = contextlib.nullcontext
     if cache is None and sliding_window is None and kwargs.get("cu_seq_lens_q") is not None:
         attn_output, attn_weights = varlen_attention(query, key, value, kwargs, self.scaling, dropout), None
     elif grouped_attention_applies(self, query, attention_mask, cache):  # decoding: KV heads never repeated
         layer, attn_weights = fused_attention_layer(cache, self.layer_idx, query, key, attention_mask), None
-        if layer is not None:  # the cache's update, the attention, the gate (and o_proj's t) in one launch
-            o_proj = _lora_projection(self.o_proj) if decode.ATTENTION_FIRST_PRODUCTS else None
-            attn_output, output_products = fused_attention(layer, query, key, value, attention_mask, self.scaling,
-                                                           gate, o_proj)
+        if layer is not None:  # the cache's update, the attention and the gate in one launch
+            attn_output = fused_attention(layer, query, key, value, attention_mask, self.scaling, gate)
             gate = None
         else:
             key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
@@ -324,8 +319,7 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
     if gate is not None:  # gate stays a strided view of q_proj's output: no copy
         gated = sigmoid_gate if use_kernels(gate) else sigmoid_gate_reference
         attn_output = gated(attn_output.view(gate.shape), gate).view(attn_output.shape)
-    with output_products(attn_output):  # keyed to this very tensor, the one o_proj reads
-        return output_projection(self, "o_proj", attn_output), attn_weights
+    return output_projection(self, "o_proj", attn_output), attn_weights
 
 
 def output_projection(self, name: str, x: torch.Tensor) -> torch.Tensor:
