@@ -31,7 +31,8 @@ compiled without programmatic dependent launch.
 `--decode-kernels`: `decode_attention` at the W3 models' attention shapes (bf16, batch 1, a boolean mask,
 Qwen3.5's gate), a cache of 256 positions (W3's) and one of 4,096, `delta_rule_gated_step` at the 27B's DeltaNet
 shape and `rms_norm_lora_down_rows` at both models' hidden sizes (three rank-16 adapters), as shipped (the
-attention's splits as a launch without a GPU chooses them: on a GPU they follow its SM count).
+attention's splits as a launch without a GPU chooses them: on a GPU they follow its SM count); and the launches of
+`decode.SECOND_PRODUCTS_IN_NORMS` (`second_product_rows`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from unsloth_lite.kernels import (  # noqa: E402
     nf4_gated_matvec,
     nf4_grouped_matvec,
     nf4_matvec,
+    nf4_matvec_checks,
 )
 
 dequantize_module = importlib.import_module("unsloth_lite.kernels.dequantize_nf4")  # the function shadows it
@@ -158,17 +160,20 @@ def deltanet_launches(seq, key_heads, value_heads, head_dim, dtype):
 def compiled_on_cpu():
     """CPU tensors taken by the launchers that check for CUDA (the launches are captured, never run)."""
     saved = {module: module.check_kernel_device
-             for module in (nf4_matvec, dequantize_module, decode_attention, deltanet_decode_gated, lora_down)}
-    supported = nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported
+             for module in (nf4_matvec_checks, dequantize_module, decode_attention, deltanet_decode_gated, lora_down)}
+    supported = (nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported,
+                 nf4_matvec.first_product_supported)
     try:
         for module in saved:
             module.check_kernel_device = lambda _name, _tensor: None
         nf4_gated_matvec.gated_matvec_supported = nf4_grouped_matvec.grouped_matvec_supported = lambda *_: True
+        nf4_matvec.first_product_supported = lambda *_: True
         yield
     finally:
         for module, check in saved.items():
             module.check_kernel_device = check
-        nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported = supported
+        (nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported,
+         nf4_matvec.first_product_supported) = supported
 
 
 def nf4_weight(n_out: int, n_in: int):
@@ -316,6 +321,40 @@ def decode_kernel_rows(arch: int) -> list[dict]:
         registers, stack = resource_usage(compiled)
         total, loop = loop_instructions(sass_of(compiled))
         rows.append(dict(kernel="rms_norm_lora_down", model=model, registers=registers, stack_bytes=stack,
+                         shared_bytes=compiled.metadata.shared, instructions=total, loop=loop))
+    rows += second_product_rows(arch)
+    return rows
+
+
+# (model, output projection, its shape) of W3's adapted output projections
+OUTPUT_PROJECTIONS = (("qwen3_8b", "o_proj", 4096, 4096), ("qwen3_8b", "down_proj", 4096, 12288),
+                      ("qwen3_5_27b", "out_proj", 5120, 6144), ("qwen3_5_27b", "down_proj", 5120, 17408))
+
+
+def second_product_rows(arch: int) -> list[dict]:
+    """`decode.SECOND_PRODUCTS_IN_NORMS`' launches compiled for `arch`: the word kernel with a rank-16 adapter's
+    first product from its extra programs at W3's output projections, and `rms_norm_addend_lora_down_rows` at
+    both hidden sizes (the addend of a rank-16 adapter, the first products of gate and up's)."""
+    rows = []
+    for model, name, n_out, n_in in OUTPUT_PROJECTIONS:
+        packed, state = nf4_weight(n_out, n_in)
+        x = torch.empty(1, n_in, dtype=torch.bfloat16)
+        with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
+            nf4_matvec.nf4_matvec(x, packed, quant_state=state, residual=torch.empty(1, n_out, dtype=torch.bfloat16),
+                                  first_product_a=torch.empty(16, n_in, dtype=torch.bfloat16))
+        rows.append(dict(kernel="words_first_product", model=model, projection=name,
+                         **launch_figures(launches, arch)))
+    for model, hidden in (("qwen3_8b", 4096), ("qwen3_5_27b", 5120)):
+        x = torch.empty(1, hidden, dtype=torch.bfloat16)
+        addend = (torch.empty(1, 16), torch.empty(hidden, 16, dtype=torch.bfloat16), 2.0)
+        with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
+            lora_down.rms_norm_addend_lora_down_rows(x, addend, torch.empty(hidden, dtype=torch.bfloat16), 1e-6, 0.0,
+                                                     [torch.empty(16, hidden)] * 2)
+        (kernel, kernel_args, kernel_kwargs), = launches
+        compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
+        registers, stack = resource_usage(compiled)
+        total, loop = loop_instructions(sass_of(compiled))
+        rows.append(dict(kernel="rms_norm_addend_lora_down", model=model, registers=registers, stack_bytes=stack,
                          shared_bytes=compiled.metadata.shared, instructions=total, loop=loop))
     return rows
 

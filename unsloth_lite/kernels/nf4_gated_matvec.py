@@ -24,6 +24,7 @@ from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
 from unsloth_lite.kernels import nf4_matvec as matvec  # its settings (tiles, lookup, PDL) are read at each call
 from unsloth_lite.kernels.dequantize_nf4 import _launch
+from unsloth_lite.kernels.lora_down import MAX_ROWS
 from unsloth_lite.kernels.matvec_epilogue import _output_values
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, _nf4_word_codes, code_pairs
 from unsloth_lite.kernels.nf4_matvec import _blocked_tile_loads, packed_words, word_kernel_rows
@@ -255,7 +256,7 @@ def gated_matvec_supported(x: torch.Tensor, gate, up) -> bool:
         return False
     tile_k = (matvec.word_tile if matvec.WORD_KERNEL else matvec.blocked_tile)(shape[0])[1]
     rows = x.numel() // max(shape[1], 1)
-    if shape[1] % blocksize or tile_k % blocksize or x.shape[-1] != shape[1] or not 1 <= rows <= matvec.MAX_ROWS:
+    if shape[1] % blocksize or tile_k % blocksize or x.shape[-1] != shape[1] or not 1 <= rows <= MAX_ROWS:
         return False
     if not (x.is_cuda or (INTERPRET and x.device.type == "cpu")) or not x.device == gate.device == up.device:
         return False

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from unsloth_lite.kernels import nf4_matvec as matvec  # its settings (tiles, lookup, PDL) are read at each call
 from unsloth_lite.kernels.dequantize_nf4 import _launch
+from unsloth_lite.kernels.lora_down import MAX_ROWS
 from unsloth_lite.kernels.matvec_epilogue import _finish_product
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
 from unsloth_lite.kernels.nf4_matvec import _blocked_sums, packed_words, word_kernel_rows
@@ -104,7 +105,7 @@ def grouped_matvec_supported(x: torch.Tensor, weights, biases, loras) -> bool:
     tile = matvec.word_tile if matvec.WORD_KERNEL else matvec.blocked_tile
     tile_k = tile(max(s.shape[0] for s in states))[1]
     rows = x.numel() // max(n_in, 1)
-    if n_in % blocksize or tile_k % blocksize or x.shape[-1] != n_in or not 1 <= rows <= matvec.MAX_ROWS:
+    if n_in % blocksize or tile_k % blocksize or x.shape[-1] != n_in or not 1 <= rows <= MAX_ROWS:
         return False
     if not (x.is_cuda or (INTERPRET and x.device.type == "cpu")) or any(w.device != x.device for w in weights):
         return False

@@ -58,9 +58,8 @@ from unsloth_lite.kernels.dequantize_nf4 import (
     _fp32_to_bf16_rne,
     _launch,
     _quant_state_of,
-    dequantize_nf4_reference,
 )
-from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
+from unsloth_lite.kernels.lora_down import LORA_BLOCK_K, lora_down_rows
 from unsloth_lite.kernels.matvec_epilogue import (
     BIAS_FEATURES,
     BIAS_NONE,
@@ -71,9 +70,10 @@ from unsloth_lite.kernels.matvec_epilogue import (
     _tile_range,
 )
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
+from unsloth_lite.kernels.nf4_matvec_checks import _check_args, _check_first_product_a
 from unsloth_lite.kernels.nf4_matvec_state import flat_absmax, lane_tables
 from unsloth_lite.kernels.nf4_matvec_words import _nf4_matvec_words_kernel
-from unsloth_lite.kernels.utils import INTERPRET, check_float, check_kernel_device, compute_capability, empty
+from unsloth_lite.kernels.utils import INTERPRET, compute_capability, empty
 
 # Output features per program: N / BLOCK_N programs keep every SM busy at the hidden sizes of real models.
 BLOCK_N = 16
@@ -305,41 +305,6 @@ def _nf4_matvec_kernel(
     )
 
 
-def _check_args(x, weight, bias, lora_a, lora_b, lora_t, n_out, n_in):
-    check_float("x", x)
-    if x.dtype == torch.float64:
-        raise ValueError("nf4_matvec computes in fp32; x has dtype float64 (use nf4_matvec_reference)")
-    if x.shape[-1] != n_in:
-        raise ValueError(f"x has {x.shape[-1]} features but the weight takes {n_in}")
-    rows = x.numel() // max(n_in, 1)
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"nf4_matvec takes 1 to {MAX_ROWS} rows of x, got {rows}")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, lora_a, lora_b, lora_t)):
-        raise ValueError("nf4_matvec is inference only (no autograd); run it under torch.no_grad()")
-    check_kernel_device("x", x)
-    if x.device != weight.device:
-        raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
-    if bias is not None and tuple(bias.shape) != (n_out,):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({n_out},)")
-    if lora_t is not None:
-        if lora_a is not None or lora_b is None:
-            raise ValueError("lora_t replaces lora_a: give it with lora_b alone")
-        if lora_t.dtype != torch.float32 or lora_t.dim() != 2 or lora_t.shape[0] != rows or lora_t.stride(1) != 1:
-            raise ValueError(f"lora_t must be fp32 [{rows}, r] with unit column stride; got {lora_t.dtype} "
-                             f"{tuple(lora_t.shape)} strides {lora_t.stride()}")
-        if tuple(lora_b.shape) != (n_out, lora_t.shape[1]):
-            raise ValueError(f"lora_b has shape {tuple(lora_b.shape)}; expected {(n_out, lora_t.shape[1])}")
-        return
-    if (lora_a is None) != (lora_b is None):
-        raise ValueError("lora_a and lora_b go together")
-    if lora_a is not None:
-        rank = lora_a.shape[0]
-        if tuple(lora_a.shape) != (rank, n_in) or tuple(lora_b.shape) != (n_out, rank):
-            raise ValueError(
-                f"adapter shapes A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)} do not fit a weight [{n_out}, {n_in}]"
-            )
-
-
 def word_kernel_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """(x's rows as the word kernel's walk reads them, whether as bf16 pairs): contiguous columns, and bf16 x as
     int32 pairs (its row stride then in pairs) where its rows start on 4-byte boundaries."""
@@ -363,6 +328,20 @@ def fp32_absmax(weight, quant_state=None) -> torch.Tensor | None:
     return flat_absmax(quant_state) if FLAT_ABSMAX else None
 
 
+def first_product_supported(x: torch.Tensor, weight, quant_state=None) -> bool:
+    """Whether `nf4_matvec` of x and this NF4 weight gives an adapter's first product from programs of its own
+    launch (`first_product_a`): the word kernel's launch (`WORD_KERNEL`, whole quantisation blocks along K, on
+    a kernel device)."""
+    if not WORD_KERNEL or not (x.is_cuda or (INTERPRET and x.device.type == "cpu")):
+        return False
+    state = quant_state if quant_state is not None else getattr(weight, "quant_state", None)
+    if state is None or len(state.shape) != 2 or x.dtype == torch.float64:
+        return False
+    n_out, n_in = (int(n) for n in state.shape)
+    tile_k = word_tile(n_out)[1]
+    return n_in % state.blocksize == 0 and tile_k % state.blocksize == 0
+
+
 def nf4_matvec(
     x: torch.Tensor,
     weight,
@@ -373,12 +352,16 @@ def nf4_matvec(
     quant_state=None,
     lora_t: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
-) -> torch.Tensor:
+    first_product_a: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`x dequant(W)ᵀ + b + scale · (x Aᵀ) Bᵀ` for x `[..., K]` of 1 to 8 rows and W a 2-D NF4 `Params4bit`
     `[N, K]` (or packed bytes with `quant_state`); returns `[..., N]` in x's dtype. No autograd. `lora_t`: x Aᵀ
     already computed (fp32 `[rows, r]`, unit column stride; `lora_down_rows`), given with B instead of A.
     `residual` (`[..., N]` as the result, x's dtype): added in the epilogue before the one rounding, as an
-    output projection's result joins the residual stream."""
+    output projection's result joins the residual stream. `first_product_a` (A `[r, K]`, without an adapter's
+    other arguments, where `first_product_supported`): returns (`x Wᵀ + b (+ residual)`, x Aᵀ as fp32
+    `[rows, r]`), the adapter's first product from r more programs of the same launch and its second product
+    left to the caller (`rms_norm_lora_down_rows`' `addend`)."""
     launch = _launch(weight, quant_state)
     if len(launch.shape) != 2:
         raise ValueError(f"nf4_matvec needs a 2-D weight; quant_state.shape is {tuple(launch.shape)}")
@@ -386,6 +369,8 @@ def nf4_matvec(
     x2d = x.reshape(-1, n_in)
     n_rows = x2d.shape[0]
     _check_args(x, weight, bias, lora_a, lora_b, lora_t, n_out, n_in)
+    a_rank = _check_first_product_a(first_product_a, x, lora_a, lora_t,
+                                    first_product_a is None or first_product_supported(x, weight, quant_state))
     if residual is not None and (residual.numel() != n_rows * n_out or residual.dtype != x.dtype):
         raise ValueError(f"residual has shape {tuple(residual.shape)} and dtype {residual.dtype}; expected "
                          f"{n_rows * n_out} elements of {x.dtype}")
@@ -439,15 +424,22 @@ def nf4_matvec(
     if blocked and words:
         pdl = uses_pdl(x.device)
         x_rows, x_pairs = word_kernel_rows(x2d)
-        _nf4_matvec_words_kernel[(feature_blocks, splits if split_k else 1)](
+        if a_rank:
+            a_x = x2d if x2d.stride(1) == 1 else x2d.contiguous()
+            a, a_t = first_product_a.contiguous(), empty((n_rows, a_rank), torch.float32, x.device)
+        else:
+            a_x = a = a_t = out
+        _nf4_matvec_words_kernel[(feature_blocks + a_rank, splits if split_k else 1)](
             x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],
-            *((partial, arrivals) if split_k else (out, out)), *sizes,
+            *((partial, arrivals) if split_k else (out, out)), *sizes, a_x, a_x.stride(0), a, a_t, a_t.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             PTX=LOOKUP == "registers", BF16_CODES=bf16_codes,
             SPLIT_K=split_k, PDL=pdl, STAGES=PIPELINE_STAGES, num_warps=warps,
             WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs, PREFETCH=REGISTER_PREFETCH,
-            **({"launch_pdl": True} if pdl else {}), **meta,
+            A_RANK=a_rank, A_BLOCK_K=LORA_BLOCK_K, **({"launch_pdl": True} if pdl else {}), **meta,
         )
+        if a_rank:
+            return out.view(*x.shape[:-1], n_out), a_t
     elif blocked:
         pdl = uses_pdl(x.device)
         _nf4_matvec_blocked_kernel[(feature_blocks, splits if split_k else 1)](
@@ -464,25 +456,3 @@ def nf4_matvec(
             enable_fp_fusion=False, num_warps=4, **meta,
         )
     return out.view(*x.shape[:-1], n_out)
-
-
-def nf4_matvec_reference(
-    x: torch.Tensor,
-    weight,
-    bias: torch.Tensor | None = None,
-    lora_a: torch.Tensor | None = None,
-    lora_b: torch.Tensor | None = None,
-    scale: float = 1.0,
-    quant_state=None,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Plain-PyTorch `nf4_matvec`: the weight dequantised by `dequantize_nf4_reference`, any number of rows, the
-    product in x's dtype (the CPU path without the interpreter), the residual added after it."""
-    qs = quant_state if quant_state is not None else weight.quant_state
-    packed = weight.data if isinstance(weight, torch.nn.Parameter) else weight
-    dense = dequantize_nf4_reference(packed, qs).to(x.dtype)
-    linear = torch.nn.functional.linear
-    y = linear(x, dense, None if bias is None else bias.to(x.dtype))
-    if lora_a is not None and lora_a.shape[0] > 0:
-        y = y + scale * linear(linear(x, lora_a.to(x.dtype)), lora_b.to(x.dtype))
-    return y if residual is None else residual.reshape(y.shape) + y

@@ -24,7 +24,8 @@ from unsloth_lite.kernels.lora import LoRAProjection
 from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
 from unsloth_lite.kernels.nf4_gated_matvec import gated_matvec_supported, nf4_gated_matvec
 from unsloth_lite.kernels.nf4_grouped_matvec import grouped_matvec_supported, nf4_grouped_matvec
-from unsloth_lite.kernels.nf4_matvec import nf4_matvec, nf4_matvec_reference
+from unsloth_lite.kernels.nf4_matvec import first_product_supported, nf4_matvec
+from unsloth_lite.kernels.nf4_matvec_reference import nf4_matvec_reference
 from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
 
@@ -55,6 +56,12 @@ RESIDUAL_IN_PRODUCTS = True
 # products from the attention and gate-and-up launches (their programs' shares summed in the launch) were measured
 # slower than their own `lora_down_rows` launches and removed (docs/design.md).
 NORM_FIRST_PRODUCTS = True
+# An output projection's adapter (o_proj or out_proj, and down_proj but the last layer's) over an NF4 base with its
+# first product x Aᵀ from r more programs of the projection's own launch (`nf4_matvec`'s `first_product_a`) and
+# its second product added to the residual stream by the norm after it (`rms_norm_addend_lora_down_rows`),
+# instead of a `lora_down_rows` launch and the product's epilogue: one launch fewer an adapted output
+# projection. Tested, not yet timed: off.
+SECOND_PRODUCTS_IN_NORMS = False
 # A Gated DeltaNet layer's token step after its convolution in one launch (`delta_rule_gated_step`: the gates,
 # the delta-rule step and the gated RMSNorm of each head), instead of three. Correct on the GPU (the tests above;
 # on in that run, where the Qwen3-8B shape has no DeltaNet layer), not yet timed at the Qwen3.5-27B shape: off.
@@ -111,11 +118,14 @@ _PENDING_RESIDUAL = threading.local()
 
 
 @contextlib.contextmanager
-def residual_for_output(residual: torch.Tensor):
+def residual_for_output(residual: torch.Tensor, defer_second_product: bool = False):
     """Within: the next output projection of decoding rows (`output_rows`) returns `residual +` its result, and
-    marks it taken (`yield`s {"taken": bool}); a nested use holds its own."""
+    marks it taken (`yield`s {"taken": bool, "addend": ...}); a nested use holds its own. `defer_second_product`
+    (`SECOND_PRODUCTS_IN_NORMS`, for a result a norm reads next): an adapter the projection's launch can take
+    that way leaves its second product out, as "addend" (t, B, s) for `rms_norm_addend_lora_down_rows`."""
     previous = getattr(_PENDING_RESIDUAL, "pending", None)
-    pending = _PENDING_RESIDUAL.pending = {"residual": residual, "taken": False}
+    pending = _PENDING_RESIDUAL.pending = {"residual": residual, "taken": False, "addend": None,
+                                           "defer": defer_second_product}
     try:
         yield pending
     finally:
@@ -129,7 +139,27 @@ def output_rows(projection: LoRAProjection, x: torch.Tensor) -> torch.Tensor:
     if pending is None or pending["taken"]:
         return project_rows((projection,), x)[0]
     pending["taken"] = True
+    if pending["defer"] and defers_second_product(projection, x):
+        y, t = nf4_matvec(x, projection.base, projection.bias, residual=pending["residual"],
+                          first_product_a=projection.lora_a)
+        pending["addend"] = (t, projection.lora_b, projection.scale)
+        return y
     return project_rows((projection,), x, residual=pending["residual"])[0]
+
+
+def defers_second_product(projection: LoRAProjection, x: torch.Tensor) -> bool:
+    """Whether `output_rows` can leave this projection's adapter's second product to the norm after it: an
+    adapter over an NF4 base whose launch gives the first product (`first_product_supported`), B with unit
+    column stride."""
+    return (projection.rank > 0 and getattr(projection.base, "quant_state", None) is not None
+            and projection.lora_b.stride(-1) == 1 and first_product_supported(x, projection.base))
+
+
+def add_second_product(x: torch.Tensor, addend) -> torch.Tensor:
+    """x + s · t Bᵀ in x's dtype for `addend` = (t `[rows, r]`, B `[N, r]`, s), in PyTorch: where no fused norm
+    takes the addend (`rms_norm_addend_lora_down_rows` does the same in its launch)."""
+    t, lora_b, scale = addend
+    return (x.float() + scale * (t @ lora_b.float().t()).view(x.shape)).to(x.dtype)
 
 
 _PENDING_PRODUCTS = threading.local()
