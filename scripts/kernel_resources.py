@@ -291,37 +291,23 @@ def decode_kernel_rows(arch: int) -> list[dict]:
             with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
                 decode_attention.decode_attention(query, key, key, cache, cache, torch.zeros((), dtype=torch.int64),
                                                   mask, None, gate)
-            (kernel, kernel_args, kernel_kwargs), = launches
-            compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
-            registers, stack = resource_usage(compiled)
-            total, loop = loop_instructions(sass_of(compiled))
+            kernel_kwargs = launches[0][2]
             rows.append(dict(kernel="decode_attention", model=model, cache=cache_len,
                              splits=kernel_kwargs["SPLITS"], positions_a_step=kernel_kwargs["BLOCK_L"],
-                             registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared,
-                             instructions=total, loop=loop))
+                             **compiled_figures(launches, arch)))
     q = torch.empty(1, 16, 128, dtype=torch.bfloat16)
     v = torch.empty(1, 48, 128, dtype=torch.bfloat16)
     a = torch.empty(1, 48, dtype=torch.bfloat16)
     with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
         deltanet_decode_gated.delta_rule_gated_step(q, q, v, a, a, torch.empty(48), torch.empty(48),
                                                     torch.empty(1, 48, 128, 128), v, torch.empty(128))
-    (kernel, kernel_args, kernel_kwargs), = launches
-    compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
-    registers, stack = resource_usage(compiled)
-    total, loop = loop_instructions(sass_of(compiled))
-    rows.append(dict(kernel="delta_rule_gated_step", model="qwen3_5_27b", registers=registers, stack_bytes=stack,
-                     shared_bytes=compiled.metadata.shared, instructions=total, loop=loop))
+    rows.append(dict(kernel="delta_rule_gated_step", model="qwen3_5_27b", **compiled_figures(launches, arch)))
     for model, hidden in (("qwen3_8b", 4096), ("qwen3_5_27b", 5120)):  # the norm with q/k/v's rank-16 adapters
         x = torch.empty(1, hidden, dtype=torch.bfloat16)
         with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
             lora_down.rms_norm_lora_down_rows(x, torch.empty(hidden, dtype=torch.bfloat16), 1e-6, 0.0,
                                               [torch.empty(16, hidden)] * 3)
-        (kernel, kernel_args, kernel_kwargs), = launches
-        compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
-        registers, stack = resource_usage(compiled)
-        total, loop = loop_instructions(sass_of(compiled))
-        rows.append(dict(kernel="rms_norm_lora_down", model=model, registers=registers, stack_bytes=stack,
-                         shared_bytes=compiled.metadata.shared, instructions=total, loop=loop))
+        rows.append(dict(kernel="rms_norm_lora_down", model=model, **compiled_figures(launches, arch)))
     rows += second_product_rows(arch)
     return rows
 
@@ -350,13 +336,19 @@ def second_product_rows(arch: int) -> list[dict]:
         with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
             lora_down.rms_norm_addend_lora_down_rows(x, addend, torch.empty(hidden, dtype=torch.bfloat16), 1e-6, 0.0,
                                                      [torch.empty(16, hidden)] * 2)
-        (kernel, kernel_args, kernel_kwargs), = launches
-        compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
-        registers, stack = resource_usage(compiled)
-        total, loop = loop_instructions(sass_of(compiled))
-        rows.append(dict(kernel="rms_norm_addend_lora_down", model=model, registers=registers, stack_bytes=stack,
-                         shared_bytes=compiled.metadata.shared, instructions=total, loop=loop))
+        rows.append(dict(kernel="rms_norm_addend_lora_down", model=model, **compiled_figures(launches, arch)))
     return rows
+
+
+def compiled_figures(launches, arch: int) -> dict:
+    """Registers, stack, shared memory and SASS instructions (the kernel's and its longest loop's) of the one
+    captured launch, compiled for `arch`."""
+    (kernel, kernel_args, kernel_kwargs), = launches
+    compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
+    registers, stack = resource_usage(compiled)
+    total, loop = loop_instructions(sass_of(compiled))
+    return dict(registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared, instructions=total,
+                loop=loop)
 
 
 def sass_of(compiled) -> str:
@@ -407,8 +399,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.decode_kernels:
         rows = decode_kernel_rows(args.arch)
-        print(markdown_table(rows, ["kernel", "model", "cache", "splits", "positions_a_step", "registers",
-                                    "stack_bytes", "shared_bytes", "instructions", "loop"]))
+        print(markdown_table(rows, ["kernel", "model", "projection", "cache", "splits", "positions_a_step",
+                                    "registers", "stack_bytes", "shared_bytes", "instructions", "loop"]))
         write_json(args.out, dict(arch=args.arch, triton=triton.__version__, rows=rows))
         return 0
     if args.nf4_matvec:

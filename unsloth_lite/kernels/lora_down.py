@@ -172,6 +172,23 @@ def _rms_norm_lora_down_kernel(
                 tl.store(t_ptr + m * t_row_stride + j, tl.sum(y.to(tl.float32) * a.to(tl.float32), axis=0))
 
 
+def _norm_inputs(name: str, x: torch.Tensor, weight: torch.Tensor, lora_as: list[torch.Tensor]):
+    """(x with unit column stride, the adapters contiguous, their summed rank) for a norm with first products
+    over x `[rows, K]`; ValueError for what the launch does not take."""
+    rows, n_in = x.shape
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"{name} takes 1 to {MAX_ROWS} rows of x, got {rows}")
+    if len(lora_as) > MAX_ADAPTERS_PER_LAUNCH or any(
+            a.dim() != 2 or a.shape[1] != n_in or a.shape[0] == 0 for a in lora_as):
+        raise ValueError(f"0 to {MAX_ADAPTERS_PER_LAUNCH} adapters A of [r > 0, {n_in}]; got "
+                         f"{[tuple(a.shape) for a in lora_as]}")
+    if tuple(weight.shape) != (n_in,):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({n_in},)")
+    check_kernel_device("x", x)
+    group = [a.contiguous() for a in lora_as]
+    return x if x.stride(1) == 1 else x.contiguous(), group, sum(a.shape[0] for a in group)
+
+
 def rms_norm_lora_down_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
                             lora_as: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, t): y = `rms_norm(x, weight, eps, offset)` for x `[rows, K]` (1 to MAX_ROWS rows) and t = y [A_1; ...]ᵀ
@@ -180,18 +197,7 @@ def rms_norm_lora_down_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, o
     program: the decoding step's norm, which can be a programmatic dependent launch (`utils.DECODE_PDL`).
     Inference only."""
     rows, n_in = x.shape
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"rms_norm_lora_down_rows takes 1 to {MAX_ROWS} rows of x, got {rows}")
-    if len(lora_as) > MAX_ADAPTERS_PER_LAUNCH or any(
-            a.dim() != 2 or a.shape[1] != n_in or a.shape[0] == 0 for a in lora_as):
-        raise ValueError(f"0 to {MAX_ADAPTERS_PER_LAUNCH} adapters A of [r > 0, {n_in}]; got "
-                         f"{[tuple(a.shape) for a in lora_as]}")
-    if tuple(weight.shape) != (n_in,):
-        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({n_in},)")
-    check_kernel_device("x", x)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    group = [a.contiguous() for a in lora_as]
-    width = sum(a.shape[0] for a in group)
+    x, group, width = _norm_inputs("rms_norm_lora_down_rows", x, weight, lora_as)
     y = empty((rows, n_in), x.dtype, x.device)
     t = empty((rows, width), torch.float32, x.device) if group else None
     pointers = (group + [group[-1]] * (MAX_ADAPTERS_PER_LAUNCH - len(group))) if group else [y] * 3
@@ -271,23 +277,12 @@ def rms_norm_addend_lora_down_rows(x: torch.Tensor, addend, weight: torch.Tensor
     None without adapters), in one launch. x' is y's residual stream from here on. Inference only."""
     rows, n_in = x.shape
     addend_t, addend_b, addend_scale = addend
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"rms_norm_addend_lora_down_rows takes 1 to {MAX_ROWS} rows of x, got {rows}")
+    x, group, width = _norm_inputs("rms_norm_addend_lora_down_rows", x, weight, lora_as)
     if (addend_t.dtype != torch.float32 or addend_t.dim() != 2 or addend_t.shape[0] != rows
             or addend_t.stride(1) != 1 or addend_b.dim() != 2 or tuple(addend_b.shape) != (n_in, addend_t.shape[1])
             or addend_b.stride(1) != 1):
         raise ValueError(f"addend must be t fp32 [{rows}, r] and B [{n_in}, r] with unit column strides; got t "
                          f"{addend_t.dtype} {tuple(addend_t.shape)}, B {tuple(addend_b.shape)}")
-    if len(lora_as) > MAX_ADAPTERS_PER_LAUNCH or any(
-            a.dim() != 2 or a.shape[1] != n_in or a.shape[0] == 0 for a in lora_as):
-        raise ValueError(f"0 to {MAX_ADAPTERS_PER_LAUNCH} adapters A of [r > 0, {n_in}]; got "
-                         f"{[tuple(a.shape) for a in lora_as]}")
-    if tuple(weight.shape) != (n_in,):
-        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({n_in},)")
-    check_kernel_device("x", x)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    group = [a.contiguous() for a in lora_as]
-    width = sum(a.shape[0] for a in group)
     programs = max(width, 1)
     sums = empty((programs, rows, n_in), x.dtype, x.device)
     y = empty((rows, n_in), x.dtype, x.device)
