@@ -91,6 +91,19 @@ def test_bench_nf4_matvec_tiny_mode_runs():
     assert "| qwen3_8b | attention | 64/32/32 | 16 |" in out
 
 
+def test_bench_word_tiles_tiny_mode_runs(tmp_path):
+    """Every launch of a decoding step that takes the word walk's tile, timed at each candidate, with the model's
+    sums a token."""
+    out = run_tiny("bench_word_tiles.py", "--shapes", "qwen3_8b", "--out", str(tmp_path / "tiles.json"))
+    assert "| launch | per_token | shipped | 4x1024/4w | 8x512/4w |" in out
+    for launch in ("| words o_proj ", "| words down_proj ", "| gated ", "| grouped attention "):
+        assert launch in out, launch
+    result = json.loads((tmp_path / "tiles.json").read_text())
+    assert all(row["shipped"] > 0 and row["best"] for row in result["rows"]), result["rows"]
+    totals = result["ms_per_token"][0]
+    assert totals["model"] == "qwen3_8b" and 0 < totals["best per launch"] <= totals["shipped"]
+
+
 def test_bench_nf4_matvec_sweep_of_the_chosen_tile():
     out = run_tiny("bench_nf4_matvec.py", "--sweep", "--sweep-chosen-tile", "--shapes", "qwen3_8b",
                    "--variants", "unsloth_lite")
@@ -182,3 +195,7 @@ def test_kernel_resources_compiles_the_decoding_kernels_for_hopper(tmp_path):
     assert all(by_cache[(model, 4096)] > by_cache[(model, 256)] for model in ("qwen3_8b", "qwen3_5_27b"))
     assert [row["kernel"] for row in rows].count("delta_rule_gated_step") == 1
     assert [row["kernel"] for row in rows].count("rms_norm_lora_down") == 2
+    # the second products' launches: the word kernel with a first product's programs, the norm with an addend
+    assert {row.get("projection") for row in rows if row["kernel"] == "words_first_product"} == {
+        "o_proj", "out_proj", "down_proj"}
+    assert [row["kernel"] for row in rows].count("rms_norm_addend_lora_down") == 2

@@ -146,9 +146,9 @@ def blocked_tile(n_out: int) -> tuple[int, int, int, bool]:
 
 
 def word_tile(n_out: int) -> tuple[int, int, int, bool]:
-    """`blocked_tile` for the word kernel (`WORD_KERNEL`): the blocked kernel's tiles, at which it was measured
-    faster than the blocked kernel at every W3 projection (2026-12-05); its own tiles (`bench_nf4_matvec.py
-    --sweep`'s `WORD_SWEEP_TILES`) are not yet measured."""
+    """`blocked_tile` for the word kernel (`WORD_KERNEL`) and the launches on its walk (gate-and-up, grouped):
+    the blocked kernel's tiles, at which it was measured faster than the blocked kernel at every W3 projection
+    (2026-12-05); its own tiles, launch by launch, are `scripts/bench_word_tiles.py`'s to measure."""
     return blocked_tile(n_out)
 
 

@@ -1,0 +1,149 @@
+"""The word walk's tiles at W3's shapes, for each launch of a decoding step that takes them: the word kernel
+(`nf4_matvec` of the output projections: o_proj, out_proj, down_proj), the gate-and-up launch (`nf4_gated_matvec`)
+and the grouped launch of one input's projections (`nf4_grouped_matvec`). All three read `nf4_matvec.word_tile`
+(features x weights along K / warps of a program, split along K), which has been the blocked kernel's choice,
+never timed for the word walk itself, and `nf4_matvec.PIPELINE_STAGES`.
+
+    python scripts/bench_word_tiles.py --out word_tiles.json                    # on a GPU: both W3 shapes
+    python scripts/bench_word_tiles.py --shapes qwen3_8b --out word_tiles.json  # one model
+    TRITON_INTERPRET=1 python scripts/bench_word_tiles.py --tiny                # CPU smoke run
+
+Candidates: each tile of `bench_nf4_matvec.WORD_SWEEP_TILES` with three stages, and the shipped tile of each
+launch with 2, 4 and 5 stages. Each launch, one row of x, bf16, no adapters (their epilogue is the same at every
+tile), is timed as a decoding step runs it: a chain of calls captured in one CUDA graph, each call reading its own
+copy of the weights (together more than the L2 cache holds), the chain's device time over its calls (us a call).
+Per model, `ms_per_token` at a candidate: Σ over its launches of the time times the launches a token; "shipped":
+`word_tile` and `PIPELINE_STAGES` as they are; "best per launch": each launch at its fastest candidate (what a
+table of tiles by launch and shape would give).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from bench_common import bench_device, bench_ms, environment, graph_ms, markdown_table, report_unknown, write_json
+from bench_nf4_matvec import WORD_SWEEP_TILES, mlp_shapes, nf4_weight, projection_groups, tile_name, weight_copies
+from decode_shapes import SHAPES, shape_config
+from random_checkpoint import weightless_model
+
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "down_proj")
+EXTRA_STAGES = (2, 4, 5)  # at the shipped tile
+
+
+def output_shapes(shape: str, tiny: bool) -> list[tuple[str, int, int, int]]:
+    """(launch name, N, K, launches a token) of each model's output projections, by shape."""
+    counts: dict = {}
+    for name, module in weightless_model(shape, shape_config(shape, tiny)).named_modules():
+        if name.endswith(OUTPUT_PROJECTIONS):
+            key = (name.rsplit(".", 1)[1], module.out_features, module.in_features)
+            counts[key] = counts.get(key, 0) + 1
+    return [(f"words {name} {n}x{k}", n, k, count) for (name, n, k), count in counts.items()]
+
+
+def launches(shape: str, device, tiny: bool) -> list[tuple[str, int, int, list]]:
+    """(launch name, the N its tile is chosen by, launches a token, its calls: one per copy of its weights) of a
+    model's decoding step."""
+    from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
+    from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
+    from unsloth_lite.kernels.nf4_matvec import nf4_matvec
+
+    dtype = torch.float32 if tiny else torch.bfloat16
+    found = []
+    for name, n_out, n_in, count in output_shapes(shape, tiny):
+        x = torch.randn(1, n_in, device=device, dtype=dtype)
+        copies = weight_copies(nf4_weight(n_out, n_in, device, dtype), tiny)
+        found.append((name, n_out, count, [lambda w=w, x=x: nf4_matvec(x, w) for w in copies]))
+    for _, n_out, n_in, count in mlp_shapes([shape], tiny):
+        x = torch.randn(1, n_in, device=device, dtype=dtype)
+        pairs = zip(weight_copies(nf4_weight(n_out, n_in, device, dtype), tiny),
+                    weight_copies(nf4_weight(n_out, n_in, device, dtype), tiny), strict=True)
+        found.append((f"gated {n_out}x{n_in}", n_out, count,
+                      [lambda g=g, u=u, x=x: nf4_gated_matvec(x, g, u) for g, u in pairs]))
+    for _, group, widths, n_in, count in projection_groups([shape], tiny):
+        x = torch.randn(1, n_in, device=device, dtype=dtype)
+        sets = list(zip(*(weight_copies(nf4_weight(n, n_in, device, dtype), tiny) for n in widths), strict=True))
+        found.append((f"grouped {group} {'/'.join(map(str, widths))}x{n_in}", max(widths), count,
+                      [lambda ws=ws, x=x: nf4_grouped_matvec(x, list(ws), [None] * len(ws), [None] * len(ws))
+                       for ws in sets]))
+    return found
+
+
+def candidates(shipped_tile, tiny: bool) -> list[tuple[str, tuple, int]]:
+    """(name, tile, stages) to time a launch at: every word tile with three stages, the shipped one with others
+    (`--tiny`: the first two tiles and one other number of stages, for the interpreter's sake)."""
+    tiles, stages = (WORD_SWEEP_TILES[:2], EXTRA_STAGES[:1]) if tiny else (WORD_SWEEP_TILES, EXTRA_STAGES)
+    found = [(tile_name(tile), tile, 3) for tile in tiles]
+    found += [(f"{tile_name(shipped_tile)}, {n} stages", shipped_tile, n) for n in stages]
+    return found
+
+
+def time_us(calls, tile, stages, device) -> float | None:
+    """Device time of one call of the chain at `tile` and `stages` (None where it does not capture or launch)."""
+    from unsloth_lite.kernels import nf4_matvec as matvec
+
+    saved = matvec.word_tile, matvec.PIPELINE_STAGES, matvec.WORD_KERNEL
+    try:
+        matvec.word_tile, matvec.PIPELINE_STAGES, matvec.WORD_KERNEL = (lambda _n: tile), stages, True
+        with torch.no_grad():
+            chain = lambda: [call() for call in calls]  # noqa: E731
+            ms = graph_ms(chain, device) if device.type == "cuda" else bench_ms(chain, device)
+    except (RuntimeError, ValueError) as error:  # a tile a launch refuses, or one that fails to compile
+        print(f"{tile_name(tile)}, {stages} stages: {str(error).splitlines()[0]}")
+        ms = None
+    finally:
+        matvec.word_tile, matvec.PIPELINE_STAGES, matvec.WORD_KERNEL = saved
+    return None if ms is None else round(1e3 * ms / len(calls), 2)
+
+
+def sweep(shape: str, device, tiny: bool) -> tuple[list[dict], dict]:
+    """(a row per launch: us at each candidate, the shipped setting and the fastest; the model's ms a token at
+    the shipped setting, at each candidate everywhere and at each launch's fastest)."""
+    from unsloth_lite.kernels import nf4_matvec as matvec
+
+    rows, totals = [], {"model": shape}
+    for name, n_out, count, calls in launches(shape, device, tiny):
+        shipped_tile = matvec.word_tile(n_out)
+        row = {"model": shape, "launch": name, "per_token": count,
+               "shipped": time_us(calls, shipped_tile, matvec.PIPELINE_STAGES, device)}
+        for candidate, tile, stages in candidates(shipped_tile, tiny):
+            row[candidate] = time_us(calls, tile, stages, device)
+        timed = {k: v for k, v in row.items() if k not in ("model", "launch", "per_token") and v is not None}
+        row["best"] = min(timed, key=timed.get) if timed else None
+        rows.append(row)
+    for column in ("shipped", *(c for c, _, _ in candidates(matvec.word_tile(1 << 30), tiny) if "stages" not in c)):
+        if all(row.get(column) is not None for row in rows):
+            totals[column] = round(sum(row[column] * row["per_token"] for row in rows) / 1e3, 3)
+    if all(row["best"] for row in rows):
+        totals["best per launch"] = round(sum(row[row["best"]] * row["per_token"] for row in rows) / 1e3, 3)
+    return rows, totals
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run (the tiny models' shapes, interpreter)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {','.join(SHAPES)}")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    device = bench_device(args.tiny)
+    if device is None:
+        return 1
+    shapes = args.shapes.split(",")
+    if report_unknown("shapes", shapes, SHAPES):
+        return 2
+    rows, totals = [], []
+    for shape in shapes:
+        shape_rows, shape_totals = sweep(shape, device, args.tiny)
+        rows += shape_rows
+        totals.append(shape_totals)
+        columns = [k for k in shape_rows[0] if k not in ("model", "best")] + ["best"]
+        print(markdown_table(shape_rows, columns))
+        print(markdown_table([shape_totals], list(shape_totals)))
+    write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")), rows=rows,
+                              ms_per_token=totals))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
