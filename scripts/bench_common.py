@@ -6,6 +6,7 @@ keeps the scripts from rotting, kernels through the Triton interpreter) a plain 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
 import importlib.util
@@ -27,6 +28,16 @@ def report_unknown(kind: str, chosen, known) -> bool:
     if unknown:
         print(f"unknown {kind} {unknown}; choose from {','.join(known)}", file=sys.stderr)
     return bool(unknown)
+
+
+def shape_run_parser(doc: str, shapes) -> argparse.ArgumentParser:
+    """The argument parser of a W3-shape kernel benchmark: `--tiny` (the CPU smoke run), `--shapes` (a subset of
+    `shapes`, all by default) and `--out` (JSON); the script adds its own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run (the tiny models' shapes, interpreter)")
+    parser.add_argument("--shapes", default=",".join(shapes), help=f"comma-separated subset of {','.join(shapes)}")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    return parser
 
 
 KEPT_MLP_KEYS = {"keep": "keep_mlp_preactivations", "gpu": "mlp_preactivations_on_gpu", "sets": "kept_sets",

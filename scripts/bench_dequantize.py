@@ -24,7 +24,6 @@ the number of such linears in the model: one dequantisation of all its decoder p
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import sys
@@ -36,6 +35,7 @@ from bench_common import (
     environment,
     markdown_table,
     report_unknown,
+    shape_run_parser,
     timed_row,
     write_json,
 )
@@ -95,11 +95,8 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run (the tiny models' shapes, interpreter)")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {','.join(SHAPES)}")
+    parser = shape_run_parser(__doc__, SHAPES)
     parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     device = bench_device(args.tiny)
     if device is None:

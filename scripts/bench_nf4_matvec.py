@@ -46,7 +46,6 @@ time times the number of such linears in the model: the NF4 projections' share o
 
 from __future__ import annotations
 
-import argparse
 import collections
 import copy
 import sys
@@ -60,6 +59,7 @@ from bench_common import (
     graph_ms,
     markdown_table,
     report_unknown,
+    shape_run_parser,
     timed_row,
     write_json,
 )
@@ -366,14 +366,11 @@ def per_token(rows: list[dict], shapes: list[str], variants: list[str], tiny: bo
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run (the tiny models' shapes, interpreter)")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {','.join(SHAPES)}")
+    parser = shape_run_parser(__doc__, SHAPES)
     parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--sweep", action="store_true", help="also time every tile of SWEEP_TILES (microseconds)")
     parser.add_argument("--sweep-chosen-tile", action="store_true",
                         help="with --sweep: each projection's chosen tile only, not every tile of SWEEP_TILES")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     device = bench_device(args.tiny)
     if device is None:

@@ -19,11 +19,19 @@ table of tiles by launch and shape would give).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
-from bench_common import bench_device, bench_ms, environment, graph_ms, markdown_table, report_unknown, write_json
+from bench_common import (
+    bench_device,
+    bench_ms,
+    environment,
+    graph_ms,
+    markdown_table,
+    report_unknown,
+    shape_run_parser,
+    write_json,
+)
 from bench_nf4_matvec import WORD_SWEEP_TILES, mlp_shapes, nf4_weight, projection_groups, tile_name, weight_copies
 from decode_shapes import SHAPES, shape_config
 from random_checkpoint import weightless_model
@@ -121,10 +129,7 @@ def sweep(shape: str, device, tiny: bool) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run (the tiny models' shapes, interpreter)")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {','.join(SHAPES)}")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser = shape_run_parser(__doc__, SHAPES)
     args = parser.parse_args(argv)
     device = bench_device(args.tiny)
     if device is None:
