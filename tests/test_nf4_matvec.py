@@ -374,6 +374,23 @@ def test_rms_norm_addend_lora_down_rows(rows, n_in, offset, ranks, dtype, device
         rms_norm_addend_lora_down_rows(x, (addend[0], addend[1].t(), 0.5), weight, 1e-6, offset, adapters)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("hidden", [4096, 5120])
+def test_rms_norm_addend_lora_down_rows_model_shapes(hidden, rows):
+    """Compiled at the W3 models' hidden sizes, bf16: a rank-16 output adapter's addend, gate and up's first
+    products."""
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    adapters = [torch.randn(16, hidden, device="cuda") / 64 for _ in range(2)]
+    addend = (torch.randn(rows, 16, device="cuda"), torch.randn(hidden, 16, device="cuda", dtype=torch.bfloat16) / 4,
+              2.0)
+    summed, y, t = rms_norm_addend_lora_down_rows(x, addend, weight, 1e-6, 0.0, adapters)
+    expected = addend_reference(x, addend, weight, 1e-6, 0.0, adapters)
+    for got, want, name in zip((summed, y, t), expected, ("x'", "y", "t"), strict=True):
+        assert_close(got, want, TOLERANCE[torch.bfloat16], name)
+
+
 def test_nf4_matvec_takes_a_precomputed_adapter_product(device):
     """`lora_t` (a column slice of a wider product, as for projections sharing x) gives what lora_a gives."""
     x, weight, bias, lora_a, lora_b = make_case((40, 128), 2, torch.float32, True, 64, True, 4, device)
