@@ -39,6 +39,19 @@ def _x_step(x_ptr, x_row_stride, x_col_stride, rows, mask_rows, cols, n_in):
 
 
 @triton.jit
+def _row_product(a_row, x_ptr, x_row_stride, x_col_stride, rows, mask_rows, n_in, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """x's rows times one row of an adapter's A (`a_row`, K contiguous values) as fp32 `[BLOCK_M]`, walking K
+    BLOCK_K at a time with the loads kept STAGES steps ahead."""
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_row + cols, mask=cols < n_in, other=0.0).to(tl.float32)
+        acc += _x_step(x_ptr, x_row_stride, x_col_stride, rows, mask_rows, cols, n_in) * a[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _adapter_row(j, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, n_in):
     """Row j of [A0; A1; A2] (each `[r_i, K]`, contiguous)."""
     if j < rank0:
@@ -78,14 +91,10 @@ def _lora_down_kernel(
     else:
         if PDL:
             gdc_wait()
-        acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_row + cols, mask=cols < n_in, other=0.0).to(tl.float32)
-            acc += _x_step(x_ptr, x_row_stride, x_col_stride, rows, mask_rows, cols, n_in) * a[None, :]
+        column = _row_product(a_row, x_ptr, x_row_stride, x_col_stride, rows, mask_rows, n_in, BLOCK_M, BLOCK_K,
+                              STAGES)[:, None]
         if PDL:
             gdc_launch_dependents()
-        column = tl.sum(acc, axis=1)[:, None]
         last = True
     if last:
         tl.store(t_ptr + rows[:, None] * t_row_stride + j, column, mask=mask_rows[:, None])

@@ -361,7 +361,7 @@ def nf4_matvec(
     output projection's result joins the residual stream. `first_product_a` (A `[r, K]`, without an adapter's
     other arguments, where `first_product_supported`): returns (`x Wᵀ + b (+ residual)`, x Aᵀ as fp32
     `[rows, r]`), the adapter's first product from r more programs of the same launch and its second product
-    left to the caller (`rms_norm_lora_down_rows`' `addend`)."""
+    left to the caller (`rms_norm_addend_lora_down_rows`' `addend`)."""
     launch = _launch(weight, quant_state)
     if len(launch.shape) != 2:
         raise ValueError(f"nf4_matvec needs a 2-D weight; quant_state.shape is {tuple(launch.shape)}")

@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_wait
 
 from unsloth_lite.kernels.dequantize_nf4 import _block_absmax
-from unsloth_lite.kernels.lora_down import _x_step
+from unsloth_lite.kernels.lora_down import _row_product
 from unsloth_lite.kernels.matvec_epilogue import _finish_product, _tile_range
 from unsloth_lite.kernels.nf4_codes import _nf4_word_codes
 
@@ -261,15 +261,11 @@ def _first_product_row(j, x_ptr, x_row_stride, a_ptr, t_ptr, t_row_stride, n_row
     one of the word kernel's extra programs (`A_RANK`), walking row j of A while the others walk the weight."""
     rows = tl.arange(0, BLOCK_M)
     mask_rows = rows < n_rows
-    a_row = a_ptr + j.to(tl.int64) * n_in
     if PDL:
         gdc_wait()  # x is the kernel before's output
-    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, n_in, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_row + cols, mask=cols < n_in, other=0.0).to(tl.float32)
-        acc += _x_step(x_ptr, x_row_stride, 1, rows, mask_rows, cols, n_in) * a[None, :]
-    tl.store(t_ptr + rows * t_row_stride + j, tl.sum(acc, axis=1), mask=mask_rows)
+    column = _row_product(a_ptr + j.to(tl.int64) * n_in, x_ptr, x_row_stride, 1, rows, mask_rows, n_in, BLOCK_M,
+                          BLOCK_K, 1)
+    tl.store(t_ptr + rows * t_row_stride + j, column, mask=mask_rows)
 
 
 @triton.jit
