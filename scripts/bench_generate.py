@@ -45,8 +45,9 @@ each full-attention layer's cache update, attention and output gate in one launc
 (`decode.NORM_FIRST_PRODUCTS`: each norm and the first products of the adapters after it in one launch),
 `small_pdl=1` (`kernels.utils.DECODE_PDL`: the small decoding kernels as programmatic dependent launches),
 `second_products=0` (`decode.SECOND_PRODUCTS_IN_NORMS`: the output projections' adapters' first products from
-their own launches, their second products added by the norms after them). A suffixed adapter variant's
-`lora_cost` is against `unsloth_lite` with the same suffix.
+their own launches, their second products added by the norms after them), `greedy=0`
+(`decode_loop.GREEDY_TOKEN_KERNEL`: a greedy step's token chosen and recorded in one launch). A suffixed adapter
+variant's `lora_cost` is against `unsloth_lite` with the same suffix.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
 (`min_new_tokens`: random weights may say end-of-sequence at any step), one warm-up generation (compilation,
@@ -135,6 +136,7 @@ DECODE_SETTINGS = {
     "norm": ("unsloth_lite.models.decode", "NORM_FIRST_PRODUCTS", 0),
     "small_pdl": ("unsloth_lite.kernels.utils", "DECODE_PDL", 0),
     "second_products": ("unsloth_lite.models.decode", "SECOND_PRODUCTS_IN_NORMS", 0),
+    "greedy": ("unsloth_lite.models.decode_loop", "GREEDY_TOKEN_KERNEL", 0),
 }
 TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
 H200_COPY_GBPS = 4270.0

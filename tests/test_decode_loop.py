@@ -15,6 +15,7 @@ import torch
 from test_generation import model_pair
 from transformers.generation.streamers import BaseStreamer
 
+from unsloth_lite.kernels.greedy_token import greedy_token
 from unsloth_lite.models import decode_loop
 
 ARCHS = ["qwen3", "qwen3_5"]
@@ -69,11 +70,14 @@ def end_tokens(path: torch.Tensor) -> tuple[int, int, int] | None:
     return None
 
 
+@pytest.mark.parametrize("one_launch", [False, True], ids=["torch_choice", "greedy_token"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_sequences_ending_at_different_steps(arch, loop_calls, device):
+def test_sequences_ending_at_different_steps(arch, one_launch, loop_calls, monkeypatch, device):
     """End-of-sequence tokens chosen from the greedy path so that one sequence ends first and the other later
     (every sequence then has ended: the output stops there, the first padded), or only the first ends (the
-    output runs to `max_new_tokens`); both against Hugging Face, streamed tokens included."""
+    output runs to `max_new_tokens`); both against Hugging Face, streamed tokens included. The step's choice in
+    PyTorch, or in one `greedy_token` launch."""
+    monkeypatch.setattr(decode_loop, "GREEDY_TOKEN_KERNEL", one_launch)
     reference, patched = model_pair(arch, "dense", device)
     for _ in range(20):  # a prompt whose greedy path has such tokens (random tiny models repeat tokens)
         prompt = torch.randint(0, 150, (2, 7), device=device)  # no pad token (150): a prompt's pads are padding
@@ -96,8 +100,10 @@ def test_sequences_ending_at_different_steps(arch, loop_calls, device):
     assert (got[0, prompt.shape[1] + step + 1:] == 150).all()  # padded after its end
 
 
-def test_end_at_first_token_and_at_last_step(loop_calls, device):
+@pytest.mark.parametrize("one_launch", [False, True], ids=["torch_choice", "greedy_token"])
+def test_end_at_first_token_and_at_last_step(one_launch, loop_calls, monkeypatch, device):
     """Batch 1: an end-of-sequence token as the first new token (one step), and on the last step."""
+    monkeypatch.setattr(decode_loop, "GREEDY_TOKEN_KERNEL", one_launch)
     reference, patched = model_pair("qwen3", "dense", device)
     prompt = torch.randint(1, 151, (1, 5), device=device)
     path = greedy_path(reference, prompt, 0)[0].tolist()
@@ -150,6 +156,21 @@ def test_min_new_tokens_and_logits_processors(loop_calls, device):
     assert lengths[: len(expected_lengths)] == expected_lengths
     assert len(lengths) - len(expected_lengths) <= decode_loop.IN_FLIGHT
     assert len(loop_calls) == 1
+
+
+def test_min_new_tokens_in_one_launch(loop_calls, monkeypatch, device):
+    """Greedy with `min_new_tokens` and no other processor: `greedy_token` holds the end tokens back itself (the
+    first new token of each row is an end token, so without it both would stop at once)."""
+    monkeypatch.setattr(decode_loop, "GREEDY_TOKEN_KERNEL", True)
+    choices = []
+    monkeypatch.setattr(decode_loop, "greedy_token", lambda *a, **k: choices.append(k) or greedy_token(*a, **k))
+    reference, patched = model_pair("qwen3", "dense", device)
+    prompt = torch.randint(1, 151, (2, 4), device=device)
+    path = greedy_path(reference, prompt, 0)
+    kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=5, eos_token_id=[int(path[0, 0]), int(path[1, 0])],
+                  pad_token_id=0, do_sample=False)
+    assert torch.equal(patched.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
+    assert [k["suppress_eos"] for k in choices[:6]] == [True] * 5 + [False]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

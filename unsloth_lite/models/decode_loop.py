@@ -11,8 +11,10 @@ warped scores) is written into the next step's input buffer, the position and th
 advance in place, and the cache (a `StaticCache` the loop keeps on the model and resets between calls) counts its
 own length. The host only launches: each step's tokens and "all finished" flag are copied to pinned memory
 asynchronously, and the host reads them `IN_FLIGHT` steps later, so that many steps are queued behind the one
-running. When the read shows every sequence finished, the steps queued after it are dropped: their tokens are
-not returned nor streamed, and what they wrote to the cache is reset by the next call.
+running. With `GREEDY_TOKEN_KERNEL`, a greedy request without logits processors (but the minimum-new-tokens one)
+chooses each token and does that bookkeeping in one launch (`kernels/greedy_token.py`) instead of a dozen. When
+the read shows every sequence finished, the steps queued after it are dropped: their tokens are not returned nor
+streamed, and what they wrote to the cache is reset by the next call.
 
 The result is Hugging Face's: the same logits processing, by its own processors in its order (the repetition
 penalty, the minimum-new-tokens mask, the caller's processors, then temperature, top-k, top-p and min-p when
@@ -42,12 +44,18 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from unsloth_lite.kernels.greedy_token import MAX_EOS, greedy_token
 from unsloth_lite.kernels.nf4_matvec_state import release_flat_absmax
 from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
+from unsloth_lite.models.layers import use_kernels
 
 # Steps queued behind the one whose tokens the host reads. Two keep the GPU busy through a host hiccup; each is a
 # step run for nothing after the last sequence finishes.
 IN_FLIGHT = 2
+# A greedy step without logits processors (but the minimum-new-tokens one) chooses its token and does its
+# bookkeeping in one launch (`greedy_token`) instead of a dozen small ones. Tested on the CPU, not yet timed on a
+# GPU: off.
+GREEDY_TOKEN_KERNEL = False
 # The reused cache's length is rounded up to this, so that calls of nearby lengths share it (and the captured
 # decode step, whose mask has the cache's length). Masked positions cost a few keys of attention, nothing else.
 CACHE_ROUNDING = 256
@@ -79,6 +87,7 @@ class Request:
     eos: torch.Tensor | None  # end-of-sequence ids, on the device
     pad: int | None
     processors: LogitsProcessorList  # applied to the fp32 scores of each step, in Hugging Face's order
+    min_new_tokens: int  # steps whose end-of-sequence ids are kept from being chosen (one of the processors)
     do_sample: bool
     streamer: object | None
     attention_mask: torch.Tensor | None  # the caller's 2-D mask (all ones), for the prefill
@@ -176,15 +185,17 @@ def plan(model, args, kwargs) -> Request | None:
     processors = LogitsProcessorList()
     if config.repetition_penalty not in (None, 1.0):
         processors.append(RepetitionPenaltyLogitsProcessor(penalty=float(config.repetition_penalty)))
-    if eos and config.min_new_tokens:
-        processors.append(MinNewTokensLengthLogitsProcessor(input_ids.shape[1], int(config.min_new_tokens), eos_ids,
+    min_new_tokens = int(config.min_new_tokens) if eos and config.min_new_tokens else 0
+    if min_new_tokens:
+        processors.append(MinNewTokensLengthLogitsProcessor(input_ids.shape[1], min_new_tokens, eos_ids,
                                                             device=input_ids.device))
     processors.extend(arguments.get("logits_processor") or [])
     if config.do_sample:
         processors.extend(_warpers(config))
     return Request(
         input_ids=input_ids, max_new_tokens=int(config.max_new_tokens), eos=eos_ids, pad=pad, processors=processors,
-        do_sample=bool(config.do_sample), streamer=arguments.get("streamer"), attention_mask=mask,
+        min_new_tokens=min_new_tokens, do_sample=bool(config.do_sample), streamer=arguments.get("streamer"),
+        attention_mask=mask,
     )
 
 
@@ -225,24 +236,29 @@ def _static_cache(model, batch: int, length: int, device, dtype):
 
 
 class _HostReads:
-    """Each step's tokens `[B]` and all-finished flag, on the host once the GPU has them: on CUDA copied into
-    pinned memory behind the step and read when its event has passed; elsewhere read at once."""
+    """Each step's record `[B + 1]` (its tokens, then 1 where every sequence has finished), on the host once the
+    GPU has it: on CUDA copied into pinned memory behind the step and read when its event has passed; elsewhere
+    read at once."""
 
     def __init__(self, batch: int, steps: int, device: torch.device):
         self.asynchronous = device.type == "cuda"
-        pin = self.asynchronous
-        self.tokens = torch.empty((steps, batch), dtype=torch.long, pin_memory=pin)
-        self.finished = torch.empty(steps, dtype=torch.bool, pin_memory=pin)
+        self.batch = batch
+        self.records = torch.empty((steps, batch + 1), dtype=torch.long, pin_memory=self.asynchronous)
         self.events: collections.deque = collections.deque()
 
-    def push(self, step: int, tokens: torch.Tensor, all_finished: torch.Tensor) -> None:
-        self.tokens[step].copy_(tokens, non_blocking=self.asynchronous)
-        self.finished[step].copy_(all_finished, non_blocking=self.asynchronous)
+    def push(self, step: int, record: torch.Tensor) -> None:
+        self.records[step].copy_(record, non_blocking=self.asynchronous)
         event = None
         if self.asynchronous:
             event = torch.cuda.Event()
             event.record()
         self.events.append((step, event))
+
+    def tokens(self, step: int) -> torch.Tensor:
+        return self.records[step, : self.batch]
+
+    def finished(self, step: int) -> bool:
+        return bool(self.records[step, self.batch])
 
     def pending(self) -> int:
         return len(self.events)
@@ -300,29 +316,46 @@ def decode(model, request: Request) -> torch.Tensor:
     mask, opened = _decode_mask(model, batch, size, length, device)
     masks = {layer_type: mask if layer_type == "full_attention" else None for layer_type in LAYER_TYPES}
     reads = _HostReads(batch, new, device)
+    one_launch = GREEDY_TOKEN_KERNEL and _one_launch_choice(request) and use_kernels(logits)
     steps = new
     for step in range(new):
-        token = _choose(logits, ids[:, : length + step], request)
-        if request.eos is not None:
-            token = torch.where(unfinished, token, request.pad)
-            unfinished &= ~torch.isin(token, request.eos)
-        ids[:, length + step] = token
-        reads.push(step, token, ~unfinished.any())
+        if one_launch:  # the choice, the ids, the next input, and the last forward's position and mask
+            reads.push(step, greedy_token(
+                logits, ids, length + step, token_input, unfinished if request.eos is not None else None,
+                request.eos, request.pad, position, mask, opened, advance=step > 0,
+                suppress_eos=step < request.min_new_tokens))
+        else:
+            token = _choose(logits, ids[:, : length + step], request)
+            if request.eos is not None:
+                token = torch.where(unfinished, token, request.pad)
+                unfinished &= ~torch.isin(token, request.eos)
+            ids[:, length + step] = token
+            reads.push(step, torch.cat([token, (~unfinished.any()).long()[None]]))
         last = step == new - 1
         stopped = _read(reads, request, keep=0 if last else IN_FLIGHT)
         if stopped is not None or last:
             steps = stopped or new
             break
-        token_input.copy_(token[:, None])
+        if not one_launch:
+            token_input.copy_(token[:, None])
         logits = model(input_ids=token_input, attention_mask=masks, position_ids=position, use_cache=True,
                        **{cache_keyword: cache}).logits[:, -1]
-        position += 1
-        mask.index_fill_(3, position[0], opened)
+        if not one_launch:
+            position += 1
+            mask.index_fill_(3, position[0], opened)
     while reads.pending():  # steps queued past the end: their copies land before the buffers go
         reads.pop()
     if request.streamer is not None:
         request.streamer.end()
     return ids[:, : length + steps]
+
+
+def _one_launch_choice(request: Request) -> bool:
+    """Whether `greedy_token` makes the request's choice: greedy, at most 16 end-of-sequence ids, and no logits
+    processor but the minimum-new-tokens one (which it applies itself)."""
+    processors = len(request.processors) - (1 if request.min_new_tokens else 0)
+    eos = 0 if request.eos is None else request.eos.numel()
+    return not request.do_sample and processors == 0 and eos <= MAX_EOS
 
 
 def _read(reads: _HostReads, request: Request, keep: int) -> int | None:
@@ -331,7 +364,7 @@ def _read(reads: _HostReads, request: Request, keep: int) -> int | None:
     while reads.pending() > keep:
         done = reads.pop()
         if request.streamer is not None:
-            request.streamer.put(reads.tokens[done].clone())
-        if request.eos is not None and bool(reads.finished[done]):
+            request.streamer.put(reads.tokens(done).clone())
+        if request.eos is not None and reads.finished(done):
             return done + 1
     return None
