@@ -62,6 +62,7 @@ from unsloth_lite.kernels import (  # noqa: E402
     decode_attention,
     deltanet_decode_gated,
     gated_delta_rule,
+    greedy_token,
     lora_down,
     nf4_gated_matvec,
     nf4_grouped_matvec,
@@ -160,7 +161,8 @@ def deltanet_launches(seq, key_heads, value_heads, head_dim, dtype):
 def compiled_on_cpu():
     """CPU tensors taken by the launchers that check for CUDA (the launches are captured, never run)."""
     saved = {module: module.check_kernel_device
-             for module in (nf4_matvec_checks, dequantize_module, decode_attention, deltanet_decode_gated, lora_down)}
+             for module in (nf4_matvec_checks, dequantize_module, decode_attention, deltanet_decode_gated, lora_down,
+                            greedy_token)}
     supported = (nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported,
                  nf4_matvec.first_product_supported)
     try:
@@ -309,6 +311,14 @@ def decode_kernel_rows(arch: int) -> list[dict]:
                                               [torch.empty(16, hidden)] * 3)
         rows.append(dict(kernel="rms_norm_lora_down", model=model, **compiled_figures(launches, arch)))
     rows += second_product_rows(arch)
+    for model, vocab in (("qwen3_8b", 151936), ("qwen3_5_27b", 248320)):  # greedy, min_new_tokens, one eos id
+        logits = torch.empty(1, vocab, dtype=torch.bfloat16)
+        ids, tokens = torch.empty(1, 300, dtype=torch.int64), torch.empty(1, 1, dtype=torch.int64)
+        with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
+            greedy_token.greedy_token(logits, ids, 200, tokens, torch.empty(1, dtype=torch.bool),
+                                      torch.empty(1, dtype=torch.int64), 0, tokens.clone(),
+                                      torch.empty(1, 1, 1, 512, dtype=torch.bool), True, True, True)
+        rows.append(dict(kernel="greedy_token", model=model, **compiled_figures(launches, arch)))
     return rows
 
 

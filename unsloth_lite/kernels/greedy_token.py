@@ -38,7 +38,7 @@ from unsloth_lite.kernels.utils import INTERPRET, check_float, check_kernel_devi
 # Logits a program reads: at Qwen's vocabularies (151,936 and 248,320) 75 and 122 programs a row (the
 # interpreter: small blocks, so that the tests' small vocabularies take several).
 BLOCK_V = 256 if INTERPRET else 2048
-NONE = 2**31 - 1  # no index (no NaN in a block); larger than any vocabulary
+NONE = tl.constexpr(2**31 - 1)  # no index (no NaN in a block); larger than any vocabulary
 MAX_EOS = 16  # end-of-sequence ids (each compared with every logit's index where they are suppressed)
 
 
