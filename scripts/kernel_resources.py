@@ -284,7 +284,9 @@ def decode_kernel_rows(arch: int) -> list[dict]:
     `rms_norm_lora_down_rows`."""
     rows = []
     for model, q_heads, kv_heads, head_dim, gated in DECODE_ATTENTION_SHAPES:
-        for cache_len in (256, 4096):
+        rotary = head_dim // 4 if gated else head_dim  # Qwen3.5's partial rotary
+        norm_rope = (torch.empty(head_dim, dtype=torch.bfloat16),) * 2 + (torch.empty(1, 1, rotary),) * 2 + (1e-6, 0.0)
+        for cache_len, with_norm_rope in ((256, False), (4096, False), (4096, True)):
             query = torch.empty(1, q_heads, 1, head_dim, dtype=torch.bfloat16)
             key = torch.empty(1, kv_heads, 1, head_dim, dtype=torch.bfloat16)
             cache = torch.empty(1, kv_heads, cache_len, head_dim, dtype=torch.bfloat16)
@@ -292,9 +294,10 @@ def decode_kernel_rows(arch: int) -> list[dict]:
             gate = torch.empty(1, 1, q_heads, head_dim, dtype=torch.bfloat16) if gated else None
             with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
                 decode_attention.decode_attention(query, key, key, cache, cache, torch.zeros((), dtype=torch.int64),
-                                                  mask, None, gate)
+                                                  mask, None, gate, norm_rope if with_norm_rope else None)
             kernel_kwargs = launches[0][2]
-            rows.append(dict(kernel="decode_attention", model=model, cache=cache_len,
+            rows.append(dict(kernel="decode_attention" + (", norm_rope" if with_norm_rope else ""), model=model,
+                             cache=cache_len,
                              splits=kernel_kwargs["SPLITS"], positions_a_step=kernel_kwargs["BLOCK_L"],
                              **compiled_figures(launches, arch)))
     q = torch.empty(1, 16, 128, dtype=torch.bfloat16)

@@ -12,6 +12,7 @@ from unsloth_lite.kernels.decode_attention import (
     decode_splits,
     position_block,
 )
+from unsloth_lite.kernels.qk_norm_rope import qk_norm_rope
 
 
 def _inputs(batch, q_heads, kv_heads, head_dim, cache_len, filled, dtype, device):
@@ -96,6 +97,49 @@ def test_decode_attention_single_split_and_last_position(device):
                  TOLERANCE[torch.float32], "output past the cache's end")
 
 
+def _norm_rope(batch, head_dim, rotary, offset, device, dtype):
+    """(q_weight, k_weight, cos, sin `[B, 1, R]` as Hugging Face's rotary embedding builds them, eps, offset)."""
+    angles = torch.rand(batch, 1, rotary // 2, device=device) * 6.0
+    angles = torch.cat([angles, angles], dim=-1)
+    weights = [(torch.randn(head_dim, device=device) * 0.3 + 1.0 - offset).to(dtype) for _ in range(2)]
+    return (*weights, angles.cos().to(dtype), angles.sin().to(dtype), 1e-6, offset)
+
+
+def _normed_heads(query, key, norm_rope):
+    """`qk_norm_rope` (the separate launch) of the projections' query and key."""
+    q_weight, k_weight, cos, sin, eps, offset = norm_rope
+    return qk_norm_rope(query, key, q_weight, k_weight, cos, sin, eps, offset=offset)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,rotary,offset",
+                         [(4, 2, 32, 32, 0.0), (6, 1, 24, 8, 1.0)], ids=["full_rotary", "partial_rotary"])
+def test_decode_attention_norm_rope(q_heads, kv_heads, head_dim, rotary, offset, dtype, device):
+    """q/k norm and RoPE inside the launch against `qk_norm_rope`'s launch before it: the same cache (the new key
+    normed and rotated), the same output, over steps that cross splits; and against the float64 reference."""
+    block = position_block(head_dim)
+    batch, cache_len, first = 2, 2 * block + 8, 2 * block - 1
+    query, key, value, key_cache, value_cache, length = _inputs(
+        batch, q_heads, kv_heads, head_dim, cache_len, first, dtype, device)
+    two_launch = key_cache.clone(), value_cache.clone(), length.clone()
+    mask = _mask("boolean", batch, cache_len, device, dtype)
+    for step in range(2):
+        norm_rope = _norm_rope(batch, head_dim, rotary, offset, device, dtype)
+        out = decode_attention(query, key, value, key_cache, value_cache, length, mask, 0.3, None, norm_rope)
+        normed_q, normed_k = _normed_heads(query, key, norm_rope)
+        expected = decode_attention(normed_q, normed_k, value, *two_launch, mask, 0.3)
+        position = first + step
+        assert_close(key_cache[:, :, position], two_launch[0][:, :, position], TOLERANCE[dtype], "the new key")
+        assert torch.equal(value_cache, two_launch[1])
+        assert_close(out, expected, TOLERANCE[dtype], f"output at step {step}")
+        q64, k64 = _normed_heads(query.double(), key.double(), tuple(
+            t.double() if torch.is_tensor(t) else t for t in norm_rope))
+        exact = _exact(q64, torch.cat([key_cache[:, :, :position].double(), k64], dim=2), value_cache.double(),
+                       position + 1, mask, 0.3, None)
+        assert_close(out, exact, TOLERANCE[dtype], f"output against float64 at step {step}")
+        query, key, value = (torch.randn_like(t) for t in (query, key, value))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(32, 8, 128), (24, 4, 256)], ids=["qwen3_8b", "qwen3_5_27b"])
 @pytest.mark.parametrize("batch,cache_len", [(1, 256), (2, 4160)])
@@ -111,6 +155,31 @@ def test_decode_attention_model_shapes(q_heads, kv_heads, head_dim, batch, cache
         out = decode_attention(query, key, value, key_cache, value_cache, length, mask, head_dim ** -0.5, gate)
         exact = _exact(query, key_cache, value_cache, first + step + 1, mask, head_dim ** -0.5, gate)
         assert_close(out, exact, TOLERANCE[dtype], f"output at step {step}")
+    assert int(length) == cache_len
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,rotary,offset,gated",
+                         [(32, 8, 128, 128, 0.0, False), (24, 4, 256, 64, 1.0, True)], ids=["qwen3_8b", "qwen3_5_27b"])
+@pytest.mark.parametrize("batch,cache_len", [(1, 256), (2, 4160)])
+def test_decode_attention_norm_rope_model_shapes(q_heads, kv_heads, head_dim, rotary, offset, gated, batch,
+                                                 cache_len):
+    """bf16, compiled, at the W3 models' shapes: q/k norm and RoPE in the launch against `qk_norm_rope` before it."""
+    dtype = torch.bfloat16
+    first = cache_len - 2
+    query, key, value, key_cache, value_cache, length = _inputs(
+        batch, q_heads, kv_heads, head_dim, cache_len, first, dtype, "cuda")
+    two_launch = key_cache.clone(), value_cache.clone(), length.clone()
+    mask = _mask("boolean", batch, cache_len, "cuda", dtype)
+    gate = torch.randn(batch, 1, q_heads, head_dim, device="cuda", dtype=dtype) if gated else None
+    for step in range(2):
+        norm_rope = _norm_rope(batch, head_dim, rotary, offset, "cuda", dtype)
+        out = decode_attention(query, key, value, key_cache, value_cache, length, mask, head_dim ** -0.5, gate,
+                               norm_rope)
+        expected = decode_attention(*_normed_heads(query, key, norm_rope), value, *two_launch, mask,
+                                    head_dim ** -0.5, gate)
+        assert_close(key_cache, two_launch[0], TOLERANCE[dtype], f"cache at step {step}")
+        assert_close(out, expected, TOLERANCE[dtype], f"output at step {step}")
     assert int(length) == cache_len
 
 

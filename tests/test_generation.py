@@ -178,7 +178,7 @@ def count_decode_calls(monkeypatch):
 KERNEL_RUNS = [("qwen2", "static"), ("qwen3", "dynamic"), ("qwen3_5", None)]
 # `models.decode`'s switches of the fused decoding launches (most on by default).
 FUSED_LAUNCHES = ("GATED_MATVEC", "GROUPED_MATVEC", "DECODE_ATTENTION", "GATED_DELTANET_STEP",
-                  "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS", "SECOND_PRODUCTS_IN_NORMS")
+                  "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS", "SECOND_PRODUCTS_IN_NORMS", "NORM_ROPE_IN_ATTENTION")
 # The output projections' adapters' second products added by the norms after them, with what that rests on.
 SECOND_PRODUCTS = ("RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS", "SECOND_PRODUCTS_IN_NORMS")
 
@@ -260,15 +260,20 @@ def test_greedy_tokens_match_with_grouped_projections(device, monkeypatch):
     assert {4, 3, 2} <= set(groups)
 
 
+@pytest.mark.parametrize("in_attention", [False, True], ids=["norm_rope_apart", "norm_rope_in_attention"])
 @pytest.mark.parametrize("arch,cache_implementation", [("qwen3", "static"), ("qwen3_5", None)])
-def test_greedy_tokens_match_with_fused_decode_attention(arch, cache_implementation, device, monkeypatch):
+def test_greedy_tokens_match_with_fused_decode_attention(arch, cache_implementation, in_attention, device,
+                                                         monkeypatch):
     """`decode.DECODE_ATTENTION`: each full-attention layer's cache update, attention and (Qwen3.5) output gate
-    in one `decode_attention` launch over the static cache, the greedy tokens those of the unpatched model."""
-    set_fused_launches(monkeypatch, on=("DECODE_ATTENTION",))
+    in one `decode_attention` launch over the static cache, with `decode.NORM_ROPE_IN_ATTENTION` the q/k norm and
+    RoPE too; the greedy tokens those of the unpatched model."""
+    set_fused_launches(monkeypatch, on=("DECODE_ATTENTION", "NORM_ROPE_IN_ATTENTION") if in_attention
+                       else ("DECODE_ATTENTION",))
     calls = []
-    monkeypatch.setattr(decode, "decode_attention", lambda *args: calls.append(args[-1]) or decode_attention(*args))
+    monkeypatch.setattr(decode, "decode_attention", lambda *args: calls.append(args[8:]) or decode_attention(*args))
     assert_same_greedy_tokens(arch, "4bit+lora", cache_implementation, 3, device, prompt_shape=(2, 4))
-    assert calls and all((gate is not None) == (arch == "qwen3_5") for gate in calls)
+    assert calls and all((gate is not None) == (arch == "qwen3_5") for gate, _ in calls)
+    assert all((norm_rope is not None) == in_attention for _, norm_rope in calls)
 
 
 @pytest.mark.parametrize("arch,cache_implementation", [("qwen2", "static"), ("qwen3_5", None)])
@@ -423,6 +428,16 @@ def test_bf16_greedy_path_matches_cuda_with_the_fused_launches(setting, arch, to
     tokens along the reference's greedy path through the captured step (the tiny Qwen3.5, whose projections of a
     64-wide input hold whole blocks and whose attention is gated; the tiny Qwen3's attention ungated)."""
     set_fused_launches(monkeypatch, on=(setting,))
+    patched = assert_greedy_path_followed(arch, "4bit+lora", "static", 32, "cuda", torch.bfloat16)
+    assert captured_decode_steps(patched) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_bf16_greedy_path_matches_cuda_with_norm_rope_in_attention(arch, torch_delta_rule, monkeypatch):
+    """`decode.NORM_ROPE_IN_ATTENTION` (in `decode.DECODE_ATTENTION`'s launch): 32 bf16 tokens along the
+    reference's greedy path through the captured step (Qwen3's full rotary, Qwen3.5's partial and gated)."""
+    set_fused_launches(monkeypatch, on=("DECODE_ATTENTION", "NORM_ROPE_IN_ATTENTION"))
     patched = assert_greedy_path_followed(arch, "4bit+lora", "static", 32, "cuda", torch.bfloat16)
     assert captured_decode_steps(patched) == 1
 

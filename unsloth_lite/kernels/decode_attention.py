@@ -9,6 +9,15 @@ counter (`StaticLayer.cumulative_length`) read by the kernel, so that a CUDA gra
     s_j = scale · q_h · K_j  (+ mask[b, j] where additive)         j ≤ p, where mask[b, j] attends (boolean)
     o_h = Σ_j softmax_j(s) V_j  (· sigmoid(gate_h) where gated)      fp32 sums, written in q's dtype
 
+With `norm_rope` (Qwen3's and Qwen3.5's q/k norms), the query and the new key arrive as the projections wrote
+them and the kernel first applies what `qk_norm_rope` would, per head vector x of q and k, in fp32:
+
+    n = x / sqrt(mean(x²) + eps) · (offset + w);   y_d = n_d c_d + n_{d+R/2} (−s_d)  for d < R/2,
+    y_d = n_d c_d + n_{d−R/2} s_d  for R/2 ≤ d < R,   y_d = n_d  past the rotary width R
+
+(cos c and sin s of the token's position, read in full width), each rounded to q's dtype as the separate launch
+stores it. One launch fewer a full-attention layer.
+
 It replaces, in each full-attention layer of a decoding step, the cache update (`index_copy_` twice, with the
 position's arithmetic), SDPA over the whole cache length with its mask, and the gate's own launch: one launch
 that reads only the positions up to p. Inference only (no autograd).
@@ -36,6 +45,7 @@ import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
 from unsloth_lite.kernels.matvec_epilogue import _arrival_counters
+from unsloth_lite.kernels.qk_norm_rope import qk_norm_rope_reference
 from unsloth_lite.kernels.utils import (
     INTERPRET,
     check_float,
@@ -105,6 +115,27 @@ def _base2(additive):
 
 
 @triton.jit
+def _normed_rotated(rows_ptr, d, mask_rows, head_dim, weight_ptr, cos_ptr, sin_ptr, eps, offset, rotary):
+    """`qk_norm_rope`'s forward of the head vectors at `rows_ptr` `[R, 1]` (elements `d` `[1, D]` along each), in
+    fp32: the RMS norm with weight offset + w, then the rotation of the first `rotary` elements by the token's
+    cos and sin `[rotary]` (the partner of element d, d ± rotary / 2, read as its own load)."""
+    mask_d = d < head_dim
+    x = tl.load(rows_ptr + d, mask=mask_rows & mask_d, other=0.0).to(tl.float32)
+    inverse_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / head_dim + eps)
+    normed = x * inverse_rms[:, None] * (tl.load(weight_ptr + d, mask=mask_d, other=0.0).to(tl.float32) + offset)
+    half = rotary // 2
+    rotated = d < rotary
+    partner = tl.where(d < half, d + half, d - half)
+    partner_x = tl.load(rows_ptr + partner, mask=mask_rows & rotated, other=0.0).to(tl.float32)
+    partner_w = tl.load(weight_ptr + partner, mask=rotated, other=0.0).to(tl.float32) + offset
+    signed_partner = partner_x * inverse_rms[:, None] * partner_w
+    signed_partner = tl.where(d < half, -signed_partner, signed_partner)
+    c = tl.load(cos_ptr + d, mask=rotated, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + d, mask=rotated, other=0.0).to(tl.float32)
+    return tl.where(rotated, normed * c + signed_partner * s, normed)
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr, q_batch_stride, q_head_stride,
     k_ptr, k_batch_stride, k_head_stride,
@@ -115,13 +146,15 @@ def _decode_attention_kernel(
     gate_ptr, gate_batch_stride, gate_head_stride,
     out_ptr, out_batch_stride, out_head_stride,
     scratch_ptr, arrivals_ptr,
+    q_weight_ptr, k_weight_ptr, cos_ptr, cos_batch_stride, sin_ptr, sin_batch_stride, eps, offset, rotary,
     n_kv_heads, group, cache_len, head_dim, scale_log2,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr,
     SPLITS: tl.constexpr, MASK: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, NORM_ROPE: tl.constexpr,
 ):
     """PDL: the cache's length (advanced by this kernel alone, a step before) is read before `gdc_wait`; the
-    query, the new key and value, the mask and the gate after it."""
+    query, the new key and value, the mask and the gate after it. NORM_ROPE: q and the new key normed and
+    rotated first (`_normed_rotated`), rounded to their dtypes."""
     program = tl.program_id(0)
     split = tl.program_id(1)
     batch = (program // n_kv_heads).to(tl.int64)
@@ -134,8 +167,13 @@ def _decode_attention_kernel(
     mask_g = g < group
     mask_d = d < head_dim
     heads = kv_head * group + g
-    q = tl.load(q_ptr + batch * q_batch_stride + heads[:, None] * q_head_stride + d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if NORM_ROPE:
+        q = _normed_rotated(q_ptr + batch * q_batch_stride + heads[:, None] * q_head_stride, d[None, :],
+                            mask_g[:, None], head_dim, q_weight_ptr, cos_ptr + batch * cos_batch_stride,
+                            sin_ptr + batch * sin_batch_stride, eps, offset, rotary).to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptr + batch * q_batch_stride + heads[:, None] * q_head_stride + d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     key_cache = key_cache_ptr + batch * kc_batch_stride + kv_head * kc_head_stride
@@ -167,7 +205,13 @@ def _decode_attention_kernel(
         values = tl.load(value_cache + positions[:, None] * vc_pos_stride + d[None, :], mask=mask_tile, other=0.0)
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, scores, values, DOT_F32, IEEE)
     if split == 0:  # the new token: written into the cache, its score from registers
-        new_key = tl.load(k_ptr + batch * k_batch_stride + kv_head * k_head_stride + d, mask=mask_d, other=0.0)
+        if NORM_ROPE:
+            new_key = tl.reshape(_normed_rotated(
+                k_ptr + batch * k_batch_stride + kv_head * k_head_stride + tl.zeros([1, 1], tl.int32), d[None, :],
+                tl.full([1, 1], True, tl.int1), head_dim, k_weight_ptr, cos_ptr + batch * cos_batch_stride,
+                sin_ptr + batch * sin_batch_stride, eps, offset, rotary), (BLOCK_D,)).to(k_ptr.dtype.element_ty)
+        else:
+            new_key = tl.load(k_ptr + batch * k_batch_stride + kv_head * k_head_stride + d, mask=mask_d, other=0.0)
         new_value = tl.load(v_ptr + batch * v_batch_stride + kv_head * v_head_stride + d, mask=mask_d, other=0.0)
         inside = mask_d & ((d * 0 + position) < cache_len)  # a full cache keeps its last positions
         tl.store(key_cache + position * kc_pos_stride + d, new_key.to(key_cache_ptr.dtype.element_ty), mask=inside)
@@ -288,13 +332,18 @@ def decode_attention(
     mask: torch.Tensor | None = None,
     scale: float | None = None,
     gate: torch.Tensor | None = None,
+    norm_rope: tuple | None = None,
 ) -> torch.Tensor:
     """Attention of query `[B, Hq, 1, D]` over the cache after writing key, value `[B, Hkv, 1, D]` at position
     `cache_length` (a one-element device tensor, then advanced by one) of key_cache, value_cache `[B, Hkv, S, D]`
     (updated in place); mask None (positions up to the new token's attend) or `[B or 1, 1, Q, ≥S]` as Hugging
     Face builds it (its last query row read: boolean, True attends, or additive); gate `[B, 1, Hq, D]`, where
-    given, multiplies the output by its sigmoid. Returns `[B, 1, Hq, D]` in query's dtype."""
+    given, multiplies the output by its sigmoid; norm_rope, where given, (q_weight `[D]`, k_weight `[D]`, cos,
+    sin `[B, 1, R]` or `[B, R]`, eps, offset): query and key normed and rotated first, as `qk_norm_rope` does.
+    Returns `[B, 1, Hq, D]` in query's dtype."""
     _check_args(query, key, value, key_cache, value_cache, cache_length, mask, gate)
+    if norm_rope is not None:
+        norm_rope = _norm_rope_args(norm_rope, query)
     batch, q_heads, _, head_dim = query.shape
     kv_heads, cache_len = key_cache.shape[1], key_cache.shape[2]
     if query.stride(-1) != 1:
@@ -330,19 +379,45 @@ def decode_attention(
         gate_arg, gate_arg.stride(0), gate_arg.stride(2),
         out, out.stride(0), out.stride(2),
         scratch, arrivals,
+        *(norm_rope if norm_rope is not None else (out, out, out, 0, out, 0, 0.0, 0.0, 0)),
         kv_heads, group, cache_len, head_dim, scale * 1.4426950408889634,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=position_block(head_dim), CHUNK=chunk, SPLITS=splits, MASK=mask_kind,
         GATED=gate is not None, DOT_F32=INTERPRET or query.dtype == torch.float32,
-        IEEE=query.dtype == torch.float32, num_warps=4, **pdl_launch(query.device),
+        IEEE=query.dtype == torch.float32, NORM_ROPE=norm_rope is not None, num_warps=4, **pdl_launch(query.device),
     )
     return out
 
 
+def _norm_rope_args(norm_rope, query: torch.Tensor) -> tuple:
+    """The kernel's arguments for `norm_rope` = (q_weight, k_weight, cos, sin, eps, offset), checked against the
+    query `[B, Hq, 1, D]`."""
+    q_weight, k_weight, cos, sin, eps, offset = norm_rope
+    batch, head_dim = query.shape[0], query.shape[-1]
+    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if tuple(weight.shape) != (head_dim,) or weight.device != query.device:
+            raise ValueError(f"norm_rope's {name} must be [{head_dim}] on {query.device}; got {tuple(weight.shape)}")
+    rotary = cos.shape[-1]
+    for name, t in (("cos", cos), ("sin", sin)):
+        rows = t.reshape(t.shape[0], -1) if t.dim() == 3 and t.shape[1] == 1 else t
+        if rows.dim() != 2 or rows.shape != (batch, rotary) or rows.stride(-1) != 1 or t.device != query.device:
+            raise ValueError(f"norm_rope's {name} must be [B, 1, R] or [B, R] for one token, contiguous, "
+                             f"on {query.device}; got {tuple(t.shape)}")
+    if rotary % 2 or not 0 < rotary <= head_dim:
+        raise ValueError(f"the rotary width {rotary} must be even and at most the head size {head_dim}")
+    cos, sin = (t.reshape(batch, rotary) for t in (cos, sin))
+    return (q_weight, k_weight, cos, cos.stride(0), sin, sin.stride(0), float(eps), float(offset), rotary)
+
+
 def decode_attention_reference(
-    query, key, value, key_cache, value_cache, cache_length, mask=None, scale=None, gate=None,
+    query, key, value, key_cache, value_cache, cache_length, mask=None, scale=None, gate=None, norm_rope=None,
 ) -> torch.Tensor:
-    """Plain-PyTorch `decode_attention` (the same in-place updates; reads the length on the host): the cache
-    written at p, then softmax attention in fp32 (float64 for float64) over positions [0, p] under the mask."""
+    """Plain-PyTorch `decode_attention` (the same in-place updates; reads the length on the host): query and key
+    normed and rotated (`qk_norm_rope_reference`) where `norm_rope` is given, the cache written at p, then softmax
+    attention in fp32 (float64 for float64) over positions [0, p] under the mask."""
+    if norm_rope is not None:
+        q_weight, k_weight, cos, sin, eps, offset = norm_rope
+        query, key = qk_norm_rope_reference(query, key, q_weight, k_weight, cos.reshape(cos.shape[0], 1, -1),
+                                            sin.reshape(sin.shape[0], 1, -1), eps, offset)
     batch, q_heads, _, head_dim = query.shape
     kv_heads = key_cache.shape[1]
     position = int(cache_length)

@@ -62,6 +62,10 @@ NORM_FIRST_PRODUCTS = True
 # instead of a `lora_down_rows` launch and the product's epilogue: one launch fewer an adapted output
 # projection. Tested, not yet timed: off.
 SECOND_PRODUCTS_IN_NORMS = False
+# A full-attention layer's q/k norm and RoPE (Qwen3, Qwen3.5) inside its `decode_attention` launch (the query and
+# the new key normed and rotated as they are read) instead of a `qk_norm_rope` launch before it. Tested on the
+# CPU, not yet timed on a GPU: off.
+NORM_ROPE_IN_ATTENTION = False
 # A Gated DeltaNet layer's token step after its convolution in one launch (`delta_rule_gated_step`: the gates,
 # the delta-rule step and the gated RMSNorm of each head), instead of three. Correct on the GPU (the tests above;
 # on in that run, where the Qwen3-8B shape has no DeltaNet layer), not yet timed at the Qwen3.5-27B shape: off.
@@ -258,7 +262,9 @@ def fused_attention_layer(cache, layer_idx: int, query: torch.Tensor, key: torch
     return layer
 
 
-def fused_attention(layer, query, key, value, attention_mask, scaling: float, gate=None) -> torch.Tensor:
-    """`decode_attention` over `layer` (`fused_attention_layer`): `[B, 1, Hq, D]`, gated where `gate` is given."""
+def fused_attention(layer, query, key, value, attention_mask, scaling: float, gate=None,
+                    norm_rope=None) -> torch.Tensor:
+    """`decode_attention` over `layer` (`fused_attention_layer`): `[B, 1, Hq, D]`, gated where `gate` is given,
+    query and key normed and rotated first where `norm_rope` is given (`decode_attention`'s tuple)."""
     return decode_attention(query, key, value, layer.keys, layer.values, layer.cumulative_length, attention_mask,
-                            scaling, gate)
+                            scaling, gate, norm_rope)

@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import sys
 import threading
+import typing
 import warnings
 
 import torch
@@ -31,6 +32,7 @@ from unsloth_lite.kernels.rms_norm import rms_norm, rms_norm_reference
 from unsloth_lite.kernels.rope import apply_rope, apply_rope_reference
 from unsloth_lite.kernels.swiglu import sigmoid_gate, sigmoid_gate_reference, swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
+from unsloth_lite.models import decode
 from unsloth_lite.models.decode import (
     fused_attention,
     fused_attention_layer,
@@ -285,23 +287,52 @@ def _update_cache(cache, key, value, layer_idx, kwargs):
     return cache.update(key, value, layer_idx)
 
 
-def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, gate=None):
-    """The rest of Hugging Face's attention forward, unchanged: cache, the configured attention
-    implementation (SDPA by default; it passes GQA to SDPA without repeating KV heads when there is no mask),
-    the output times sigmoid(gate) where the architecture gates it (gate `[B, T, Hq, D]`), output projection. A
-    packed batch (`cu_seq_lens_q` among the kwargs, from `causal_lm_forward`) without cache or sliding window
-    attends document by document through `varlen_attention` instead, whatever the implementation; the
-    block-diagonal mask Hugging Face built from the position ids is then not read. One new token per sequence
-    over a cache (decoding) takes `grouped_attention`, which never repeats the KV heads, even under a mask, or
-    over a static cache `fused_attention` (`decode.DECODE_ATTENTION`)."""
+class QKNormRoPE(typing.NamedTuple):
+    """Qwen3's and Qwen3.5's per-head q/k RMSNorm and RoPE, held by `attend` until it knows whether the decoding
+    attention applies them in its own launch (`decode.NORM_ROPE_IN_ATTENTION`); the tuple `decode_attention`
+    takes as `norm_rope`."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    eps: float
+    offset: float
+
+    def apply(self, query, key):
+        """`qk_norm_rope` of query and key (its reference off the kernels' devices)."""
+        if use_kernels(query):  # Hugging Face's rotary embeddings build cos/sin as cat(freqs, freqs)
+            return qk_norm_rope(query, key, self.q_weight, self.k_weight, self.cos, self.sin, self.eps,
+                                offset=self.offset, duplicated_halves=True)
+        return qk_norm_rope_reference(query, key, self.q_weight, self.k_weight, self.cos, self.sin, self.eps,
+                                      self.offset)
+
+
+def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, gate=None, norm_rope=None):
+    """The rest of Hugging Face's attention forward, unchanged: q/k norm and RoPE where `norm_rope` holds them
+    (`QKNormRoPE`), cache, the configured attention implementation (SDPA by default; it passes GQA to SDPA
+    without repeating KV heads when there is no mask), the output times sigmoid(gate) where the architecture
+    gates it (gate `[B, T, Hq, D]`), output projection. A packed batch (`cu_seq_lens_q` among the kwargs, from
+    `causal_lm_forward`) without cache or sliding window attends document by document through
+    `varlen_attention` instead, whatever the implementation; the block-diagonal mask Hugging Face built from the
+    position ids is then not read. One new token per sequence over a cache (decoding) takes
+    `grouped_attention`, which never repeats the KV heads, even under a mask, or over a static cache
+    `fused_attention` (`decode.DECODE_ATTENTION`), which with `decode.NORM_ROPE_IN_ATTENTION` applies the norm
+    and RoPE itself."""
     dropout = 0.0 if not self.training else self.attention_dropout
     sliding_window = getattr(self, "sliding_window", None)
-    if cache is None and sliding_window is None and kwargs.get("cu_seq_lens_q") is not None:
+    packed = cache is None and sliding_window is None and kwargs.get("cu_seq_lens_q") is not None
+    grouped = not packed and grouped_attention_applies(self, query, attention_mask, cache)  # decoding
+    layer = fused_attention_layer(cache, self.layer_idx, query, key, attention_mask) if grouped else None
+    if norm_rope is not None and (layer is None or not decode.NORM_ROPE_IN_ATTENTION):
+        query, key = norm_rope.apply(query, key)
+        norm_rope = None
+    if packed:
         attn_output, attn_weights = varlen_attention(query, key, value, kwargs, self.scaling, dropout), None
-    elif grouped_attention_applies(self, query, attention_mask, cache):  # decoding: KV heads never repeated
-        layer, attn_weights = fused_attention_layer(cache, self.layer_idx, query, key, attention_mask), None
+    elif grouped:  # decoding: KV heads never repeated
+        attn_weights = None
         if layer is not None:  # the cache's update, the attention and the gate in one launch
-            attn_output = fused_attention(layer, query, key, value, attention_mask, self.scaling, gate)
+            attn_output = fused_attention(layer, query, key, value, attention_mask, self.scaling, gate, norm_rope)
             gate = None
         else:
             key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
@@ -361,10 +392,7 @@ def qk_norm_rope_attention_forward(self, hidden_states, position_embeddings, att
     """Qwen3 attention: projections, per-head q/k RMSNorm and RoPE in one kernel, attention."""
     cache = pop_cache(args, kwargs)
     query, key, value = _projected_heads(self, hidden_states)
-    cos, sin = position_embeddings
-    weights, eps = (self.q_norm.weight, self.k_norm.weight), self.q_norm.variance_epsilon
-    if use_kernels(query):  # Hugging Face's rotary embeddings build cos/sin as cat(freqs, freqs)
-        query, key = qk_norm_rope(query, key, *weights, cos, sin, eps, duplicated_halves=True)
-    else:
-        query, key = qk_norm_rope_reference(query, key, *weights, cos, sin, eps)
-    return attend(self, query, key, value, attention_mask, cache, kwargs, hidden_states.shape[:-1])
+    norm_rope = QKNormRoPE(self.q_norm.weight, self.k_norm.weight, *position_embeddings,
+                           self.q_norm.variance_epsilon, 0.0)
+    return attend(self, query, key, value, attention_mask, cache, kwargs, hidden_states.shape[:-1],
+                  norm_rope=norm_rope)

@@ -36,9 +36,8 @@ from unsloth_lite.kernels.deltanet_gates import deltanet_gates, deltanet_gates_r
 from unsloth_lite.kernels.gated_delta_rule import chunk_gated_delta_rule
 from unsloth_lite.kernels.gated_delta_rule_reference import chunk_gated_delta_rule_reference
 from unsloth_lite.kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
-from unsloth_lite.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from unsloth_lite.models import decode
-from unsloth_lite.models.layers import attend, output_projection, pop_cache, project, use_kernels
+from unsloth_lite.models.layers import QKNormRoPE, attend, output_projection, pop_cache, project, use_kernels
 from unsloth_lite.models.qwen3_5_decode import CacheStep, cache_step, cached_states, store_prefill_states
 
 DELTANET_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -152,10 +151,6 @@ def gated_attention_forward(self, hidden_states, position_embeddings, attention_
     query = query.transpose(1, 2)
     key = key.view(*input_shape, -1, self.head_dim).transpose(1, 2)
     value = value.view(*input_shape, -1, self.head_dim).transpose(1, 2)
-    cos, sin = position_embeddings
-    weights, eps = (self.q_norm.weight, self.k_norm.weight), self.q_norm.eps
-    if use_kernels(query):  # Hugging Face's rotary embeddings build cos/sin as cat(freqs, freqs)
-        query, key = qk_norm_rope(query, key, *weights, cos, sin, eps, offset=1.0, duplicated_halves=True)
-    else:
-        query, key = qk_norm_rope_reference(query, key, *weights, cos, sin, eps, offset=1.0)
-    return attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, gate=gate)
+    norm_rope = QKNormRoPE(self.q_norm.weight, self.k_norm.weight, *position_embeddings, self.q_norm.eps, 1.0)
+    return attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, gate=gate,
+                  norm_rope=norm_rope)
