@@ -205,7 +205,7 @@ def sweep_tiles(shapes: list[str], device, tiny: bool, chosen_only: bool = False
     def time_us(x, weight, tile, options):
         saved = {name: getattr(matvec, name) for name in ("blocked_tile", "word_tile", *options)}
         try:
-            matvec.blocked_tile = matvec.word_tile = lambda _n: tile
+            matvec.blocked_tile = matvec.word_tile = lambda *_: tile
             for name, value in options.items():
                 setattr(matvec, name, value)
             with torch.no_grad():

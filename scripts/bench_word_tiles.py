@@ -1,20 +1,21 @@
 """The word walk's tiles at W3's shapes, for each launch of a decoding step that takes them: the word kernel
 (`nf4_matvec` of the output projections: o_proj, out_proj, down_proj), the gate-and-up launch (`nf4_gated_matvec`)
 and the grouped launch of one input's projections (`nf4_grouped_matvec`). All three read `nf4_matvec.word_tile`
-(features x weights along K / warps of a program, split along K), which has been the blocked kernel's choice,
-never timed for the word walk itself, and `nf4_matvec.PIPELINE_STAGES`.
+(features x weights along K / warps of a program, split along K) and `word_stages` by launch and shape:
+`nf4_matvec.WORD_TILES`' entry, else the blocked kernel's tile (`blocked_tile`) with `PIPELINE_STAGES`.
 
     python scripts/bench_word_tiles.py --out word_tiles.json                    # on a GPU: both W3 shapes
     python scripts/bench_word_tiles.py --shapes qwen3_8b --out word_tiles.json  # one model
     TRITON_INTERPRET=1 python scripts/bench_word_tiles.py --tiny                # CPU smoke run
 
-Candidates: each tile of `bench_nf4_matvec.WORD_SWEEP_TILES` with three stages, and the shipped tile of each
+Candidates: each tile of `bench_nf4_matvec.WORD_SWEEP_TILES` with three stages, and the default tile of each
 launch with 2, 4 and 5 stages. Each launch, one row of x, bf16, no adapters (their epilogue is the same at every
 tile), is timed as a decoding step runs it: a chain of calls captured in one CUDA graph, each call reading its own
 copy of the weights (together more than the L2 cache holds), the chain's device time over its calls (us a call).
 Per model, `ms_per_token` at a candidate: Σ over its launches of the time times the launches a token; "shipped":
-`word_tile` and `PIPELINE_STAGES` as they are; "best per launch": each launch at its fastest candidate (what a
-table of tiles by launch and shape would give).
+`word_tile` and `word_stages` as they are; "best per launch": each launch at its fastest candidate (what
+`WORD_TILES` entries would give). Printed last: the entries of the launches whose fastest candidate beats the
+default by more than `TABLE_MARGIN`, in `WORD_TILES`' form.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ from decode_shapes import SHAPES, shape_config
 from random_checkpoint import weightless_model
 
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "down_proj")
-EXTRA_STAGES = (2, 4, 5)  # at the shipped tile
+EXTRA_STAGES = (2, 4, 5)  # at the default tile
+# A launch's `nf4_matvec.WORD_TILES` entry is printed where its best candidate beats the default tile with three
+# stages by more than this (the spread of repeated chains is about 1%).
+TABLE_MARGIN = 0.03
 
 
 def output_shapes(shape: str, tiny: bool) -> list[tuple[str, int, int, int]]:
@@ -50,9 +54,9 @@ def output_shapes(shape: str, tiny: bool) -> list[tuple[str, int, int, int]]:
     return [(f"words {name} {n}x{k}", n, k, count) for (name, n, k), count in counts.items()]
 
 
-def launches(shape: str, device, tiny: bool) -> list[tuple[str, int, int, list]]:
-    """(launch name, the N its tile is chosen by, launches a token, its calls: one per copy of its weights) of a
-    model's decoding step."""
+def launches(shape: str, device, tiny: bool) -> list[tuple[str, tuple[str, int, int], int, list]]:
+    """(launch name, its key in `nf4_matvec.WORD_TILES` (launch, N, K), launches a token, its calls: one per copy
+    of its weights) of a model's decoding step."""
     from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
     from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
     from unsloth_lite.kernels.nf4_matvec import nf4_matvec
@@ -62,17 +66,17 @@ def launches(shape: str, device, tiny: bool) -> list[tuple[str, int, int, list]]
     for name, n_out, n_in, count in output_shapes(shape, tiny):
         x = torch.randn(1, n_in, device=device, dtype=dtype)
         copies = weight_copies(nf4_weight(n_out, n_in, device, dtype), tiny)
-        found.append((name, n_out, count, [lambda w=w, x=x: nf4_matvec(x, w) for w in copies]))
+        found.append((name, ("words", n_out, n_in), count, [lambda w=w, x=x: nf4_matvec(x, w) for w in copies]))
     for _, n_out, n_in, count in mlp_shapes([shape], tiny):
         x = torch.randn(1, n_in, device=device, dtype=dtype)
         pairs = zip(weight_copies(nf4_weight(n_out, n_in, device, dtype), tiny),
                     weight_copies(nf4_weight(n_out, n_in, device, dtype), tiny), strict=True)
-        found.append((f"gated {n_out}x{n_in}", n_out, count,
+        found.append((f"gated {n_out}x{n_in}", ("gated", n_out, n_in), count,
                       [lambda g=g, u=u, x=x: nf4_gated_matvec(x, g, u) for g, u in pairs]))
     for _, group, widths, n_in, count in projection_groups([shape], tiny):
         x = torch.randn(1, n_in, device=device, dtype=dtype)
         sets = list(zip(*(weight_copies(nf4_weight(n, n_in, device, dtype), tiny) for n in widths), strict=True))
-        found.append((f"grouped {group} {'/'.join(map(str, widths))}x{n_in}", max(widths), count,
+        found.append((f"grouped {group} {'/'.join(map(str, widths))}x{n_in}", ("grouped", max(widths), n_in), count,
                       [lambda ws=ws, x=x: nf4_grouped_matvec(x, list(ws), [None] * len(ws), [None] * len(ws))
                        for ws in sets]))
     return found
@@ -91,9 +95,9 @@ def time_us(calls, tile, stages, device) -> float | None:
     """Device time of one call of the chain at `tile` and `stages` (None where it does not capture or launch)."""
     from unsloth_lite.kernels import nf4_matvec as matvec
 
-    saved = matvec.word_tile, matvec.PIPELINE_STAGES, matvec.WORD_KERNEL
+    saved = matvec.word_tile, matvec.word_stages, matvec.WORD_KERNEL
     try:
-        matvec.word_tile, matvec.PIPELINE_STAGES, matvec.WORD_KERNEL = (lambda _n: tile), stages, True
+        matvec.word_tile, matvec.word_stages, matvec.WORD_KERNEL = (lambda *_: tile), (lambda *_: stages), True
         with torch.no_grad():
             chain = lambda: [call() for call in calls]  # noqa: E731
             ms = graph_ms(chain, device) if device.type == "cuda" else bench_ms(chain, device)
@@ -101,7 +105,7 @@ def time_us(calls, tile, stages, device) -> float | None:
         print(f"{tile_name(tile)}, {stages} stages: {str(error).splitlines()[0]}")
         ms = None
     finally:
-        matvec.word_tile, matvec.PIPELINE_STAGES, matvec.WORD_KERNEL = saved
+        matvec.word_tile, matvec.word_stages, matvec.WORD_KERNEL = saved
     return None if ms is None else round(1e3 * ms / len(calls), 2)
 
 
@@ -111,16 +115,22 @@ def sweep(shape: str, device, tiny: bool) -> tuple[list[dict], dict]:
     from unsloth_lite.kernels import nf4_matvec as matvec
 
     rows, totals = [], {"model": shape}
-    for name, n_out, count, calls in launches(shape, device, tiny):
-        shipped_tile = matvec.word_tile(n_out)
+    for name, key, count, calls in launches(shape, device, tiny):
+        shipped_tile = matvec.word_tile(key[1], key[2], key[0])
         row = {"model": shape, "launch": name, "per_token": count,
-               "shipped": time_us(calls, shipped_tile, matvec.PIPELINE_STAGES, device)}
-        for candidate, tile, stages in candidates(shipped_tile, tiny):
+               "shipped": time_us(calls, shipped_tile, matvec.word_stages(key[1], key[2], key[0]), device)}
+        default = matvec.blocked_tile(key[1])
+        options = {name: (tile, stages) for name, tile, stages in candidates(default, tiny)}
+        for candidate, (tile, stages) in options.items():
             row[candidate] = time_us(calls, tile, stages, device)
         timed = {k: v for k, v in row.items() if k not in ("model", "launch", "per_token") and v is not None}
         row["best"] = min(timed, key=timed.get) if timed else None
+        default_us = row.get(tile_name(default))
+        if row["best"] in options and default_us and row[row["best"]] < (1 - TABLE_MARGIN) * default_us:
+            tile, stages = options[row["best"]]
+            row["word_tiles_entry"] = [list(key), [*tile, stages]]
         rows.append(row)
-    for column in ("shipped", *(c for c, _, _ in candidates(matvec.word_tile(1 << 30), tiny) if "stages" not in c)):
+    for column in ("shipped", *(c for c, _, _ in candidates(matvec.blocked_tile(1 << 30), tiny) if "stages" not in c)):
         if all(row.get(column) is not None for row in rows):
             totals[column] = round(sum(row[column] * row["per_token"] for row in rows) / 1e3, 3)
     if all(row["best"] for row in rows):
@@ -145,6 +155,11 @@ def main(argv=None) -> int:
         columns = [k for k in shape_rows[0] if k not in ("model", "best")] + ["best"]
         print(markdown_table(shape_rows, columns))
         print(markdown_table([shape_totals], list(shape_totals)))
+    entries = [row["word_tiles_entry"] for row in rows if "word_tiles_entry" in row]
+    print("nf4_matvec.WORD_TILES entries (faster than the default tile with three stages by more than "
+          f"{TABLE_MARGIN:.0%}):")
+    for (launch, n_out, n_in), (features, tile_k, warps, split_k, stages) in entries:
+        print(f"    ({launch!r}, {n_out}, {n_in}): ({features}, {tile_k}, {warps}, {split_k}, {stages}),")
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")), rows=rows,
                               ms_per_token=totals))
     return 0

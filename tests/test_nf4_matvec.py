@@ -79,7 +79,7 @@ def test_nf4_matvec_split_along_k(rows, device, monkeypatch):
     """K split over programs, one tile of 2 quantisation blocks each (19 splits, the last part-filled): the last
     program of each feature block sums the splits in order, so two calls give the same bits, and leaves the
     arrival counters at 0 for the next launch."""
-    monkeypatch.setattr(nf4_matvec_module, "blocked_tile", lambda n_out: (16, 128, 4, True))
+    monkeypatch.setattr(nf4_matvec_module, "blocked_tile", lambda *_: (16, 128, 4, True))
     check_split_along_k(rows, device)
 
 
@@ -247,7 +247,7 @@ def test_nf4_matvec_programmatic_dependent_launch_chain(split, stages, words, mo
     monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", words)
     if split:
         for tile in ("blocked_tile", "word_tile"):
-            monkeypatch.setattr(nf4_matvec_module, tile, lambda n_out: (16, 1024, 8, True))
+            monkeypatch.setattr(nf4_matvec_module, tile, lambda *_: (16, 1024, 8, True))
     sizes = [4096, 12288, 4096, 1024, 4096]
     layers = [make_case((n_out, n_in), 1, torch.bfloat16, True, 64, True, 16, "cuda")[1:]
               for n_in, n_out in itertools.pairwise(sizes)]

@@ -69,7 +69,7 @@ def test_word_kernel_reads_unaligned_bf16_x_element_by_element(device, word_kern
 @pytest.mark.parametrize("rows", [1, 3])
 def test_word_kernel_split_along_k(rows, device, word_kernel, monkeypatch):
     """K split over programs (19 splits of 2 blocks, the last part-filled): deterministic, counters left at 0."""
-    monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda n_out: (16, 128, 4, True))
+    monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda *_: (16, 128, 4, True))
     check_split_along_k(rows, device)
     assert word_kernel
 
@@ -80,7 +80,7 @@ def test_word_kernel_with_register_prefetch(rows, split_k, device, word_kernel, 
     """`REGISTER_PREFETCH`: each step loads the next tile before decoding its own; several tiles along K, the last
     part-filled (its prefetch past the walk reloads it), 40 features, and a walk of one tile (the K split)."""
     monkeypatch.setattr(nf4_matvec_module, "REGISTER_PREFETCH", True)
-    monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda n_out: (16, 256, 4, split_k))
+    monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda *_: (16, 256, 4, split_k))
     check((40, 64 * 37), rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
     assert len(word_kernel) == 1
 
@@ -90,6 +90,20 @@ def test_lane_tables_hold_the_lookup_tables_once_per_lane():
     assert tables.shape == (32, 8) and tables.dtype == torch.int32
     expected = word_lookup_tables(True)
     assert all(row[:4] == expected and row[4:] == [0] * 4 for row in tables.tolist())
+
+
+def test_word_tiles_table_by_launch_and_shape(monkeypatch):
+    """`WORD_TILES`: a compiled launch at a listed (launch, N, K) takes its tile and stages; another launch or
+    shape the blocked kernel's tile and `PIPELINE_STAGES` (the interpreter always its own tile)."""
+    monkeypatch.setattr(nf4_matvec_module, "INTERPRET", False)
+    monkeypatch.setattr(nf4_matvec_module, "WORD_TILES", {("gated", 12288, 4096): (4, 1024, 2, False, 5)})
+    assert nf4_matvec_module.word_tile(12288, 4096, "gated") == (4, 1024, 2, False)
+    assert nf4_matvec_module.word_stages(12288, 4096, "gated") == 5
+    for other in ((12288, 4096, "words"), (12288, 5120, "gated")):
+        assert nf4_matvec_module.word_tile(*other) == nf4_matvec_module.blocked_tile(other[0])
+        assert nf4_matvec_module.word_stages(*other) == nf4_matvec_module.PIPELINE_STAGES
+    monkeypatch.setattr(nf4_matvec_module, "INTERPRET", True)
+    assert nf4_matvec_module.word_tile(12288, 4096, "gated") == nf4_matvec_module.blocked_tile(12288)
 
 
 def sweep_word_tiles():
@@ -130,7 +144,7 @@ def test_word_kernel_every_swept_tile_cuda(shape, rows, stages, word_kernel, mon
     monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", 1 if stages == "prefetch" else stages)
     monkeypatch.setattr(nf4_matvec_module, "REGISTER_PREFETCH", stages == "prefetch")
     for tile in sweep_word_tiles():
-        monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda n_out, tile=tile: tile)
+        monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda *_, tile=tile: tile)
         check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
 
 

@@ -254,7 +254,7 @@ def gated_matvec_supported(x: torch.Tensor, gate, up) -> bool:
     if len(shape) != 2 or any((tuple(s.shape), s.blocksize, s.dtype) != (shape, blocksize, states[0].dtype)
                               for s in states):
         return False
-    tile_k = (matvec.word_tile if matvec.WORD_KERNEL else matvec.blocked_tile)(shape[0])[1]
+    tile_k = (matvec.word_tile(*shape, "gated") if matvec.WORD_KERNEL else matvec.blocked_tile(shape[0]))[1]
     rows = x.numel() // max(shape[1], 1)
     if shape[1] % blocksize or tile_k % blocksize or x.shape[-1] != shape[1] or not 1 <= rows <= MAX_ROWS:
         return False
@@ -299,7 +299,7 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         adapters.append((t, t.shape[1] if lora is not None else 0, b, b.stride(0), b.stride(1), float(scale)))
     if all(lora is not None for lora in loras) and loras[0][1].stride(0) != loras[1][1].stride(0):
         raise ValueError("gate_lora's and up_lora's t must share a row stride (slices of one lora_down_rows)")
-    block_n, tile_k, warps, _ = (matvec.word_tile if words else matvec.blocked_tile)(n_out)
+    block_n, tile_k, warps, _ = matvec.word_tile(n_out, n_in, "gated") if words else matvec.blocked_tile(n_out)
     blocksize = 2 * launches[0].meta["HALF_BLOCK"]
     pdl = matvec.uses_pdl(x.device)
     ranks = [a[1] for a in adapters]
@@ -316,7 +316,8 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         BLOCKS_PER_TILE=tile_k // blocksize, GATE_BLOCK_R=max(2, triton.next_power_of_2(ranks[0])),
         UP_BLOCK_R=max(2, triton.next_power_of_2(ranks[1])),
         LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=bf16_codes, PDL=pdl, WORDS=words,
-        STAGES=matvec.PIPELINE_STAGES, WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
+        STAGES=matvec.word_stages(n_out, n_in, "gated") if words else matvec.PIPELINE_STAGES,
+        WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
         PREFETCH=matvec.REGISTER_PREFETCH, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return out.view(*x.shape[:-1], n_out)

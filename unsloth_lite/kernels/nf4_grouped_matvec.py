@@ -102,8 +102,8 @@ def grouped_matvec_supported(x: torch.Tensor, weights, biases, loras) -> bool:
         return False
     if len({None if b is None else b.dtype for b in biases}) != 1:
         return False
-    tile = matvec.word_tile if matvec.WORD_KERNEL else matvec.blocked_tile
-    tile_k = tile(max(s.shape[0] for s in states))[1]
+    widest = max(s.shape[0] for s in states)
+    tile_k = (matvec.word_tile(widest, n_in, "grouped") if matvec.WORD_KERNEL else matvec.blocked_tile(widest))[1]
     rows = x.numel() // max(n_in, 1)
     if n_in % blocksize or tile_k % blocksize or x.shape[-1] != n_in or not 1 <= rows <= MAX_ROWS:
         return False
@@ -133,7 +133,8 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     tables = lane_tables(x.device, bf16_codes) if matvec.WORD_KERNEL else None
     words = tables is not None  # the word kernel's walk, else the blocked one's
     widths = [int(w.quant_state.shape[0]) for w in weights]
-    block_n, tile_k, warps, _ = (matvec.word_tile if words else matvec.blocked_tile)(max(widths))
+    widest = max(widths)
+    block_n, tile_k, warps, _ = matvec.word_tile(widest, n_in, "grouped") if words else matvec.blocked_tile(widest)
     for weight, bias, lora, rank in zip(weights, biases, loras, ranks, strict=True):
         n_out = int(weight.quant_state.shape[0])
         t_cols = lora_t[:, first:first + rank] if rank else None
@@ -163,7 +164,8 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
         BLOCKSIZE=blocksize, HAS_BIAS=biases[0] is not None, HAS_LORA=sum(ranks) > 0,
         BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
         BLOCK_R=max(2, triton.next_power_of_2(max(ranks))), LOOKUP=LOOKUPS.index(matvec.LOOKUP),
-        BF16_CODES=bf16_codes, PDL=pdl, STAGES=matvec.PIPELINE_STAGES, WORDS=words,
+        BF16_CODES=bf16_codes, PDL=pdl, WORDS=words,
+        STAGES=matvec.word_stages(widest, n_in, "grouped") if words else matvec.PIPELINE_STAGES,
         PREFETCH=matvec.REGISTER_PREFETCH,
         WHOLE_TILES=all(n % block_n == 0 for n in widths) and n_in % tile_k == 0, X_PAIRS=x_pairs,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),

@@ -117,6 +117,11 @@ FLAT_ABSMAX = True
 # (2026-12-05, one row, one stage): faster at every projection of the W3 models, by 1-18% (Qwen3-8B 4.99 -> 4.64
 # ms a token in the projections' sum, Qwen3.5-27B 14.40 -> 12.54; bitsandbytes' gemv 5.29 and 15.34).
 WORD_KERNEL = True
+# The word walk's tile and stages by launch ("words", "gated", "grouped") and shape, where one was measured faster
+# than `blocked_tile`'s with `PIPELINE_STAGES` (`scripts/bench_word_tiles.py`, which times every candidate of
+# each launch a decoding step makes): (launch, N, K) -> (features, weights along K, warps, split along K,
+# stages). A launch and shape not in it takes those defaults.
+WORD_TILES: dict[tuple[str, int, int], tuple[int, int, int, bool, int]] = {}
 
 
 def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
@@ -145,11 +150,19 @@ def blocked_tile(n_out: int) -> tuple[int, int, int, bool]:
     return 4, 1024, 4, False
 
 
-def word_tile(n_out: int) -> tuple[int, int, int, bool]:
-    """`blocked_tile` for the word kernel (`WORD_KERNEL`) and the launches on its walk (gate-and-up, grouped):
-    the blocked kernel's tiles, at which it was measured faster than the blocked kernel at every W3 projection
-    (2026-12-05); its own tiles, launch by launch, are `scripts/bench_word_tiles.py`'s to measure."""
-    return blocked_tile(n_out)
+def word_tile(n_out: int, n_in: int = 0, launch: str = "words") -> tuple[int, int, int, bool]:
+    """`blocked_tile`'s form for the word kernel (`WORD_KERNEL`, launch "words") and the launches on its walk
+    ("gated": gate-and-up, "grouped": one input's projections, N the widest's): `WORD_TILES`' entry for the
+    launch at `n_out` x `n_in`, else the blocked kernel's tile, at which the word kernel was measured faster than
+    the blocked kernel at every W3 projection (2026-12-05)."""
+    found = None if INTERPRET else WORD_TILES.get((launch, n_out, n_in))
+    return found[:4] if found else blocked_tile(n_out)
+
+
+def word_stages(n_out: int, n_in: int = 0, launch: str = "words") -> int:
+    """`PIPELINE_STAGES` for the word walk of `launch` at `n_out` x `n_in`: `WORD_TILES`' where it has an entry."""
+    found = None if INTERPRET else WORD_TILES.get((launch, n_out, n_in))
+    return found[4] if found else PIPELINE_STAGES
 
 
 @triton.jit
@@ -338,7 +351,7 @@ def first_product_supported(x: torch.Tensor, weight, quant_state=None) -> bool:
     if state is None or len(state.shape) != 2 or x.dtype == torch.float64:
         return False
     n_out, n_in = (int(n) for n in state.shape)
-    tile_k = word_tile(n_out)[1]
+    tile_k = word_tile(n_out, n_in)[1]
     return n_in % state.blocksize == 0 and tile_k % state.blocksize == 0
 
 
@@ -394,7 +407,7 @@ def nf4_matvec(
     bf16_codes = uses_bf16_codes(launch.dtype)
     tables = lane_tables(x.device, bf16_codes) if WORD_KERNEL else None
     words = tables is not None  # the word kernel, else the blocked one
-    block_n, tile_k, warps, split_k = (word_tile if words else blocked_tile)(n_out)
+    block_n, tile_k, warps, split_k = word_tile(n_out, n_in) if words else blocked_tile(n_out)
     blocked = n_in % blocksize == 0 and tile_k % blocksize == 0
     feature_blocks, splits = triton.cdiv(n_out, block_n), triton.cdiv(n_in, tile_k)
     split_k = split_k and blocked and splits > 1
@@ -434,7 +447,7 @@ def nf4_matvec(
             *((partial, arrivals) if split_k else (out, out)), *sizes, a_x, a_x.stride(0), a, a_t, a_t.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             PTX=LOOKUP == "registers", BF16_CODES=bf16_codes,
-            SPLIT_K=split_k, PDL=pdl, STAGES=PIPELINE_STAGES, num_warps=warps,
+            SPLIT_K=split_k, PDL=pdl, STAGES=word_stages(n_out, n_in), num_warps=warps,
             WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs, PREFETCH=REGISTER_PREFETCH,
             A_RANK=a_rank, A_BLOCK_K=LORA_BLOCK_K, **({"launch_pdl": True} if pdl else {}), **meta,
         )
