@@ -8,8 +8,12 @@ and the grouped launch of one input's projections (`nf4_grouped_matvec`). All th
     python scripts/bench_word_tiles.py --shapes qwen3_8b --out word_tiles.json  # one model
     TRITON_INTERPRET=1 python scripts/bench_word_tiles.py --tiny                # CPU smoke run
 
-Candidates: each tile of `bench_nf4_matvec.WORD_SWEEP_TILES` with three stages, and the default tile of each
-launch with 2, 4 and 5 stages. Each launch, one row of x, bf16, no adapters (their epilogue is the same at every
+Candidates: each tile of `bench_nf4_matvec.WORD_SWEEP_TILES` (or those `--tiles` names) with three stages (or
+each of `--stages`), and the default tile of each launch with 2 to 5 stages, e.g. a second pass at a first
+pass's best tiles:
+
+    python scripts/bench_word_tiles.py --shapes qwen3_8b --tiles "2x512/1w,8x512/4w split" --stages 2,3,4,5
+ Each launch, one row of x, bf16, no adapters (their epilogue is the same at every
 tile), is timed as a decoding step runs it: a chain of calls captured in one CUDA graph, each call reading its own
 copy of the weights (together more than the L2 cache holds), the chain's device time over its calls (us a call).
 Per model, `ms_per_token` at a candidate: Σ over its launches of the time times the launches a token; "shipped":
@@ -82,13 +86,19 @@ def launches(shape: str, device, tiny: bool) -> list[tuple[str, tuple[str, int, 
     return found
 
 
-def candidates(shipped_tile, tiny: bool) -> list[tuple[str, tuple, int]]:
-    """(name, tile, stages) to time a launch at: every word tile with three stages, the shipped one with others
-    (`--tiny`: the first two tiles and one other number of stages, for the interpreter's sake)."""
-    tiles, stages = (WORD_SWEEP_TILES[:2], EXTRA_STAGES[:1]) if tiny else (WORD_SWEEP_TILES, EXTRA_STAGES)
-    found = [(tile_name(tile), tile, 3) for tile in tiles]
-    found += [(f"{tile_name(shipped_tile)}, {n} stages", shipped_tile, n) for n in stages]
-    return found
+def candidate_name(tile, stages: int) -> str:
+    return tile_name(tile) if stages == 3 else f"{tile_name(tile)}, {stages} stages"
+
+
+def candidates(default_tile, tiny: bool, tiles=None, stages=(3,)) -> list[tuple[str, tuple, int]]:
+    """(name, tile, stages) to time a launch at: each of `tiles` (all of WORD_SWEEP_TILES by default) with each of
+    `stages`, and the launch's default tile with three stages and with EXTRA_STAGES (`--tiny`: by default the
+    first two tiles, and one other number of stages, for the interpreter's sake)."""
+    tiles = tiles or (WORD_SWEEP_TILES[:2] if tiny else WORD_SWEEP_TILES)
+    extra = EXTRA_STAGES[:1] if tiny else EXTRA_STAGES
+    found = {candidate_name(tile, n): (tile, n) for tile in tiles for n in stages}
+    found.update({candidate_name(default_tile, n): (default_tile, n) for n in (3, *extra)})
+    return [(name, tile, n) for name, (tile, n) in found.items()]
 
 
 def time_us(calls, tile, stages, device) -> float | None:
@@ -109,7 +119,7 @@ def time_us(calls, tile, stages, device) -> float | None:
     return None if ms is None else round(1e3 * ms / len(calls), 2)
 
 
-def sweep(shape: str, device, tiny: bool) -> tuple[list[dict], dict]:
+def sweep(shape: str, device, tiny: bool, tiles=None, stages=(3,)) -> tuple[list[dict], dict]:
     """(a row per launch: us at each candidate, the shipped setting and the fastest; the model's ms a token at
     the shipped setting, at each candidate everywhere and at each launch's fastest)."""
     from unsloth_lite.kernels import nf4_matvec as matvec
@@ -120,17 +130,19 @@ def sweep(shape: str, device, tiny: bool) -> tuple[list[dict], dict]:
         row = {"model": shape, "launch": name, "per_token": count,
                "shipped": time_us(calls, shipped_tile, matvec.word_stages(key[1], key[2], key[0]), device)}
         default = matvec.blocked_tile(key[1])
-        options = {name: (tile, stages) for name, tile, stages in candidates(default, tiny)}
-        for candidate, (tile, stages) in options.items():
-            row[candidate] = time_us(calls, tile, stages, device)
+        options = {candidate: (tile, n) for candidate, tile, n in candidates(default, tiny, tiles, stages)}
+        for candidate, (tile, n) in options.items():
+            row[candidate] = time_us(calls, tile, n, device)
         timed = {k: v for k, v in row.items() if k not in ("model", "launch", "per_token") and v is not None}
         row["best"] = min(timed, key=timed.get) if timed else None
         default_us = row.get(tile_name(default))
         if row["best"] in options and default_us and row[row["best"]] < (1 - TABLE_MARGIN) * default_us:
-            tile, stages = options[row["best"]]
-            row["word_tiles_entry"] = [list(key), [*tile, stages]]
+            best_tile, best_stages = options[row["best"]]
+            row["word_tiles_entry"] = [list(key), [*best_tile, best_stages]]
         rows.append(row)
-    for column in ("shipped", *(c for c, _, _ in candidates(matvec.blocked_tile(1 << 30), tiny) if "stages" not in c)):
+    columns = dict.fromkeys(c for row in rows for c in row if c not in ("model", "launch", "per_token", "best")
+                            and not c.startswith("word_tiles"))
+    for column in columns:  # a candidate every launch was timed at (the default tiles differ by launch)
         if all(row.get(column) is not None for row in rows):
             totals[column] = round(sum(row[column] * row["per_token"] for row in rows) / 1e3, 3)
     if all(row["best"] for row in rows):
@@ -140,7 +152,22 @@ def sweep(shape: str, device, tiny: bool) -> tuple[list[dict], dict]:
 
 def main(argv=None) -> int:
     parser = shape_run_parser(__doc__, SHAPES)
+    names = {tile_name(tile): tile for tile in WORD_SWEEP_TILES}
+    parser.add_argument("--tiles", default=None,
+                        help=f"comma-separated tiles to time (all by default), of: {', '.join(names)}")
+    parser.add_argument("--stages", default="3", help="comma-separated pipeline stages to time each tile at")
     args = parser.parse_args(argv)
+    tiles = None if args.tiles is None else args.tiles.split(",")
+    if tiles is not None and report_unknown("tiles", tiles, names):
+        return 2
+    try:
+        stages = tuple(int(n) for n in args.stages.split(","))
+    except ValueError:
+        stages = ()
+    if not stages or min(stages) < 1:
+        print(f"bench_word_tiles.py: --stages {args.stages!r}: expected positive integers, comma-separated",
+              file=sys.stderr)
+        return 2
     device = bench_device(args.tiny)
     if device is None:
         return 1
@@ -149,10 +176,10 @@ def main(argv=None) -> int:
         return 2
     rows, totals = [], []
     for shape in shapes:
-        shape_rows, shape_totals = sweep(shape, device, args.tiny)
+        shape_rows, shape_totals = sweep(shape, device, args.tiny, tiles and [names[t] for t in tiles], stages)
         rows += shape_rows
         totals.append(shape_totals)
-        columns = [k for k in shape_rows[0] if k not in ("model", "best")] + ["best"]
+        columns = [k for k in shape_rows[0] if k not in ("model", "best", "word_tiles_entry")] + ["best"]
         print(markdown_table(shape_rows, columns))
         print(markdown_table([shape_totals], list(shape_totals)))
     entries = [row["word_tiles_entry"] for row in rows if "word_tiles_entry" in row]

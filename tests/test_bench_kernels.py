@@ -102,6 +102,19 @@ def test_bench_word_tiles_tiny_mode_runs(tmp_path):
     assert all(row["shipped"] > 0 and row["best"] for row in result["rows"]), result["rows"]
     totals = result["ms_per_token"][0]
     assert totals["model"] == "qwen3_8b" and 0 < totals["best per launch"] <= totals["shipped"]
+    assert "nf4_matvec.WORD_TILES entries" in out
+
+
+def test_bench_word_tiles_chosen_tiles_and_stages(tmp_path):
+    """`--tiles` and `--stages`: each named tile at each number of stages, beside the default tile; unknown tiles
+    and stages refused by name."""
+    out = run_tiny("bench_word_tiles.py", "--shapes", "qwen3_8b", "--tiles", "2x512/1w", "--stages", "2,3")
+    assert "| launch | per_token | shipped | 2x512/1w, 2 stages | 2x512/1w |" in out
+    for bad, message in ((("--tiles", "9x9/1w"), "unknown tiles"), (("--stages", "0"), "--stages")):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
+        done = subprocess.run([sys.executable, "scripts/bench_word_tiles.py", "--tiny", *bad], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
 def test_bench_nf4_matvec_sweep_of_the_chosen_tile():
