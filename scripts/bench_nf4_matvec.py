@@ -73,7 +73,7 @@ NESTED_ABSMAX = "unsloth_lite_nested_absmax"  # the kernel reading the double-qu
 KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False},
                    "unsloth_lite_words": {"WORD_KERNEL": True},
                    "unsloth_lite_prefetch": {"WORD_KERNEL": True, "PIPELINE_STAGES": 1, "REGISTER_PREFETCH": True}}
-# (features, weights along K, warps, split along K) a program
+# (features, weights along K, warps, tiles a split along K: False none, True one) a program
 SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (32, 512, 4, False),
                (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),
                (8, 512, 4, True), (8, 1024, 4, True), (16, 512, 4, True), (16, 1024, 8, True), (32, 1024, 8, True),
@@ -83,17 +83,20 @@ SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (3
 # 128; 8x1024/4w 47 at 80 (two words a step in flight per thread: for the projections of few programs). Programs
 # of one or two warps: the pipelined loop's barriers then hold no other warp's loads back, and an SM holds more
 # programs (offline, three stages: 2x512/1w 59.5 at 60, 4x512/1w 53.6 at 80, 2x1024/1w 54.8 at 61, 4x1024/2w and
-# 8x512/2w 53.6 at 80)
+# 8x512/2w 53.6 at 80). K split in two or four (2 or 4 tiles a split): the long-K projections' (down_proj, out_proj)
+# programs doubled or quadrupled at the same tile, each walking a half or a quarter of the row
 WORD_SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (8, 1024, 4, False), (16, 256, 4, False),
                     (32, 256, 4, False), (32, 512, 4, False), (16, 512, 8, False), (8, 512, 4, True),
                     (16, 1024, 8, True), (2, 512, 1, False), (4, 512, 1, False), (2, 1024, 1, False),
-                    (4, 1024, 2, False), (8, 512, 2, False)]
+                    (4, 1024, 2, False), (8, 512, 2, False), (8, 512, 4, 2), (8, 512, 4, 4), (8, 1024, 4, 2)]
 TINY_VARIANTS = ("unsloth_lite", NESTED_ABSMAX, "unsloth_lite_words", "dequantize_matmul")
 
 
-def tile_name(tile: tuple[int, int, int, bool]) -> str:
-    features, tile_k, warps, split_k = tile
-    return f"{features}x{tile_k}/{warps}w" + (" split" if split_k else "")
+def tile_name(tile: tuple[int, int, int, int]) -> str:
+    """"8x512/4w", with " split" (one tile a split along K) or " split 2" (two tiles a split)."""
+    features, tile_k, warps, tiles_a_split = tile
+    split = "" if not tiles_a_split else " split" if tiles_a_split == 1 else f" split {int(tiles_a_split)}"
+    return f"{features}x{tile_k}/{warps}w{split}"
 
 
 # `nf4_matvec` settings the sweep times at the chosen tile only (column "chosen, <name>")

@@ -67,9 +67,11 @@ def test_word_kernel_reads_unaligned_bf16_x_element_by_element(device, word_kern
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_word_kernel_split_along_k(rows, device, word_kernel, monkeypatch):
-    """K split over programs (19 splits of 2 blocks, the last part-filled): deterministic, counters left at 0."""
-    monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda *_: (16, 128, 4, True))
+@pytest.mark.parametrize("tiles_a_split", [True, 3], ids=["one_tile", "three_tiles"])
+def test_word_kernel_split_along_k(rows, tiles_a_split, device, word_kernel, monkeypatch):
+    """K split over programs (tiles of 2 blocks: 19 splits of one tile, or 7 of three, the last part-filled):
+    deterministic, counters left at 0."""
+    monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda *_: (16, 128, 4, tiles_a_split))
     check_split_along_k(rows, device)
     assert word_kernel
 

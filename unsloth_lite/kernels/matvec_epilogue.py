@@ -95,11 +95,11 @@ def _store_rows(
 
 @triton.jit
 def _tile_range(blocks_per_row, BLOCKS_PER_TILE: tl.constexpr, SPLIT_K: tl.constexpr):
-    """(first, end) quantisation block of the program's walk along K: its own tile with SPLIT_K (program (i, j)
-    takes tile j), else the whole row."""
+    """(first, end) quantisation block of the program's walk along K: with SPLIT_K (tiles a split, 0 for none)
+    program (i, j) takes tiles [j · SPLIT_K, (j + 1) · SPLIT_K), else the whole row."""
     if SPLIT_K:
-        first_block = tl.program_id(1) * BLOCKS_PER_TILE
-        end_block = tl.minimum(first_block + BLOCKS_PER_TILE, blocks_per_row)
+        first_block = tl.program_id(1) * (BLOCKS_PER_TILE * SPLIT_K)
+        end_block = tl.minimum(first_block + BLOCKS_PER_TILE * SPLIT_K, blocks_per_row)
     else:
         first_block = 0
         end_block = blocks_per_row

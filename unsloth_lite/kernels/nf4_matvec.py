@@ -28,13 +28,14 @@ bytes (the lookup is most of them), so each weight costs its lookup and a fused 
 shapes (rows that split a quantisation block, odd element counts) take the general kernel: element e from byte
 e // 2, absmax per element, one reduction per tile.
 
-Split along K (`blocked_tile`'s fourth entry): the blocked kernel's program (i, j) reads only tile j along K of
-feature block i, so a projection has K / tile times the programs, each with all its bytes in flight at once
-instead of one tile at a time. Each stores its sums to an fp32 slot `[splits, rows, N]`; the last to arrive
-at the feature block's counter (an acq_rel atomic) adds the slots in split order (deterministic), writes y
-and resets the counter, so there is no second launch and no memset. `BF16_CODES` decodes bf16 weights with the
-code book rounded to bf16: two of the four byte planes of the lookup (compiled offline for sm_90: 496 instructions
-instead of 592 in the kernel at 8 x 512), each weight within bf16's rounding of its exact value. With `PDL`
+Split along K (`blocked_tile`'s fourth entry, tiles a split: 0 or False for none, True for one): program (i, j)
+reads only tiles [j · s, (j + 1) · s) along K of feature block i, so a projection has K / (s · tile) times the
+programs, each with fewer steps to walk (one tile: all its bytes in flight at once). Each stores its sums to an
+fp32 slot `[splits, rows, N]`; the last to arrive at the feature block's counter (an acq_rel atomic) adds the
+slots in split order (deterministic), writes y and resets the counter, so there is no second launch and no
+memset. `BF16_CODES` decodes bf16 weights with the code book rounded to bf16: two of the four byte planes of the
+lookup (compiled offline for sm_90: 496 instructions instead of 592 in the kernel at 8 x 512), each weight within
+bf16's rounding of its exact value. With `PDL`
 (Hopper's programmatic dependent launch) a projection starts loading its weight while the kernel before it
 finishes and waits for that kernel before it reads anything the kernel may write; a decoding step chains
 hundreds of them. The code lookups are in `nf4_codes.py`, the adapters' first product x Aᵀ in `lora_down.py`,
@@ -119,9 +120,9 @@ FLAT_ABSMAX = True
 WORD_KERNEL = True
 # The word walk's tile and stages by launch ("words", "gated", "grouped") and shape, where one was measured faster
 # than `blocked_tile`'s with `PIPELINE_STAGES` (`scripts/bench_word_tiles.py`, which times every candidate of
-# each launch a decoding step makes): (launch, N, K) -> (features, weights along K, warps, split along K,
-# stages). A launch and shape not in it takes those defaults.
-WORD_TILES: dict[tuple[str, int, int], tuple[int, int, int, bool, int]] = {}
+# each launch a decoding step makes): (launch, N, K) -> (features, weights along K, warps, tiles a split along K
+# (0: none; only the word kernel's own launch splits), stages). A launch and shape not in it takes those defaults.
+WORD_TILES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
 
 
 def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
@@ -136,8 +137,9 @@ def uses_pdl(device: torch.device) -> bool:
     return PDL and compute_capability(device) >= 9
 
 
-def blocked_tile(n_out: int) -> tuple[int, int, int, bool]:
-    """(features, weights along K, warps, split along K) of the blocked kernel's programs. Measured on the H200
+def blocked_tile(n_out: int) -> tuple[int, int, int, int]:
+    """(features, weights along K, warps, tiles a split along K: 0 or False for none) of the blocked kernel's
+    programs. Measured on the H200
     at batch 1 over the Qwen3-8B and Qwen3.5-27B projections (`bench_nf4_matvec.py --sweep`): 8 features by 512
     weights where N is large; 4 by 1024 where N / 8 programs would leave SMs idle (k/v projections: N = 1024).
     The interpreter's cost is per program and per operation: few, wide tiles. Split along K (one tile of K a
@@ -150,7 +152,7 @@ def blocked_tile(n_out: int) -> tuple[int, int, int, bool]:
     return 4, 1024, 4, False
 
 
-def word_tile(n_out: int, n_in: int = 0, launch: str = "words") -> tuple[int, int, int, bool]:
+def word_tile(n_out: int, n_in: int = 0, launch: str = "words") -> tuple[int, int, int, int]:
     """`blocked_tile`'s form for the word kernel (`WORD_KERNEL`, launch "words") and the launches on its walk
     ("gated": gate-and-up, "grouped": one input's projections, N the widest's): `WORD_TILES`' entry for the
     launch at `n_out` x `n_in`, else the blocked kernel's tile, at which the word kernel was measured faster than
@@ -203,9 +205,9 @@ def _nf4_matvec_blocked_kernel(
     LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    """SPLIT_K: program (i, j) takes tile j along K of feature block i (`_sum_of_splits`), so that a layer's
-    programs are K / tile times as many and each reads its bytes in one step: more bytes in flight per SM, x
-    converted to the tile's layout once.
+    """SPLIT_K (tiles a split, 0 for none): program (i, j) takes tiles [j · SPLIT_K, (j + 1) · SPLIT_K) along K
+    of feature block i (`_sum_of_splits`), so that a layer's programs are K / (SPLIT_K · tile) times as many, each
+    with fewer steps: more bytes in flight per SM (one tile a split: x converted to the tile's layout once).
 
     PDL (launched as a programmatic dependent launch): nothing the kernel before may still write or read is
     touched before `gdc_wait` (x, the adapter's t, bias, the outputs and the split scratch all come after it);
@@ -407,10 +409,10 @@ def nf4_matvec(
     bf16_codes = uses_bf16_codes(launch.dtype)
     tables = lane_tables(x.device, bf16_codes) if WORD_KERNEL else None
     words = tables is not None  # the word kernel, else the blocked one
-    block_n, tile_k, warps, split_k = word_tile(n_out, n_in) if words else blocked_tile(n_out)
+    block_n, tile_k, warps, tiles_a_split = word_tile(n_out, n_in) if words else blocked_tile(n_out)
     blocked = n_in % blocksize == 0 and tile_k % blocksize == 0
-    feature_blocks, splits = triton.cdiv(n_out, block_n), triton.cdiv(n_in, tile_k)
-    split_k = split_k and blocked and splits > 1
+    feature_blocks, splits = triton.cdiv(n_out, block_n), triton.cdiv(n_in, tile_k * max(int(tiles_a_split), 1))
+    split_k = int(tiles_a_split) if blocked and splits > 1 else 0  # tiles a split, 0: K not split
     block_m = triton.next_power_of_2(n_rows)  # rows of the blocked kernel: x's, padded
     if split_k:
         partial = empty((splits, block_m, n_out), torch.float32, x.device)

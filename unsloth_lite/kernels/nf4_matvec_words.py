@@ -285,7 +285,8 @@ def _nf4_matvec_words_kernel(
     A_RANK: tl.constexpr, A_BLOCK_K: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) for all rows, walking K BLOCKS_PER_TILE quantisation
-    blocks at a time (with SPLIT_K, program (i, j) takes tile j alone, `_sum_of_splits`). `words_ptr`: the packed
+    blocks at a time (with SPLIT_K, tiles a split, program (i, j) takes tiles [j · SPLIT_K, (j + 1) · SPLIT_K),
+    `_sum_of_splits`). `words_ptr`: the packed
     weight as int32 words; PTX: the lookup in registers (compiled only), else from the code book `code_ptr`.
     PDL and STAGES as in `_nf4_matvec_blocked_kernel`: nothing another kernel may write is read before
     `gdc_wait`. WHOLE_TILES: N a multiple of BLOCK_N and K of the tile (every projection of the Qwen models):
