@@ -82,7 +82,7 @@ def test_bench_nf4_matvec_tiny_mode_runs():
     assert "| qwen3_8b | unsloth_lite |" in out and "| qwen3_8b | unsloth_lite_words |" in out
     assert "| out | in | chosen | 4x1024/4w | 8x512/4w |" in out
     assert "| 16x2048/8w split | words 4x1024/4w | words 8x512/4w |" in out
-    assert ("| words 8x512/2w | chosen, pairs | chosen, code_book | chosen, exact codes | chosen, 2 stages |"
+    assert ("| words 8x1024/4w split 2 | chosen, pairs | chosen, code_book | chosen, exact codes | chosen, 2 stages |"
             in out)
     assert "| chosen, words | chosen, words, 3 stages |" in out
     assert "| model | out | in | rank | three_launches_us | gated_us | gated_vs_three | ms_per_token_saved |" in out
