@@ -47,8 +47,9 @@ each full-attention layer's cache update, attention and output gate in one launc
 `second_products=0` (`decode.SECOND_PRODUCTS_IN_NORMS`: the output projections' adapters' first products from
 their own launches, their second products added by the norms after them), `greedy=0`
 (`decode_loop.GREEDY_TOKEN_KERNEL`: a greedy step's token chosen and recorded in one launch), `norm_rope=0`
-(`decode.NORM_ROPE_IN_ATTENTION`: the q/k norm and RoPE inside the attention's launch). A suffixed adapter
-variant's `lora_cost` is against `unsloth_lite` with the same suffix.
+(`decode.NORM_ROPE_IN_ATTENTION`: the q/k norm and RoPE inside the attention's launch), `screened=0`
+(`decode.SCREENED_LM_HEAD`, with `greedy=1`: the lm_head screened by an int8 copy). A suffixed adapter variant's
+`lora_cost` is against `unsloth_lite` with the same suffix.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
 (`min_new_tokens`: random weights may say end-of-sequence at any step), one warm-up generation (compilation,
@@ -139,6 +140,7 @@ DECODE_SETTINGS = {
     "second_products": ("unsloth_lite.models.decode", "SECOND_PRODUCTS_IN_NORMS", 0),
     "greedy": ("unsloth_lite.models.decode_loop", "GREEDY_TOKEN_KERNEL", 0),
     "norm_rope": ("unsloth_lite.models.decode", "NORM_ROPE_IN_ATTENTION", 0),
+    "screened": ("unsloth_lite.models.decode", "SCREENED_LM_HEAD", 0),
 }
 TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
 H200_COPY_GBPS = 4270.0

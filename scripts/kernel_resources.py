@@ -68,6 +68,7 @@ from unsloth_lite.kernels import (  # noqa: E402
     nf4_grouped_matvec,
     nf4_matvec,
     nf4_matvec_checks,
+    screened_logits,
 )
 
 dequantize_module = importlib.import_module("unsloth_lite.kernels.dequantize_nf4")  # the function shadows it
@@ -322,6 +323,13 @@ def decode_kernel_rows(arch: int) -> list[dict]:
                                       torch.empty(1, dtype=torch.int64), 0, tokens.clone(),
                                       torch.empty(1, 1, 1, 512, dtype=torch.bool), True, True, True)
         rows.append(dict(kernel="greedy_token", model=model, **compiled_figures(launches, arch)))
+        hidden = {"qwen3_8b": 4096, "qwen3_5_27b": 5120}[model]
+        weight = torch.empty(vocab, hidden, dtype=torch.bfloat16)
+        with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
+            screened_logits.screened_logits(torch.empty(1, hidden, dtype=torch.bfloat16), weight,
+                                            torch.empty(vocab, hidden, dtype=torch.int8), torch.empty(vocab))
+        for launch in launches:
+            rows.append(dict(kernel=launch[0].fn.__name__, model=model, **compiled_figures([launch], arch)))
     return rows
 
 

@@ -16,7 +16,8 @@ from test_generation import model_pair
 from transformers.generation.streamers import BaseStreamer
 
 from unsloth_lite.kernels.greedy_token import greedy_token
-from unsloth_lite.models import decode_loop
+from unsloth_lite.kernels.screened_logits import screened_logits
+from unsloth_lite.models import decode, decode_loop
 
 ARCHS = ["qwen3", "qwen3_5"]
 NEW_TOKENS = 12
@@ -70,14 +71,17 @@ def end_tokens(path: torch.Tensor) -> tuple[int, int, int] | None:
     return None
 
 
-@pytest.mark.parametrize("one_launch", [False, True], ids=["torch_choice", "greedy_token"])
+@pytest.mark.parametrize("choice", ["torch", "greedy_token", "screened_head"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_sequences_ending_at_different_steps(arch, one_launch, loop_calls, monkeypatch, device):
+def test_sequences_ending_at_different_steps(arch, choice, loop_calls, monkeypatch, device):
     """End-of-sequence tokens chosen from the greedy path so that one sequence ends first and the other later
     (every sequence then has ended: the output stops there, the first padded), or only the first ends (the
     output runs to `max_new_tokens`); both against Hugging Face, streamed tokens included. The step's choice in
-    PyTorch, or in one `greedy_token` launch."""
-    monkeypatch.setattr(decode_loop, "GREEDY_TOKEN_KERNEL", one_launch)
+    PyTorch, or in one `greedy_token` launch, with the lm_head's logits screened by its int8 copy or not."""
+    monkeypatch.setattr(decode_loop, "GREEDY_TOKEN_KERNEL", choice != "torch")
+    monkeypatch.setattr(decode, "SCREENED_LM_HEAD", choice == "screened_head")
+    screened = []
+    monkeypatch.setattr(decode, "screened_logits", lambda *a: screened.append(1) or screened_logits(*a))
     reference, patched = model_pair(arch, "dense", device)
     for _ in range(20):  # a prompt whose greedy path has such tokens (random tiny models repeat tokens)
         prompt = torch.randint(0, 150, (2, 7), device=device)  # no pad token (150): a prompt's pads are padding
@@ -96,6 +100,7 @@ def test_sequences_ending_at_different_steps(arch, one_launch, loop_calls, monke
         if isinstance(eos, list):
             assert expected.shape[1] < prompt.shape[1] + NEW_TOKENS  # both ended: stopped early
     assert len(loop_calls) == 2
+    assert bool(screened) == (choice == "screened_head")
     assert expected.shape[1] == prompt.shape[1] + NEW_TOKENS  # one sequence never ended
     assert (got[0, prompt.shape[1] + step + 1:] == 150).all()  # padded after its end
 

@@ -433,6 +433,19 @@ def test_bf16_greedy_path_matches_cuda_with_the_fused_launches(setting, arch, to
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("screened", [False, True], ids=["full_head", "screened_head"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_greedy_tokens_match_cuda_with_the_one_launch_choice(arch, screened, torch_delta_rule, monkeypatch):
+    """`decode_loop.GREEDY_TOKEN_KERNEL`, with `decode.SCREENED_LM_HEAD` or without: fp32 on CUDA, the decode step
+    captured, the greedy tokens those of the unpatched model."""
+    from unsloth_lite.models import decode_loop
+
+    monkeypatch.setattr(decode_loop, "GREEDY_TOKEN_KERNEL", True)
+    monkeypatch.setattr(decode, "SCREENED_LM_HEAD", screened)
+    assert_same_greedy_tokens(arch, "4bit+lora", "static", 32, "cuda", prompt_shape=(2, 4))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_bf16_greedy_path_matches_cuda_with_norm_rope_in_attention(arch, torch_delta_rule, monkeypatch):
     """`decode.NORM_ROPE_IN_ATTENTION` (in `decode.DECODE_ATTENTION`'s launch): 32 bf16 tokens along the

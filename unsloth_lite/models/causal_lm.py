@@ -11,6 +11,7 @@ from unsloth_lite.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
 )
+from unsloth_lite.models.decode import screened_head_logits
 from unsloth_lite.models.decode_graph import decode_graph_applies, graphed_decode_step
 from unsloth_lite.models.layers import use_kernels
 from unsloth_lite.models.packing import packed_sequence_kwargs
@@ -58,6 +59,9 @@ def lm_head_is_plain_linear(module) -> str | None:
 
 
 def _lm_head_logits(lm_head, hidden_states):
+    screened = screened_head_logits(lm_head, hidden_states)  # a greedy decoding step (`decode.SCREENED_LM_HEAD`)
+    if screened is not None:
+        return screened
     if is_nf4_linear(lm_head):  # never bitsandbytes' forward, which may repack the weight on a CPU
         return nf4_linear(hidden_states, lm_head.weight, lm_head.bias)
     return lm_head(hidden_states)

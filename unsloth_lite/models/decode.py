@@ -26,6 +26,7 @@ from unsloth_lite.kernels.nf4_gated_matvec import gated_matvec_supported, nf4_ga
 from unsloth_lite.kernels.nf4_grouped_matvec import grouped_matvec_supported, nf4_grouped_matvec
 from unsloth_lite.kernels.nf4_matvec import first_product_supported, nf4_matvec
 from unsloth_lite.kernels.nf4_matvec_reference import nf4_matvec_reference
+from unsloth_lite.kernels.screened_logits import int8_rows, screened_logits
 from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
 
@@ -66,12 +67,58 @@ SECOND_PRODUCTS_IN_NORMS = False
 # the new key normed and rotated as they are read) instead of a `qk_norm_rope` launch before it. Tested on the
 # CPU, not yet timed on a GPU: off.
 NORM_ROPE_IN_ATTENTION = False
+# A greedy step's logits from the dense lm_head screened by an int8 copy of it (`screened_logits`: the head read at
+# half the bytes, exact products only where the argmax can lie), where the decoding loop takes only their argmax
+# (`greedy_logits`). The copy is kept on the head (0.62 GB at the Qwen3-8B shape). Tested on the CPU, not yet
+# timed on a GPU: off.
+SCREENED_LM_HEAD = False
 # A Gated DeltaNet layer's token step after its convolution in one launch (`delta_rule_gated_step`: the gates,
 # the delta-rule step and the gated RMSNorm of each head), instead of three. Correct on the GPU (the tests above;
 # on in that run, where the Qwen3-8B shape has no DeltaNet layer), not yet timed at the Qwen3.5-27B shape: off.
 GATED_DELTANET_STEP = False
 # Attention implementations whose mask (None, or 4-D boolean or additive) SDPA reads as they do.
 GROUPED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+_GREEDY_LOGITS = threading.local()
+INT8_HEAD_ATTRIBUTE = "_unsloth_lite_int8_rows"
+
+
+@contextlib.contextmanager
+def greedy_logits():
+    """Within: the forwards' logits feed only a greedy argmax (the decoding loop's `greedy_token`), so that with
+    `SCREENED_LM_HEAD` they may be `screened_logits`."""
+    previous = getattr(_GREEDY_LOGITS, "on", False)
+    _GREEDY_LOGITS.on = True
+    try:
+        yield
+    finally:
+        _GREEDY_LOGITS.on = previous
+
+
+def screens_logits() -> bool:
+    """Whether the forwards now running may return `screened_logits` (`greedy_logits` and `SCREENED_LM_HEAD`)."""
+    return SCREENED_LM_HEAD and getattr(_GREEDY_LOGITS, "on", False)
+
+
+def screened_head_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor | None:
+    """`screened_logits` of the rows `hidden` through a dense `lm_head` without bias where `screens_logits()` and
+    the rows are decoding rows on the kernels' device, else None. The head's int8 copy is made once and kept on
+    it (`INT8_HEAD_ATTRIBUTE`, dropped with the decoding cache) while its weight is unchanged."""
+    weight = getattr(lm_head, "weight", None)
+    if not screens_logits() or type(lm_head) is not torch.nn.Linear or lm_head.bias is not None:
+        return None
+    if not is_decode_rows(hidden) or not (hidden.is_cuda or INTERPRET) or hidden.dtype != weight.dtype:
+        return None
+    if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not weight.is_contiguous():
+        return None
+    key = (weight.data_ptr(), weight._version)
+    kept = lm_head.__dict__.get(INT8_HEAD_ATTRIBUTE)
+    if kept is None or kept[0] != key:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None  # made outside a capture, on the step before
+        kept = lm_head.__dict__[INT8_HEAD_ATTRIBUTE] = (key, *int8_rows(weight))
+    return screened_logits(hidden, weight, kept[1], kept[2])
 
 
 def is_decode_rows(x: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ import torch
 
 from unsloth_lite.kernels.lora_down import MAX_ROWS
 from unsloth_lite.kernels.utils import INTERPRET
+from unsloth_lite.models.decode import screens_logits
 
 GRAPHS_ATTRIBUTE = "_unsloth_lite_decode_graphs"
 
@@ -74,7 +75,7 @@ def _step_key(cache, inputs: dict, kwargs) -> tuple | None:
         hash(others)
     except TypeError:
         return None
-    return (id(cache), addresses, tensors, others)
+    return (id(cache), addresses, tensors, others, screens_logits())  # screened logits: another graph
 
 
 def decode_graph_applies(input_ids, labels, cache) -> bool:

@@ -28,6 +28,7 @@ unchanged.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import inspect
 import types
@@ -46,6 +47,7 @@ from transformers import (
 
 from unsloth_lite.kernels.greedy_token import MAX_EOS, greedy_token
 from unsloth_lite.kernels.nf4_matvec_state import release_flat_absmax
+from unsloth_lite.models.decode import INT8_HEAD_ATTRIBUTE, greedy_logits
 from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
 from unsloth_lite.models.layers import use_kernels
 
@@ -201,12 +203,12 @@ def plan(model, args, kwargs) -> Request | None:
 
 def release_cache(model: torch.nn.Module) -> None:
     """Frees what decoding keeps on `model` for the next call, as training resumes after an evaluation: the
-    cache, the captured decode steps (`decode_graph.py`), and then the fp32 absmax of its NF4 weights that those
-    read (`nf4_matvec_state.flat_absmax`)."""
+    cache, the captured decode steps (`decode_graph.py`), the lm_head's int8 copy (`decode.SCREENED_LM_HEAD`),
+    and then the fp32 absmax of its NF4 weights that those read (`nf4_matvec_state.flat_absmax`)."""
     quant_states = []
     for module in model.modules():
-        module.__dict__.pop(CACHE_ATTRIBUTE, None)
-        module.__dict__.pop(GRAPHS_ATTRIBUTE, None)
+        for attribute in (CACHE_ATTRIBUTE, GRAPHS_ATTRIBUTE, INT8_HEAD_ATTRIBUTE):
+            module.__dict__.pop(attribute, None)
         quant_state = getattr(getattr(module, "weight", None), "quant_state", None)
         if getattr(quant_state, "nested", False):
             quant_states.append(quant_state)
@@ -306,8 +308,12 @@ def decode(model, request: Request) -> torch.Tensor:
         request.streamer.put(prompt.cpu())
     ids = torch.empty((batch, length + new), dtype=torch.long, device=device)
     ids[:, :length] = prompt
-    output = model(input_ids=prompt, attention_mask=request.attention_mask, use_cache=True, logits_to_keep=1,
-                   **{cache_keyword: cache})
+    one_launch = GREEDY_TOKEN_KERNEL and _one_launch_choice(request) and use_kernels(prompt)
+    # only the argmax of each step's logits is read: the lm_head may screen them (`decode.SCREENED_LM_HEAD`)
+    forwards = greedy_logits if one_launch else contextlib.nullcontext
+    with forwards():
+        output = model(input_ids=prompt, attention_mask=request.attention_mask, use_cache=True, logits_to_keep=1,
+                       **{cache_keyword: cache})
     logits = output.logits[:, -1]
     del output
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
@@ -316,7 +322,6 @@ def decode(model, request: Request) -> torch.Tensor:
     mask, opened = _decode_mask(model, batch, size, length, device)
     masks = {layer_type: mask if layer_type == "full_attention" else None for layer_type in LAYER_TYPES}
     reads = _HostReads(batch, new, device)
-    one_launch = GREEDY_TOKEN_KERNEL and _one_launch_choice(request) and use_kernels(logits)
     steps = new
     for step in range(new):
         if one_launch:  # the choice, the ids, the next input, and the last forward's position and mask
@@ -338,8 +343,9 @@ def decode(model, request: Request) -> torch.Tensor:
             break
         if not one_launch:
             token_input.copy_(token[:, None])
-        logits = model(input_ids=token_input, attention_mask=masks, position_ids=position, use_cache=True,
-                       **{cache_keyword: cache}).logits[:, -1]
+        with forwards():
+            logits = model(input_ids=token_input, attention_mask=masks, position_ids=position, use_cache=True,
+                           **{cache_keyword: cache}).logits[:, -1]
         if not one_launch:
             position += 1
             mask.index_fill_(3, position[0], opened)

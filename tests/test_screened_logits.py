@@ -1,0 +1,56 @@
+"""`screened_logits` (a greedy step's logits from the lm_head, screened by its int8 copy): the argmax of every row
+that of the full product, ties included; the candidates' values those of the product in the head's dtype, -inf
+elsewhere."""
+
+import pytest
+import torch
+from helpers import dtype_id
+
+from unsloth_lite.kernels.screened_logits import BLOCK_N, int8_rows, screened_logits
+
+
+def _head(vocab, hidden, dtype, device):
+    weight = (torch.randn(vocab, hidden, device=device) * 0.05).to(dtype)
+    x = torch.randn(4, hidden, device=device).to(dtype)
+    return weight, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("vocab,hidden", [(3 * BLOCK_N + 5, 96), (2 * BLOCK_N, 200)])
+def test_screened_logits_keep_the_argmax(vocab, hidden, dtype, device):
+    weight, x = _head(vocab, hidden, dtype, device)
+    weight[vocab - 1] = weight[7]  # a tie across blocks: the first index wins
+    x[1] = x[1] / x[1].abs().max()
+    weight[3] = x[1] * 3  # row 1's maximum far above the rest: few candidates
+    quantized, scale = int8_rows(weight)
+    got = screened_logits(x, weight, quantized, scale)
+    full = (x.double() @ weight.double().t()).to(dtype)
+    assert got.dtype == dtype and got.shape == full.shape
+    assert torch.equal(got.float().argmax(dim=-1), full.float().argmax(dim=-1))
+    candidates = torch.isfinite(got)
+    assert candidates.sum(dim=1).min() >= 1 and not candidates[1].all()
+    diff = (got.float() - full.float())[candidates].abs()
+    assert diff.max() <= 1e-5 + 2 ** -7 * full.float()[candidates].abs().max(), diff.max()
+    largest = full.float().max(dim=1, keepdim=True).values
+    assert candidates[full.float() >= largest - 1e-3].all(), "every near maximum is a candidate"
+
+
+def test_screened_logits_refuse_bad_inputs(device):
+    weight, x = _head(70, 64, torch.float32, device)
+    quantized, scale = int8_rows(weight)
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        screened_logits(torch.randn(9, 64, device=device), weight, quantized, scale)
+    with pytest.raises(ValueError, match="int8_rows"):
+        screened_logits(x, weight, quantized[:10], scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab,hidden", [(151936, 4096), (248320, 5120)], ids=["qwen3_8b", "qwen3_5_27b"])
+def test_screened_logits_qwen_heads_cuda(vocab, hidden):
+    weight = (torch.randn(vocab, hidden, device="cuda") * 0.02).to(torch.bfloat16)
+    quantized, scale = int8_rows(weight)
+    for rows in (1, 8):
+        x = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
+        got = screened_logits(x, weight, quantized, scale)
+        full = x @ weight.t()
+        assert torch.equal(got.float().argmax(dim=-1), full.float().argmax(dim=-1))

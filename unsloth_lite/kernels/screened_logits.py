@@ -1,0 +1,165 @@
+"""A greedy decoding step's logits from a dense lm_head, screened by an int8 copy of it: exact where the argmax can
+lie, -inf elsewhere.
+
+For hidden rows x `[B, K]` (B <= 8), the head W `[V, K]` and its int8 copy Q with a scale a row (s_n = max_k
+|W_nk| / 127, Q = round(W / s)), per row b of x:
+
+    a_n = s_n Σ_k Q_nk x_k          the approximate logit (products exact, fp32 sums)
+    e_n = C s_n Σ_k |x_k|           a bound of |z_n − a_n| for the exact z_n = Σ_k W_nk x_k: C = 1/2 for the
+                                    rounding of W to Q, plus three times the fp32 sums' worst rounding
+                                    (K · 127 · 2⁻²⁴ each: a's, z's and the reference product's)
+    L   = max_n (a_n − e_n)         no largest logit is smaller
+    y_n = z_n (in W's dtype) where a_n + e_n >= L − |L| 2⁻⁶, else −inf
+
+So the largest logit, and every one that could round to the same value, is computed from W itself: the argmax of
+y (its first index) is that of the full product x Wᵀ. Reading Q instead of W halves the bytes of the step's
+largest product (the Qwen3-8B head: 0.62 GB instead of 1.24), for Q's memory beside W. No gradient: inference
+only; only the argmax of y is the full product's (the other values are not logits).
+
+Two launches. `_screen_kernel`, a program a block of rows n: a and e for every row of x (tensor-core products of
+x and Q's rows converted to x's dtype, exact), a + e stored, its block's max of a − e stored; the last program to
+arrive (an acq_rel counter) stores L from the blocks' maxima. `_exact_kernel`, the same blocks: the rows with a
+candidate take x Wᵀ from W (the others skip it), and y. The counters are left at 0 for the next launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from unsloth_lite.kernels.matvec_epilogue import _arrival_counters
+from unsloth_lite.kernels.utils import INTERPRET, empty
+
+BLOCK_N = 64  # rows of the head a program
+BLOCK_K = 128  # columns a step
+MAX_ROWS = 8
+
+
+@triton.jit
+def _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, mask_features, n_in,
+                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                        IEEE: tl.constexpr):
+    """(x W_fᵀ `[BLOCK_M, BLOCK_N]` in fp32 for the rows f of `w_ptr` (int8 or float, `[N, K]` contiguous, rows
+    that are masked off never read), Σ_k |x_k| `[BLOCK_M]`)."""
+    acc = tl.zeros([BLOCK_M, features.shape[0]], tl.float32)
+    absolute = tl.zeros([BLOCK_M], tl.float32)
+    mask_rows = rows < n_rows
+    for k0 in range(0, n_in, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = k < n_in
+        x = tl.load(x_ptr + rows[:, None] * x_row_stride + k[None, :], mask=mask_rows[:, None] & mask_k[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + features[:, None].to(tl.int64) * n_in + k[None, :],
+                    mask=mask_features[:, None] & mask_k[None, :], other=0)
+        absolute += tl.sum(tl.abs(x.to(tl.float32)), axis=1)
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee" if IEEE else "tf32")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    return acc, absolute
+
+
+@triton.jit
+def _screen_kernel(
+    x_ptr, x_row_stride, q_ptr, scale_ptr, upper_ptr, block_lower_ptr, lower_ptr, arrivals_ptr,
+    n_rows, n_out, n_in, bound_factor,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+):
+    block = tl.program_id(0)
+    features = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_features = features < n_out
+    rows = tl.arange(0, BLOCK_M)
+    mask_rows = rows < n_rows
+    acc, absolute = _row_block_products(x_ptr, x_row_stride, q_ptr, rows, n_rows, features, mask_features, n_in,
+                                        BLOCK_M, BLOCK_K, DOT_F32, IEEE)
+    scale = tl.load(scale_ptr + features, mask=mask_features, other=0.0)
+    approximate = acc * scale[None, :]
+    bound = bound_factor * scale[None, :] * absolute[:, None]
+    mask = mask_rows[:, None] & mask_features[None, :]
+    tl.store(upper_ptr + rows[:, None] * n_out + features[None, :], approximate + bound, mask=mask)
+    least = tl.max(tl.where(mask_features[None, :], approximate - bound, float("-inf")), axis=1)
+    tl.store(block_lower_ptr + rows * tl.num_programs(0) + block, least, mask=mask_rows)
+    tl.debug_barrier()  # every thread's stores before the arrival (released at GPU scope by the atomic)
+    if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.atomic_xchg(arrivals_ptr, 0, sem="relaxed", scope="gpu")
+        lower = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for p0 in range(0, tl.num_programs(0), BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            maxima = tl.load(block_lower_ptr + rows[:, None] * tl.num_programs(0) + p[None, :],
+                             mask=mask_rows[:, None] & (p < tl.num_programs(0))[None, :], other=float("-inf"),
+                             cache_modifier=".cg")
+            lower = tl.maximum(lower, tl.max(maxima, axis=1))
+        tl.store(lower_ptr + rows, lower, mask=mask_rows)
+
+
+@triton.jit
+def _exact_kernel(
+    x_ptr, x_row_stride, w_ptr, upper_ptr, lower_ptr, out_ptr, n_rows, n_out, n_in,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_features = features < n_out
+    rows = tl.arange(0, BLOCK_M)
+    mask_rows = rows < n_rows
+    mask = mask_rows[:, None] & mask_features[None, :]
+    lower = tl.load(lower_ptr + rows, mask=mask_rows, other=0.0)
+    threshold = lower - tl.abs(lower) * 0.015625  # two of bf16's steps below L: a tie when rounded included
+    upper = tl.load(upper_ptr + rows[:, None] * n_out + features[None, :], mask=mask, other=float("-inf"))
+    candidate = mask & (upper >= threshold[:, None])
+    wanted = tl.max(candidate.to(tl.int32), axis=0) != 0  # a row of W some row of x needs
+    exact = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if tl.max(wanted.to(tl.int32), axis=0) != 0:
+        exact, _ = _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, wanted, n_in,
+                                       BLOCK_M, BLOCK_K, DOT_F32, IEEE)
+    tl.store(out_ptr + rows[:, None] * n_out + features[None, :], tl.where(candidate, exact, float("-inf")), mask=mask)
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q int8 `[V, K]`, s fp32 `[V]`): each row of `weight` over its largest magnitude / 127, rounded."""
+    scale = weight.float().abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+    quantized = torch.round(weight.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return quantized, scale
+
+
+def bound_factor(n_in: int) -> float:
+    """C of the module docstring for rows of `n_in` columns."""
+    return 0.5 * (1 + 2.0**-20) + 3 * n_in * 127 * 2.0**-24
+
+
+def screened_logits(x: torch.Tensor, weight: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor):
+    """y `[..., V]` in weight's dtype for x `[..., K]` of 1 to 8 rows, weight `[V, K]` (bf16, fp16 or fp32, the
+    head without bias) and its `int8_rows`: x Wᵀ at the rows where the argmax of each row of x can lie, −inf
+    elsewhere (module docstring)."""
+    n_out, n_in = weight.shape
+    x2d = x.reshape(-1, n_in)
+    n_rows = x2d.shape[0]
+    if not 1 <= n_rows <= MAX_ROWS or x.shape[-1] != n_in or x.dtype != weight.dtype:
+        raise ValueError(f"screened_logits takes 1 to {MAX_ROWS} rows of x in the head's dtype {weight.dtype} and "
+                         f"width {n_in}; got {tuple(x.shape)} {x.dtype}")
+    if tuple(quantized.shape) != (n_out, n_in) or quantized.dtype != torch.int8 or scale.shape != (n_out,):
+        raise ValueError(f"quantized and scale must be int8_rows of the head [{n_out}, {n_in}]")
+    if not weight.is_contiguous() or not quantized.is_contiguous():
+        raise ValueError("the head and its int8 copy must be contiguous")
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    blocks = triton.cdiv(n_out, BLOCK_N)
+    device = x.device
+    upper = empty((n_rows, n_out), torch.float32, device)
+    block_lower = empty((n_rows, blocks), torch.float32, device)
+    lower = empty((n_rows,), torch.float32, device)
+    out = empty((n_rows, n_out), weight.dtype, device)
+    block_m = 16  # tl.dot's least M
+    precision = dict(DOT_F32=INTERPRET or x.dtype == torch.float32, IEEE=x.dtype == torch.float32)
+    _screen_kernel[(blocks,)](
+        x2d, x2d.stride(0), quantized, scale, upper, block_lower, lower, _arrival_counters(device, 1),
+        n_rows, n_out, n_in, bound_factor(n_in),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_P=1024, num_warps=4, **precision,
+    )
+    _exact_kernel[(blocks,)](
+        x2d, x2d.stride(0), weight, upper, lower, out, n_rows, n_out, n_in,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, **precision,
+    )
+    return out.view(*x.shape[:-1], n_out)
