@@ -35,6 +35,18 @@ def test_screened_logits_keep_the_argmax(vocab, hidden, dtype, device):
     assert candidates[full.float() >= largest - 1e-3].all(), "every near maximum is a candidate"
 
 
+def test_int8_rows_by_passes(device):
+    """The copy made a few rows at a time is the copy made at once; every weight within half a step."""
+    weight, _ = _head(70, 64, torch.bfloat16, device)
+    weight[5] = 0
+    quantized, scale = int8_rows(weight, rows_a_pass=16)
+    whole = int8_rows(weight, rows_a_pass=1000)
+    assert torch.equal(quantized, whole[0]) and torch.equal(scale, whole[1])
+    assert quantized.abs().max() == 127 and not quantized[5].any()
+    error = (weight.float() - quantized.float() * scale[:, None]).abs()
+    assert (error <= scale[:, None] * 0.5001).all()
+
+
 def test_screened_logits_refuse_bad_inputs(device):
     weight, x = _head(70, 64, torch.float32, device)
     quantized, scale = int8_rows(weight)

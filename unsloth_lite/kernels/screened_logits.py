@@ -117,10 +117,16 @@ def _exact_kernel(
     tl.store(out_ptr + rows[:, None] * n_out + features[None, :], tl.where(candidate, exact, float("-inf")), mask=mask)
 
 
-def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Q int8 `[V, K]`, s fp32 `[V]`): each row of `weight` over its largest magnitude / 127, rounded."""
-    scale = weight.float().abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-    quantized = torch.round(weight.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+def int8_rows(weight: torch.Tensor, rows_a_pass: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q int8 `[V, K]`, s fp32 `[V]`): each row of `weight` over its largest magnitude / 127, rounded; made
+    `rows_a_pass` rows at a time (their fp32 copy is all the memory it takes besides Q)."""
+    quantized = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for first in range(0, weight.shape[0], rows_a_pass):
+        rows = weight[first:first + rows_a_pass].float()
+        row_scale = rows.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+        quantized[first:first + rows_a_pass] = torch.round(rows / row_scale[:, None]).clamp_(-127, 127)
+        scale[first:first + rows_a_pass] = row_scale
     return quantized, scale
 
 
