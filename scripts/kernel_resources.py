@@ -31,8 +31,7 @@ compiled without programmatic dependent launch.
 `--decode-kernels`: `decode_attention` at the W3 models' attention shapes (bf16, batch 1, a boolean mask,
 Qwen3.5's gate), a cache of 256 positions (W3's) and one of 4,096, `delta_rule_gated_step` at the 27B's DeltaNet
 shape and `rms_norm_lora_down_rows` at both models' hidden sizes (three rank-16 adapters), as shipped (the
-attention's splits as a launch without a GPU chooses them: on a GPU they follow its SM count); and the launches of
-`decode.SECOND_PRODUCTS_IN_NORMS` (`second_product_rows`).
+attention's splits as a launch without a GPU chooses them: on a GPU they follow its SM count).
 """
 
 from __future__ import annotations
@@ -164,19 +163,16 @@ def compiled_on_cpu():
     saved = {module: module.check_kernel_device
              for module in (nf4_matvec_checks, dequantize_module, decode_attention, deltanet_decode_gated, lora_down,
                             greedy_token)}
-    supported = (nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported,
-                 nf4_matvec.first_product_supported)
+    supported = nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported
     try:
         for module in saved:
             module.check_kernel_device = lambda _name, _tensor: None
         nf4_gated_matvec.gated_matvec_supported = nf4_grouped_matvec.grouped_matvec_supported = lambda *_: True
-        nf4_matvec.first_product_supported = lambda *_: True
         yield
     finally:
         for module, check in saved.items():
             module.check_kernel_device = check
-        (nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported,
-         nf4_matvec.first_product_supported) = supported
+        nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported = supported
 
 
 def nf4_weight(n_out: int, n_in: int):
@@ -314,7 +310,6 @@ def decode_kernel_rows(arch: int) -> list[dict]:
             lora_down.rms_norm_lora_down_rows(x, torch.empty(hidden, dtype=torch.bfloat16), 1e-6, 0.0,
                                               [torch.empty(16, hidden)] * 3)
         rows.append(dict(kernel="rms_norm_lora_down", model=model, **compiled_figures(launches, arch)))
-    rows += second_product_rows(arch)
     for model, vocab in (("qwen3_8b", 151936), ("qwen3_5_27b", 248320)):  # greedy, min_new_tokens, one eos id
         logits = torch.empty(1, vocab, dtype=torch.bfloat16)
         ids, tokens = torch.empty(1, 300, dtype=torch.int64), torch.empty(1, 1, dtype=torch.int64)
@@ -330,34 +325,6 @@ def decode_kernel_rows(arch: int) -> list[dict]:
                                             torch.empty(vocab, hidden, dtype=torch.int8), torch.empty(vocab))
         for launch in launches:
             rows.append(dict(kernel=launch[0].fn.__name__, model=model, **compiled_figures([launch], arch)))
-    return rows
-
-
-# (model, output projection, its shape) of W3's adapted output projections
-OUTPUT_PROJECTIONS = (("qwen3_8b", "o_proj", 4096, 4096), ("qwen3_8b", "down_proj", 4096, 12288),
-                      ("qwen3_5_27b", "out_proj", 5120, 6144), ("qwen3_5_27b", "down_proj", 5120, 17408))
-
-
-def second_product_rows(arch: int) -> list[dict]:
-    """`decode.SECOND_PRODUCTS_IN_NORMS`' launches compiled for `arch`: the word kernel with a rank-16 adapter's
-    first product from its extra programs at W3's output projections, and `rms_norm_addend_lora_down_rows` at
-    both hidden sizes (the addend of a rank-16 adapter, the first products of gate and up's)."""
-    rows = []
-    for model, name, n_out, n_in in OUTPUT_PROJECTIONS:
-        packed, state = nf4_weight(n_out, n_in)
-        x = torch.empty(1, n_in, dtype=torch.bfloat16)
-        with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
-            nf4_matvec.nf4_matvec(x, packed, quant_state=state, residual=torch.empty(1, n_out, dtype=torch.bfloat16),
-                                  first_product_a=torch.empty(16, n_in, dtype=torch.bfloat16))
-        rows.append(dict(kernel="words_first_product", model=model, projection=name,
-                         **launch_figures(launches, arch)))
-    for model, hidden in (("qwen3_8b", 4096), ("qwen3_5_27b", 5120)):
-        x = torch.empty(1, hidden, dtype=torch.bfloat16)
-        addend = (torch.empty(1, 16), torch.empty(hidden, 16, dtype=torch.bfloat16), 2.0)
-        with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
-            lora_down.rms_norm_addend_lora_down_rows(x, addend, torch.empty(hidden, dtype=torch.bfloat16), 1e-6, 0.0,
-                                                     [torch.empty(16, hidden)] * 2)
-        rows.append(dict(kernel="rms_norm_addend_lora_down", model=model, **compiled_figures(launches, arch)))
     return rows
 
 
@@ -420,8 +387,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.decode_kernels:
         rows = decode_kernel_rows(args.arch)
-        print(markdown_table(rows, ["kernel", "model", "projection", "cache", "splits", "positions_a_step",
-                                    "registers", "stack_bytes", "shared_bytes", "instructions", "loop"]))
+        print(markdown_table(rows, ["kernel", "model", "cache", "splits", "positions_a_step", "registers",
+                                    "stack_bytes", "shared_bytes", "instructions", "loop"]))
         write_json(args.out, dict(arch=args.arch, triton=triton.__version__, rows=rows))
         return 0
     if args.nf4_matvec:

@@ -27,7 +27,7 @@ from test_patch_model import tiny_model, tiny_qwen3_5
 from unsloth_lite.kernels.decode_attention import decode_attention
 from unsloth_lite.kernels.deltanet_decode_gated import delta_rule_gated_step
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
-from unsloth_lite.kernels.lora_down import lora_down_rows, rms_norm_addend_lora_down_rows, rms_norm_lora_down_rows
+from unsloth_lite.kernels.lora_down import lora_down_rows, rms_norm_lora_down_rows
 from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
 from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
 from unsloth_lite.models import decode, decoder_layer, layers, patch_model, qwen3_5_layers
@@ -178,9 +178,7 @@ def count_decode_calls(monkeypatch):
 KERNEL_RUNS = [("qwen2", "static"), ("qwen3", "dynamic"), ("qwen3_5", None)]
 # `models.decode`'s switches of the fused decoding launches (most on by default).
 FUSED_LAUNCHES = ("GATED_MATVEC", "GROUPED_MATVEC", "DECODE_ATTENTION", "GATED_DELTANET_STEP",
-                  "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS", "SECOND_PRODUCTS_IN_NORMS", "NORM_ROPE_IN_ATTENTION")
-# The output projections' adapters' second products added by the norms after them, with what that rests on.
-SECOND_PRODUCTS = ("RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS", "SECOND_PRODUCTS_IN_NORMS")
+                  "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS", "NORM_ROPE_IN_ATTENTION")
 
 
 def set_fused_launches(monkeypatch, on=()):
@@ -210,43 +208,6 @@ def test_greedy_tokens_match_with_the_gated_mlp_kernel(device, monkeypatch):
     monkeypatch.setattr(decode, "nf4_gated_matvec", lambda *args: calls.append(1) or nf4_gated_matvec(*args))
     assert_same_greedy_tokens("qwen3_5", "4bit+lora", "static", 3, device, prompt_shape=(2, 4))
     assert calls
-
-
-def wide_mlp_tiny(arch, device, dtype):
-    """`tiny` with three layers and MLPs whose down projection reads whole quantisation blocks: every output
-    projection's adapter can leave its second product to the norm after it, but the last layer's down
-    projection's (the model's final norm reads its output)."""
-    if arch == "qwen3_5":
-        return tiny_qwen3_5(device, dtype, max_position_embeddings=128, intermediate_size=128, num_hidden_layers=3,
-                            layer_types=["linear_attention", "full_attention", "linear_attention"])
-    return tiny_model(arch, device, dtype, max_position_embeddings=128, intermediate_size=128, num_hidden_layers=3)
-
-
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
-def test_greedy_tokens_match_with_second_products_in_the_norms(arch, device, monkeypatch):
-    """`decode.SECOND_PRODUCTS_IN_NORMS`: o_proj's (or out_proj's) and down_proj's adapters take their first
-    products from their projections' launches and the norms after them add their second products (the same
-    layer's second norm, the next layer's first); the greedy tokens those of the unpatched model. Only the last
-    layer's down projection still launches its own first product."""
-    set_fused_launches(monkeypatch, on=SECOND_PRODUCTS)
-    monkeypatch.setattr(sys.modules[__name__], "tiny", wide_mlp_tiny)
-    addends, launched = [], []
-    monkeypatch.setattr(decoder_layer, "rms_norm_addend_lora_down_rows",
-                        lambda *args: addends.append(1) or rms_norm_addend_lora_down_rows(*args))
-    monkeypatch.setattr(decode, "lora_down_rows",
-                        lambda x, lora_as: launched.extend(a.data_ptr() for a in lora_as) or lora_down_rows(x, lora_as))
-    # a prompt over MAX_ROWS rows: its forward takes no decoding path
-    patched = assert_same_greedy_tokens(arch, "4bit+lora", "static", 3, device, prompt_shape=(2, 5))
-    output_as = {}
-    for name, module in patched.named_modules():
-        if name.endswith(("o_proj", "out_proj", "down_proj")) and hasattr(module, "lora_A"):
-            output_as[module.lora_A["default"].weight.data_ptr()] = name
-    last_down = next(ptr for ptr, name in output_as.items() if name.endswith("layers.2.mlp.down_proj"))
-    steps = launched.count(last_down)  # the one output projection whose first product has its own launch
-    assert steps and not [output_as[ptr] for ptr in launched if ptr in output_as and ptr != last_down]
-    # a step: three second norms and the first norms of layers 1 and 2, but a DeltaNet layer's first norm, whose
-    # four adapted projections pass MAX_ADAPTERS_PER_LAUNCH: there the addend is added before the norm's own launch
-    assert len(addends) == (5 if arch == "qwen3" else 4) * steps
 
 
 def test_greedy_tokens_match_with_grouped_projections(device, monkeypatch):
@@ -451,17 +412,6 @@ def test_bf16_greedy_path_matches_cuda_with_norm_rope_in_attention(arch, torch_d
     """`decode.NORM_ROPE_IN_ATTENTION` (in `decode.DECODE_ATTENTION`'s launch): 32 bf16 tokens along the
     reference's greedy path through the captured step (Qwen3's full rotary, Qwen3.5's partial and gated)."""
     set_fused_launches(monkeypatch, on=("DECODE_ATTENTION", "NORM_ROPE_IN_ATTENTION"))
-    patched = assert_greedy_path_followed(arch, "4bit+lora", "static", 32, "cuda", torch.bfloat16)
-    assert captured_decode_steps(patched) == 1
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
-def test_bf16_greedy_path_matches_cuda_with_second_products_in_the_norms(arch, torch_delta_rule, monkeypatch):
-    """`decode.SECOND_PRODUCTS_IN_NORMS` (with what it rests on), the three-layer models of `wide_mlp_tiny`: 32
-    bf16 tokens along the reference's greedy path through the captured step."""
-    set_fused_launches(monkeypatch, on=SECOND_PRODUCTS)
-    monkeypatch.setattr(sys.modules[__name__], "tiny", wide_mlp_tiny)
     patched = assert_greedy_path_followed(arch, "4bit+lora", "static", 32, "cuda", torch.bfloat16)
     assert captured_decode_steps(patched) == 1
 

@@ -13,7 +13,7 @@ from unsloth_lite.kernels import matvec_epilogue, nf4_matvec_state
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels import utils as kernel_utils
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
-from unsloth_lite.kernels.lora_down import lora_down_rows, rms_norm_addend_lora_down_rows, rms_norm_lora_down_rows
+from unsloth_lite.kernels.lora_down import lora_down_rows, rms_norm_lora_down_rows
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 from unsloth_lite.kernels.nf4_matvec_reference import nf4_matvec_reference
 from unsloth_lite.kernels.rms_norm import rms_norm
@@ -337,58 +337,6 @@ def test_rms_norm_lora_down_rows(rows, n_in, offset, dtype, device):
         rms_norm_lora_down_rows(x, weight, 1e-6, offset, adapters + adapters[:1])
     y, t = rms_norm_lora_down_rows(x, weight, 1e-6, offset, [])  # the norm alone
     assert t is None and torch.equal(y, rms_norm(x, weight, 1e-6, offset=offset))
-
-
-def addend_reference(x, addend, weight, eps, offset, adapters):
-    """float64 (x', y, t) of `rms_norm_addend_lora_down_rows`, x' rounded to x's dtype as the kernel stores it."""
-    addend_t, addend_b, scale = addend
-    summed = (x.double() + scale * addend_t.double() @ addend_b.double().t()).to(x.dtype).double()
-    y = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + eps) * (weight.double() + offset)
-    t = y @ torch.cat(adapters).double().t() if adapters else None
-    return summed, y, t
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("rows,n_in,offset,ranks", [(1, 96, 0.0, (4, 2, 8)), (3, 600, 1.0, (16,)), (2, 300, 0.0, ())])
-def test_rms_norm_addend_lora_down_rows(rows, n_in, offset, ranks, dtype, device):
-    """x' = x + s t' B'ᵀ (an output projection's adapter's second product), then the norm and the next adapters'
-    first products, in one launch: against float64 from the same inputs; columns past one step of the walk."""
-    x = torch.randn(rows, 2, n_in, device=device, dtype=dtype)[:, 1]  # row-strided, as a view of a wider batch
-    weight = torch.randn(n_in, device=device, dtype=dtype)
-    adapters = [torch.randn(r, n_in, device=device) for r in ranks]
-    addend = (torch.randn(rows, 5, device=device), 0.3 * torch.randn(n_in, 5, device=device), 0.5)
-    summed, y, t = rms_norm_addend_lora_down_rows(x, addend, weight, 1e-6, offset, adapters)
-    expected = addend_reference(x, addend, weight, 1e-6, offset, adapters)
-    assert summed.dtype == y.dtype == dtype and summed.shape == y.shape == (rows, n_in)
-    assert_close(summed, expected[0], TOLERANCE[dtype], "x'")
-    assert_close(y, expected[1], TOLERANCE[dtype], "y")
-    if adapters:
-        assert t.dtype == torch.float32 and t.shape == (rows, sum(ranks))
-        assert_close(t, expected[2], TOLERANCE[dtype], "t")
-        assert_close(t, y.double() @ torch.cat(adapters).double().t(), 1e-5, "t of y as written")
-    else:
-        assert t is None
-    if dtype == torch.float32:  # y is the norm of x' as written, with `rms_norm`'s expression
-        assert_close(y, rms_norm(summed, weight, 1e-6, offset=offset), 1e-6, "y of x'")
-    with pytest.raises(ValueError, match="addend must be"):
-        rms_norm_addend_lora_down_rows(x, (addend[0], addend[1].t(), 0.5), weight, 1e-6, offset, adapters)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("hidden", [4096, 5120])
-def test_rms_norm_addend_lora_down_rows_model_shapes(hidden, rows):
-    """Compiled at the W3 models' hidden sizes, bf16: a rank-16 output adapter's addend, gate and up's first
-    products."""
-    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
-    adapters = [torch.randn(16, hidden, device="cuda") / 64 for _ in range(2)]
-    addend = (torch.randn(rows, 16, device="cuda"), torch.randn(hidden, 16, device="cuda", dtype=torch.bfloat16) / 4,
-              2.0)
-    summed, y, t = rms_norm_addend_lora_down_rows(x, addend, weight, 1e-6, 0.0, adapters)
-    expected = addend_reference(x, addend, weight, 1e-6, 0.0, adapters)
-    for got, want, name in zip((summed, y, t), expected, ("x'", "y", "t"), strict=True):
-        assert_close(got, want, TOLERANCE[torch.bfloat16], name)
 
 
 def test_nf4_matvec_takes_a_precomputed_adapter_product(device):

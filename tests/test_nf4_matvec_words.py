@@ -15,9 +15,8 @@ from test_nf4_matvec import check, check_split_along_k, float64_reference, make_
 
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels import nf4_matvec_state
-from unsloth_lite.kernels.lora_down import lora_down_rows
 from unsloth_lite.kernels.nf4_codes import word_lookup_tables
-from unsloth_lite.kernels.nf4_matvec import first_product_supported, nf4_matvec
+from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,43 +171,3 @@ def test_word_kernel_first_called_in_a_capture_takes_the_blocked_kernel(word_ker
     assert_close(captured, expected, TOLERANCE[torch.bfloat16], "replayed y")
     assert_close(nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5), expected, TOLERANCE[torch.bfloat16], "y")
     assert word_kernel
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("rows", [1, 3])
-def test_first_product_from_the_launch(rows, dtype, device, word_kernel):
-    """`first_product_a`: y the bits of the launch without it (residual joined), t = x Aᵀ from the launch's extra
-    programs against float64 and `lora_down_rows`; A rows longer than one step of theirs."""
-    x, weight, bias, lora_a, _ = make_case((40, 64 * 37), rows, dtype, True, 64, True, 5, device)
-    residual = torch.randn(rows, 40, dtype=dtype, device=device)
-    assert first_product_supported(x, weight)
-    y, t = nf4_matvec(x, weight, bias, residual=residual, first_product_a=lora_a)
-    assert torch.equal(y, nf4_matvec(x, weight, bias, residual=residual))
-    assert t.dtype == torch.float32 and t.shape == (rows, 5)
-    assert_close(t, x.double() @ lora_a.double().t(), TOLERANCE[torch.float32], "t")
-    assert_close(t, lora_down_rows(x, [lora_a]), TOLERANCE[torch.float32], "t against lora_down_rows")
-    assert len(word_kernel) == 2
-
-
-def test_first_product_refused_where_the_launch_cannot_give_it(device, monkeypatch):
-    x, weight, _, lora_a, lora_b = make_case((40, 128), 1, torch.float32, True, 64, False, 4, device)
-    with pytest.raises(ValueError, match="give no lora_a or lora_t"):
-        nf4_matvec(x, weight, lora_a=lora_a, lora_b=lora_b, first_product_a=lora_a)
-    with pytest.raises(ValueError, match="first_product_a must be"):
-        nf4_matvec(x, weight, first_product_a=torch.randn(4, 64, device=device))
-    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", False)
-    assert not first_product_supported(x, weight)
-    with pytest.raises(ValueError, match="word kernel"):
-        nf4_matvec(x, weight, first_product_a=lora_a)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 12288), (5120, 6144), (5120, 17408)], ids=str)
-def test_first_product_from_the_launch_cuda(shape, rows, word_kernel):
-    """Compiled at the W3 models' output projections (o_proj, down_proj, out_proj), a rank-16 adapter."""
-    x, weight, _, lora_a, _ = make_case(shape, rows, torch.bfloat16, True, 64, False, 16, "cuda")
-    residual = torch.randn(rows, shape[0], dtype=torch.bfloat16, device="cuda")
-    y, t = nf4_matvec(x, weight, residual=residual, first_product_a=lora_a)
-    assert torch.equal(y, nf4_matvec(x, weight, residual=residual))
-    assert_close(t, x.double() @ lora_a.double().t(), TOLERANCE[torch.float32], "t")

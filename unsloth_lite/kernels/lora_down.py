@@ -6,9 +6,7 @@ program per adapter row walks K once, for every row of x, and writes its fp32 co
 adds s · t Bᵀ to its product (`lora_t`). With `SPLIT_K`, program (j, s) takes step s of row j alone and the row's
 last program to arrive adds the steps in order (`matvec_epilogue._sum_of_splits`: deterministic, one launch).
 `rms_norm_lora_down_rows` makes the RMSNorm of x and the first products of the projections that read it one
-launch; `rms_norm_addend_lora_down_rows` first adds to x the second product s · t Bᵀ of the adapter of the output
-projection that wrote x, whose first product t came from that projection's own launch (`nf4_matvec`'s
-`first_product_a`), so that adapter takes no launch of its own. Inference only.
+launch. Inference only.
 """
 
 from __future__ import annotations
@@ -36,19 +34,6 @@ def _x_step(x_ptr, x_row_stride, x_col_stride, rows, mask_rows, cols, n_in):
     """x's rows over columns `cols` as fp32 `[BLOCK_M, BLOCK_K]` (0 past x's rows and past K)."""
     return tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :] * x_col_stride,
                    mask=mask_rows[:, None] & (cols < n_in)[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _row_product(a_row, x_ptr, x_row_stride, x_col_stride, rows, mask_rows, n_in, BLOCK_M: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """x's rows times one row of an adapter's A (`a_row`, K contiguous values) as fp32 `[BLOCK_M]`, walking K
-    BLOCK_K at a time with the loads kept STAGES steps ahead."""
-    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_row + cols, mask=cols < n_in, other=0.0).to(tl.float32)
-        acc += _x_step(x_ptr, x_row_stride, x_col_stride, rows, mask_rows, cols, n_in) * a[None, :]
-    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -91,10 +76,14 @@ def _lora_down_kernel(
     else:
         if PDL:
             gdc_wait()
-        column = _row_product(a_row, x_ptr, x_row_stride, x_col_stride, rows, mask_rows, n_in, BLOCK_M, BLOCK_K,
-                              STAGES)[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in tl.range(0, n_in, BLOCK_K, num_stages=STAGES):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_row + cols, mask=cols < n_in, other=0.0).to(tl.float32)
+            acc += _x_step(x_ptr, x_row_stride, x_col_stride, rows, mask_rows, cols, n_in) * a[None, :]
         if PDL:
             gdc_launch_dependents()
+        column = tl.sum(acc, axis=1)[:, None]
         last = True
     if last:
         tl.store(t_ptr + rows[:, None] * t_row_stride + j, column, mask=mask_rows[:, None])
@@ -181,23 +170,6 @@ def _rms_norm_lora_down_kernel(
                 tl.store(t_ptr + m * t_row_stride + j, tl.sum(y.to(tl.float32) * a.to(tl.float32), axis=0))
 
 
-def _norm_inputs(name: str, x: torch.Tensor, weight: torch.Tensor, lora_as: list[torch.Tensor]):
-    """(x with unit column stride, the adapters contiguous, their summed rank) for a norm with first products
-    over x `[rows, K]`; ValueError for what the launch does not take."""
-    rows, n_in = x.shape
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"{name} takes 1 to {MAX_ROWS} rows of x, got {rows}")
-    if len(lora_as) > MAX_ADAPTERS_PER_LAUNCH or any(
-            a.dim() != 2 or a.shape[1] != n_in or a.shape[0] == 0 for a in lora_as):
-        raise ValueError(f"0 to {MAX_ADAPTERS_PER_LAUNCH} adapters A of [r > 0, {n_in}]; got "
-                         f"{[tuple(a.shape) for a in lora_as]}")
-    if tuple(weight.shape) != (n_in,):
-        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({n_in},)")
-    check_kernel_device("x", x)
-    group = [a.contiguous() for a in lora_as]
-    return x if x.stride(1) == 1 else x.contiguous(), group, sum(a.shape[0] for a in group)
-
-
 def rms_norm_lora_down_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
                             lora_as: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, t): y = `rms_norm(x, weight, eps, offset)` for x `[rows, K]` (1 to MAX_ROWS rows) and t = y [A_1; ...]ᵀ
@@ -206,7 +178,18 @@ def rms_norm_lora_down_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, o
     program: the decoding step's norm, which can be a programmatic dependent launch (`utils.DECODE_PDL`).
     Inference only."""
     rows, n_in = x.shape
-    x, group, width = _norm_inputs("rms_norm_lora_down_rows", x, weight, lora_as)
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"rms_norm_lora_down_rows takes 1 to {MAX_ROWS} rows of x, got {rows}")
+    if len(lora_as) > MAX_ADAPTERS_PER_LAUNCH or any(
+            a.dim() != 2 or a.shape[1] != n_in or a.shape[0] == 0 for a in lora_as):
+        raise ValueError(f"0 to {MAX_ADAPTERS_PER_LAUNCH} adapters A of [r > 0, {n_in}]; got "
+                         f"{[tuple(a.shape) for a in lora_as]}")
+    if tuple(weight.shape) != (n_in,):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({n_in},)")
+    check_kernel_device("x", x)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    group = [a.contiguous() for a in lora_as]
+    width = sum(a.shape[0] for a in group)
     y = empty((rows, n_in), x.dtype, x.device)
     t = empty((rows, width), torch.float32, x.device) if group else None
     pointers = (group + [group[-1]] * (MAX_ADAPTERS_PER_LAUNCH - len(group))) if group else [y] * 3
@@ -219,91 +202,3 @@ def rms_norm_lora_down_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, o
         **pdl_launch(x.device),
     )
     return y, t
-
-
-# Columns of x an addend program handles a step (`_rms_norm_addend_lora_down_kernel`: B's `[CHUNK, r]` tile).
-ADDEND_CHUNK = 256 if INTERPRET else 1024
-
-
-@triton.jit
-def _rms_norm_addend_lora_down_kernel(
-    x_ptr, x_row_stride, w_ptr, eps, offset, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, y_ptr, t_ptr, t_row_stride,
-    addend_t_ptr, addend_t_row_stride, addend_b_ptr, addend_b_row_stride, addend_rank, addend_scale, sums_ptr,
-    n_rows, n_in, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ADDEND_BLOCK_R: tl.constexpr, HAS_T: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """x' = x + s · t' B'ᵀ rounded to x's dtype (t' `[rows, r']` fp32, B' `[K, r']`), then column j of
-    t = RMSNorm(x') [A0; A1; A2]ᵀ (program 0 also writes y = RMSNorm(x')). Each program walks x by CHUNK columns
-    twice: x' and its sum of squares first, each program storing x' to its own row of `sums_ptr`
-    (`[programs, rows, K]`, program 0's the residual stream's next value), then the norm from that row. PDL: the
-    norm's weight and the adapter rows are read after `gdc_wait` too (the walk reads them a chunk at a time)."""
-    j = tl.program_id(0)
-    dtype = y_ptr.dtype.element_ty
-    ranks = tl.arange(0, ADDEND_BLOCK_R)
-    mask_ranks = ranks < addend_rank
-    if HAS_T:
-        a_row = _adapter_row(j, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, n_in)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    for m in tl.static_range(BLOCK_M):
-        if m < n_rows:
-            addend_t = tl.load(addend_t_ptr + m * addend_t_row_stride + ranks, mask=mask_ranks, other=0.0)
-            own = sums_ptr + (j * n_rows + m).to(tl.int64) * n_in
-            squares = tl.zeros([CHUNK], dtype=tl.float32)
-            for c0 in range(0, n_in, CHUNK):
-                cols = c0 + tl.arange(0, CHUNK)
-                mask = cols < n_in
-                b = tl.load(addend_b_ptr + cols[:, None] * addend_b_row_stride + ranks[None, :],
-                            mask=mask[:, None] & mask_ranks[None, :], other=0.0).to(tl.float32)
-                x = tl.load(x_ptr + m * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-                summed = (x + addend_scale * tl.sum(b * addend_t[None, :], axis=1)).to(dtype)
-                tl.store(own + cols, summed, mask=mask)
-                squares += summed.to(tl.float32) * summed.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n_in + eps)
-            tl.debug_barrier()  # the program's x' stored before its threads read it back
-            products = tl.zeros([CHUNK], dtype=tl.float32)
-            for c0 in range(0, n_in, CHUNK):
-                cols = c0 + tl.arange(0, CHUNK)
-                mask = cols < n_in
-                summed = tl.load(own + cols, mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
-                y = (summed * rstd * w).to(dtype)
-                if j == 0:
-                    tl.store(y_ptr + m * n_in + cols, y, mask=mask)
-                if HAS_T:
-                    a = tl.load(a_row + cols, mask=mask, other=0.0).to(tl.float32)
-                    products += y.to(tl.float32) * a
-            if HAS_T:
-                tl.store(t_ptr + m * t_row_stride + j, tl.sum(products, axis=0))
-
-
-def rms_norm_addend_lora_down_rows(x: torch.Tensor, addend, weight: torch.Tensor, eps: float, offset: float,
-                                   lora_as: list[torch.Tensor]):
-    """(x', y, t): x' = x + s · t' B'ᵀ in x's dtype for `addend` = (t' fp32 `[rows, r']`, B' `[K, r']`, s), the
-    second product of the adapter of the output projection that wrote x (`nf4_matvec`'s `first_product_a` gave
-    t'); y = `rms_norm(x', weight, eps, offset)` and t = y [A_1; ...]ᵀ as `rms_norm_lora_down_rows` gives them (t
-    None without adapters), in one launch. x' is y's residual stream from here on. Inference only."""
-    rows, n_in = x.shape
-    addend_t, addend_b, addend_scale = addend
-    x, group, width = _norm_inputs("rms_norm_addend_lora_down_rows", x, weight, lora_as)
-    if (addend_t.dtype != torch.float32 or addend_t.dim() != 2 or addend_t.shape[0] != rows
-            or addend_t.stride(1) != 1 or addend_b.dim() != 2 or tuple(addend_b.shape) != (n_in, addend_t.shape[1])
-            or addend_b.stride(1) != 1):
-        raise ValueError(f"addend must be t fp32 [{rows}, r] and B [{n_in}, r] with unit column strides; got t "
-                         f"{addend_t.dtype} {tuple(addend_t.shape)}, B {tuple(addend_b.shape)}")
-    programs = max(width, 1)
-    sums = empty((programs, rows, n_in), x.dtype, x.device)
-    y = empty((rows, n_in), x.dtype, x.device)
-    t = empty((rows, width), torch.float32, x.device) if group else None
-    pointers = (group + [group[-1]] * (MAX_ADAPTERS_PER_LAUNCH - len(group))) if group else [y] * 3
-    _rms_norm_addend_lora_down_kernel[(programs,)](
-        x, x.stride(0), weight.contiguous(), float(eps), float(offset), *pointers,
-        group[0].shape[0] if group else 0, group[1].shape[0] if len(group) > 1 else 0,
-        y, t if group else y, t.stride(0) if group else 0,
-        addend_t, addend_t.stride(0), addend_b, addend_b.stride(0), addend_t.shape[1], float(addend_scale), sums,
-        rows, n_in, BLOCK_M=triton.next_power_of_2(rows), CHUNK=ADDEND_CHUNK,
-        ADDEND_BLOCK_R=max(2, triton.next_power_of_2(addend_t.shape[1])), HAS_T=bool(group),
-        num_warps=4 if INTERPRET else 8, **pdl_launch(x.device),
-    )
-    return sums[0], y, t

@@ -60,7 +60,7 @@ from unsloth_lite.kernels.dequantize_nf4 import (
     _launch,
     _quant_state_of,
 )
-from unsloth_lite.kernels.lora_down import LORA_BLOCK_K, lora_down_rows
+from unsloth_lite.kernels.lora_down import lora_down_rows
 from unsloth_lite.kernels.matvec_epilogue import (
     BIAS_FEATURES,
     BIAS_NONE,
@@ -71,7 +71,7 @@ from unsloth_lite.kernels.matvec_epilogue import (
     _tile_range,
 )
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
-from unsloth_lite.kernels.nf4_matvec_checks import _check_args, _check_first_product_a
+from unsloth_lite.kernels.nf4_matvec_checks import _check_args
 from unsloth_lite.kernels.nf4_matvec_state import flat_absmax, lane_tables
 from unsloth_lite.kernels.nf4_matvec_words import _nf4_matvec_words_kernel
 from unsloth_lite.kernels.utils import INTERPRET, compute_capability, empty
@@ -343,20 +343,6 @@ def fp32_absmax(weight, quant_state=None) -> torch.Tensor | None:
     return flat_absmax(quant_state) if FLAT_ABSMAX else None
 
 
-def first_product_supported(x: torch.Tensor, weight, quant_state=None) -> bool:
-    """Whether `nf4_matvec` of x and this NF4 weight gives an adapter's first product from programs of its own
-    launch (`first_product_a`): the word kernel's launch (`WORD_KERNEL`, whole quantisation blocks along K, on
-    a kernel device)."""
-    if not WORD_KERNEL or not (x.is_cuda or (INTERPRET and x.device.type == "cpu")):
-        return False
-    state = quant_state if quant_state is not None else getattr(weight, "quant_state", None)
-    if state is None or len(state.shape) != 2 or x.dtype == torch.float64:
-        return False
-    n_out, n_in = (int(n) for n in state.shape)
-    tile_k = word_tile(n_out, n_in)[1]
-    return n_in % state.blocksize == 0 and tile_k % state.blocksize == 0
-
-
 def nf4_matvec(
     x: torch.Tensor,
     weight,
@@ -367,16 +353,12 @@ def nf4_matvec(
     quant_state=None,
     lora_t: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
-    first_product_a: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """`x dequant(W)ᵀ + b + scale · (x Aᵀ) Bᵀ` for x `[..., K]` of 1 to 8 rows and W a 2-D NF4 `Params4bit`
     `[N, K]` (or packed bytes with `quant_state`); returns `[..., N]` in x's dtype. No autograd. `lora_t`: x Aᵀ
     already computed (fp32 `[rows, r]`, unit column stride; `lora_down_rows`), given with B instead of A.
     `residual` (`[..., N]` as the result, x's dtype): added in the epilogue before the one rounding, as an
-    output projection's result joins the residual stream. `first_product_a` (A `[r, K]`, without an adapter's
-    other arguments, where `first_product_supported`): returns (`x Wᵀ + b (+ residual)`, x Aᵀ as fp32
-    `[rows, r]`), the adapter's first product from r more programs of the same launch and its second product
-    left to the caller (`rms_norm_addend_lora_down_rows`' `addend`)."""
+    output projection's result joins the residual stream."""
     launch = _launch(weight, quant_state)
     if len(launch.shape) != 2:
         raise ValueError(f"nf4_matvec needs a 2-D weight; quant_state.shape is {tuple(launch.shape)}")
@@ -384,8 +366,6 @@ def nf4_matvec(
     x2d = x.reshape(-1, n_in)
     n_rows = x2d.shape[0]
     _check_args(x, weight, bias, lora_a, lora_b, lora_t, n_out, n_in)
-    a_rank = _check_first_product_a(first_product_a, x, lora_a, lora_t,
-                                    first_product_a is None or first_product_supported(x, weight, quant_state))
     if residual is not None and (residual.numel() != n_rows * n_out or residual.dtype != x.dtype):
         raise ValueError(f"residual has shape {tuple(residual.shape)} and dtype {residual.dtype}; expected "
                          f"{n_rows * n_out} elements of {x.dtype}")
@@ -439,22 +419,15 @@ def nf4_matvec(
     if blocked and words:
         pdl = uses_pdl(x.device)
         x_rows, x_pairs = word_kernel_rows(x2d)
-        if a_rank:
-            a_x = x2d if x2d.stride(1) == 1 else x2d.contiguous()
-            a, a_t = first_product_a.contiguous(), empty((n_rows, a_rank), torch.float32, x.device)
-        else:
-            a_x = a = a_t = out
-        _nf4_matvec_words_kernel[(feature_blocks + a_rank, splits if split_k else 1)](
+        _nf4_matvec_words_kernel[(feature_blocks, splits if split_k else 1)](
             x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],
-            *((partial, arrivals) if split_k else (out, out)), *sizes, a_x, a_x.stride(0), a, a_t, a_t.stride(0),
+            *((partial, arrivals) if split_k else (out, out)), *sizes,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             PTX=LOOKUP == "registers", BF16_CODES=bf16_codes,
             SPLIT_K=split_k, PDL=pdl, STAGES=word_stages(n_out, n_in), num_warps=warps,
             WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs, PREFETCH=REGISTER_PREFETCH,
-            A_RANK=a_rank, A_BLOCK_K=LORA_BLOCK_K, **({"launch_pdl": True} if pdl else {}), **meta,
+            **({"launch_pdl": True} if pdl else {}), **meta,
         )
-        if a_rank:
-            return out.view(*x.shape[:-1], n_out), a_t
     elif blocked:
         pdl = uses_pdl(x.device)
         _nf4_matvec_blocked_kernel[(feature_blocks, splits if split_k else 1)](

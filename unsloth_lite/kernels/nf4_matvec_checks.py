@@ -42,19 +42,3 @@ def _check_args(x, weight, bias, lora_a, lora_b, lora_t, n_out, n_in):
             raise ValueError(
                 f"adapter shapes A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)} do not fit a weight [{n_out}, {n_in}]"
             )
-
-
-def _check_first_product_a(a, x, lora_a, lora_t, supported: bool) -> int:
-    """The rank of `first_product_a` (0 without it); ValueError where `nf4_matvec` cannot give it."""
-    if a is None:
-        return 0
-    n_in = x.shape[-1]
-    if lora_a is not None or lora_t is not None:
-        raise ValueError("first_product_a leaves the adapter's second product to the caller: give no lora_a or "
-                         "lora_t with it")
-    if a.dim() != 2 or a.shape[0] == 0 or a.shape[1] != n_in or a.device != x.device or not a.is_floating_point():
-        raise ValueError(f"first_product_a must be a floating [r > 0, {n_in}] on {x.device}; got {a.dtype} "
-                         f"{tuple(a.shape)} on {a.device}")
-    if not supported:
-        raise ValueError("first_product_a needs the word kernel's launch (first_product_supported)")
-    return a.shape[0]

@@ -25,7 +25,6 @@ import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_wait
 
 from unsloth_lite.kernels.dequantize_nf4 import _block_absmax
-from unsloth_lite.kernels.lora_down import _row_product
 from unsloth_lite.kernels.matvec_epilogue import _finish_product, _tile_range
 from unsloth_lite.kernels.nf4_codes import _nf4_word_codes
 
@@ -255,20 +254,6 @@ def _prefetched_word_walk(
 
 
 @triton.jit
-def _first_product_row(j, x_ptr, x_row_stride, a_ptr, t_ptr, t_row_stride, n_rows, n_in,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Column j of t = x Aᵀ for A `[r, K]` (contiguous) and x `[rows, K]` (any float dtype, unit column stride):
-    one of the word kernel's extra programs (`A_RANK`), walking row j of A while the others walk the weight."""
-    rows = tl.arange(0, BLOCK_M)
-    mask_rows = rows < n_rows
-    if PDL:
-        gdc_wait()  # x is the kernel before's output
-    column = _row_product(a_ptr + j.to(tl.int64) * n_in, x_ptr, x_row_stride, 1, rows, mask_rows, n_in, BLOCK_M,
-                          BLOCK_K, 1)
-    tl.store(t_ptr + rows * t_row_stride + j, column, mask=mask_rows)
-
-
-@triton.jit
 def _nf4_matvec_words_kernel(
     x_ptr, x_row_stride,
     words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr,
@@ -276,13 +261,11 @@ def _nf4_matvec_words_kernel(
     bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
     out_ptr, out_row_stride, partial_ptr, arrivals_ptr,
     n_rows, n_out, n_in, rank,
-    a_x_ptr, a_x_row_stride, a_ptr, a_t_ptr, a_t_row_stride,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
     BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
-    A_RANK: tl.constexpr, A_BLOCK_K: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) for all rows, walking K BLOCKS_PER_TILE quantisation
     blocks at a time (with SPLIT_K, tiles a split, program (i, j) takes tiles [j · SPLIT_K, (j + 1) · SPLIT_K),
@@ -290,44 +273,7 @@ def _nf4_matvec_words_kernel(
     weight as int32 words; PTX: the lookup in registers (compiled only), else from the code book `code_ptr`.
     PDL and STAGES as in `_nf4_matvec_blocked_kernel`: nothing another kernel may write is read before
     `gdc_wait`. WHOLE_TILES: N a multiple of BLOCK_N and K of the tile (every projection of the Qwen models):
-    no masks. X_PAIRS: x is bf16, read as int32 pairs (`x_ptr` int32, its row stride in pairs). A_RANK > 0: the
-    last A_RANK programs (of the first split) write t = x Aᵀ (`a_ptr` `[A_RANK, K]`, x as `a_x_ptr` holds it) to
-    `a_t_ptr` instead (`_first_product_row`)."""
-    if A_RANK > 0:
-        first_a_program = tl.num_programs(0) - A_RANK
-        if tl.program_id(0) >= first_a_program:
-            if tl.program_id(1) == 0:
-                _first_product_row(tl.program_id(0) - first_a_program, a_x_ptr, a_x_row_stride, a_ptr, a_t_ptr,
-                                   a_t_row_stride, n_rows, n_in, BLOCK_M, A_BLOCK_K, PDL)
-        else:
-            _words_program(
-                x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr,
-                nested_absmax_ptr, offset_ptr, nested_blocksize, bias_ptr, t_ptr, t_row_stride, lora_b_ptr,
-                lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr, arrivals_ptr,
-                n_rows, n_out, n_in, rank, BLOCKSIZE, NESTED, BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE,
-                BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH,
-            )
-    else:
-        _words_program(
-            x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
-            offset_ptr, nested_blocksize, bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride,
-            lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr, arrivals_ptr, n_rows, n_out, n_in, rank,
-            BLOCKSIZE, NESTED, BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, PTX, BF16_CODES, SPLIT_K,
-            PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH,
-        )
-
-
-@triton.jit
-def _words_program(
-    x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
-    offset_ptr, nested_blocksize: tl.constexpr, bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride,
-    lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr, arrivals_ptr, n_rows, n_out, n_in, rank,
-    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
-    PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
-    WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
-):
-    """One feature block's program of `_nf4_matvec_words_kernel`: its walk along K and its end."""
+    no masks. X_PAIRS: x is bf16, read as int32 pairs (`x_ptr` int32, its row stride in pairs)."""
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     first_block, end_block = _tile_range(n_in // BLOCKSIZE, BLOCKS_PER_TILE, SPLIT_K)

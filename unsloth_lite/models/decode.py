@@ -24,7 +24,7 @@ from unsloth_lite.kernels.lora import LoRAProjection
 from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
 from unsloth_lite.kernels.nf4_gated_matvec import gated_matvec_supported, nf4_gated_matvec
 from unsloth_lite.kernels.nf4_grouped_matvec import grouped_matvec_supported, nf4_grouped_matvec
-from unsloth_lite.kernels.nf4_matvec import first_product_supported, nf4_matvec
+from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 from unsloth_lite.kernels.nf4_matvec_reference import nf4_matvec_reference
 from unsloth_lite.kernels.screened_logits import int8_rows, screened_logits
 from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
@@ -57,12 +57,6 @@ RESIDUAL_IN_PRODUCTS = True
 # products from the attention and gate-and-up launches (their programs' shares summed in the launch) were measured
 # slower than their own `lora_down_rows` launches and removed (docs/design.md).
 NORM_FIRST_PRODUCTS = True
-# An output projection's adapter (o_proj or out_proj, and down_proj but the last layer's) over an NF4 base with its
-# first product x Aᵀ from r more programs of the projection's own launch (`nf4_matvec`'s `first_product_a`) and
-# its second product added to the residual stream by the norm after it (`rms_norm_addend_lora_down_rows`),
-# instead of a `lora_down_rows` launch and the product's epilogue: one launch fewer an adapted output
-# projection. Tested, not yet timed: off.
-SECOND_PRODUCTS_IN_NORMS = False
 # A full-attention layer's q/k norm and RoPE (Qwen3, Qwen3.5) inside its `decode_attention` launch (the query and
 # the new key normed and rotated as they are read) instead of a `qk_norm_rope` launch before it. Tested on the
 # CPU, not yet timed on a GPU: off.
@@ -169,14 +163,11 @@ _PENDING_RESIDUAL = threading.local()
 
 
 @contextlib.contextmanager
-def residual_for_output(residual: torch.Tensor, defer_second_product: bool = False):
+def residual_for_output(residual: torch.Tensor):
     """Within: the next output projection of decoding rows (`output_rows`) returns `residual +` its result, and
-    marks it taken (`yield`s {"taken": bool, "addend": ...}); a nested use holds its own. `defer_second_product`
-    (`SECOND_PRODUCTS_IN_NORMS`, for a result a norm reads next): an adapter the projection's launch can take
-    that way leaves its second product out, as "addend" (t, B, s) for `rms_norm_addend_lora_down_rows`."""
+    marks it taken (`yield`s {"taken": bool}); a nested use holds its own."""
     previous = getattr(_PENDING_RESIDUAL, "pending", None)
-    pending = _PENDING_RESIDUAL.pending = {"residual": residual, "taken": False, "addend": None,
-                                           "defer": defer_second_product}
+    pending = _PENDING_RESIDUAL.pending = {"residual": residual, "taken": False}
     try:
         yield pending
     finally:
@@ -190,27 +181,7 @@ def output_rows(projection: LoRAProjection, x: torch.Tensor) -> torch.Tensor:
     if pending is None or pending["taken"]:
         return project_rows((projection,), x)[0]
     pending["taken"] = True
-    if pending["defer"] and defers_second_product(projection, x):
-        y, t = nf4_matvec(x, projection.base, projection.bias, residual=pending["residual"],
-                          first_product_a=projection.lora_a)
-        pending["addend"] = (t, projection.lora_b, projection.scale)
-        return y
     return project_rows((projection,), x, residual=pending["residual"])[0]
-
-
-def defers_second_product(projection: LoRAProjection, x: torch.Tensor) -> bool:
-    """Whether `output_rows` can leave this projection's adapter's second product to the norm after it: an
-    adapter over an NF4 base whose launch gives the first product (`first_product_supported`), B with unit
-    column stride."""
-    return (projection.rank > 0 and getattr(projection.base, "quant_state", None) is not None
-            and projection.lora_b.stride(-1) == 1 and first_product_supported(x, projection.base))
-
-
-def add_second_product(x: torch.Tensor, addend) -> torch.Tensor:
-    """x + s · t Bᵀ in x's dtype for `addend` = (t `[rows, r]`, B `[N, r]`, s), in PyTorch: where no fused norm
-    takes the addend (`rms_norm_addend_lora_down_rows` does the same in its launch)."""
-    t, lora_b, scale = addend
-    return (x.float() + scale * (t @ lora_b.float().t()).view(x.shape)).to(x.dtype)
 
 
 _PENDING_PRODUCTS = threading.local()
