@@ -35,6 +35,31 @@ def test_screened_logits_keep_the_argmax(vocab, hidden, dtype, device):
     assert candidates[full.float() >= largest - 1e-3].all(), "every near maximum is a candidate"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_exempt_rows_keep_the_masked_argmax(dtype, device):
+    """Exempt rows (end-of-sequence ids a minimum-new-tokens step masks after the head) are always computed and
+    never bound the screen: with them masked, the argmax is still the full product's; negative ids are ignored."""
+    vocab, hidden = 3 * BLOCK_N + 5, 96
+    weight, x = _head(vocab, hidden, dtype, device)
+    x = x / x.abs().amax(dim=1, keepdim=True)
+    weight[11], weight[vocab - 2] = x[0] * 3, x[2] * 3  # rows 0 and 2: one logit far above the rest, exempt
+    quantized, scale = int8_rows(weight)
+    exempt = torch.tensor([vocab - 2, -1, 11], device=device)
+    got = screened_logits(x, weight, quantized, scale, exempt)
+    full = (x.double() @ weight.double().t()).to(dtype).float()
+    assert torch.isfinite(got[:, [11, vocab - 2]]).all()
+    masked = full.clone()
+    masked[:, [11, vocab - 2]] = float("-inf")
+    got_masked = got.float().clone()
+    got_masked[:, [11, vocab - 2]] = float("-inf")
+    assert torch.equal(got_masked.argmax(dim=-1), masked.argmax(dim=-1))
+    assert torch.equal(got.float().argmax(dim=-1), full.argmax(dim=-1))
+    without = screened_logits(x, weight, quantized, scale)
+    assert torch.isfinite(without[0]).sum() == 1, "without exemption row 0's outstanding logit is its only candidate"
+    with pytest.raises(ValueError, match="exempt must be"):
+        screened_logits(x, weight, quantized, scale, torch.zeros(9, dtype=torch.int64, device=device))
+
+
 def test_int8_rows_by_passes(device):
     """The copy made a few rows at a time is the copy made at once; every weight within half a step."""
     weight, _ = _head(70, 64, torch.bfloat16, device)

@@ -8,11 +8,13 @@ For hidden rows x `[B, K]` (B <= 8), the head W `[V, K]` and its int8 copy Q wit
     e_n = C s_n Σ_k |x_k|           a bound of |z_n − a_n| for the exact z_n = Σ_k W_nk x_k: C = 1/2 for the
                                     rounding of W to Q, plus three times the fp32 sums' worst rounding
                                     (K · 127 · 2⁻²⁴ each: a's, z's and the reference product's)
-    L   = max_n (a_n − e_n)         no largest logit is smaller
-    y_n = z_n (in W's dtype) where a_n + e_n >= L − |L| 2⁻⁶, else −inf
+    L   = max_n (a_n − e_n)         no largest logit is smaller (n over the rows not exempt)
+    y_n = z_n (in W's dtype) where a_n + e_n >= L − |L| 2⁻⁶ or n is exempt, else −inf
 
 So the largest logit, and every one that could round to the same value, is computed from W itself: the argmax of
-y (its first index) is that of the full product x Wᵀ. Reading Q instead of W halves the bytes of the step's
+y (its first index) is that of the full product x Wᵀ. Exempt rows (the end-of-sequence ids, which a
+minimum-new-tokens step masks after the head) are always computed and never set L, so the argmax stays the full
+product's with any of them masked as well. Reading Q instead of W halves the bytes of the step's
 largest product (the Qwen3-8B head: 0.62 GB instead of 1.24), for Q's memory beside W. No gradient: inference
 only; only the argmax of y is the full product's (the other values are not logits).
 
@@ -34,6 +36,7 @@ from unsloth_lite.kernels.utils import INTERPRET, empty
 BLOCK_N = 64  # rows of the head a program
 BLOCK_K = 128  # columns a step
 MAX_ROWS = 8
+MAX_EXEMPT = 8  # exempt row ids a launch takes
 
 
 @triton.jit
@@ -62,10 +65,10 @@ def _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, mask
 
 @triton.jit
 def _screen_kernel(
-    x_ptr, x_row_stride, q_ptr, scale_ptr, upper_ptr, block_lower_ptr, lower_ptr, arrivals_ptr,
-    n_rows, n_out, n_in, bound_factor,
+    x_ptr, x_row_stride, q_ptr, scale_ptr, exempt_ptr, n_exempt, upper_ptr, block_lower_ptr, lower_ptr,
+    arrivals_ptr, n_rows, n_out, n_in, bound_factor,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-    DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_E: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
 ):
     block = tl.program_id(0)
     features = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,9 +80,13 @@ def _screen_kernel(
     scale = tl.load(scale_ptr + features, mask=mask_features, other=0.0)
     approximate = acc * scale[None, :]
     bound = bound_factor * scale[None, :] * absolute[:, None]
+    slots = tl.arange(0, BLOCK_E)
+    exempt_ids = tl.load(exempt_ptr + slots, mask=slots < n_exempt, other=-1)
+    exempt = tl.max((features[:, None] == exempt_ids[None, :]).to(tl.int32), axis=1) != 0
     mask = mask_rows[:, None] & mask_features[None, :]
-    tl.store(upper_ptr + rows[:, None] * n_out + features[None, :], approximate + bound, mask=mask)
-    least = tl.max(tl.where(mask_features[None, :], approximate - bound, float("-inf")), axis=1)
+    upper = tl.where(exempt[None, :], float("inf"), approximate + bound)
+    tl.store(upper_ptr + rows[:, None] * n_out + features[None, :], upper, mask=mask)
+    least = tl.max(tl.where((mask_features & ~exempt)[None, :], approximate - bound, float("-inf")), axis=1)
     tl.store(block_lower_ptr + rows * tl.num_programs(0) + block, least, mask=mask_rows)
     tl.debug_barrier()  # every thread's stores before the arrival (released at GPU scope by the atomic)
     if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
@@ -135,10 +142,12 @@ def bound_factor(n_in: int) -> float:
     return 0.5 * (1 + 2.0**-20) + 3 * n_in * 127 * 2.0**-24
 
 
-def screened_logits(x: torch.Tensor, weight: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor):
+def screened_logits(x: torch.Tensor, weight: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor,
+                    exempt: torch.Tensor | None = None):
     """y `[..., V]` in weight's dtype for x `[..., K]` of 1 to 8 rows, weight `[V, K]` (bf16, fp16 or fp32, the
     head without bias) and its `int8_rows`: x Wᵀ at the rows where the argmax of each row of x can lie, −inf
-    elsewhere (module docstring)."""
+    elsewhere (module docstring). `exempt`: int64 row ids `[<= MAX_EXEMPT]` on x's device (negative ones
+    ignored) computed always and left out of the screen's bound, so that masking them keeps the argmax exact."""
     n_out, n_in = weight.shape
     x2d = x.reshape(-1, n_in)
     n_rows = x2d.shape[0]
@@ -149,8 +158,14 @@ def screened_logits(x: torch.Tensor, weight: torch.Tensor, quantized: torch.Tens
         raise ValueError(f"quantized and scale must be int8_rows of the head [{n_out}, {n_in}]")
     if not weight.is_contiguous() or not quantized.is_contiguous():
         raise ValueError("the head and its int8 copy must be contiguous")
+    if exempt is not None and (exempt.dim() != 1 or exempt.numel() > MAX_EXEMPT or exempt.dtype != torch.int64
+                               or exempt.device != x.device):
+        raise ValueError(f"exempt must be int64 row ids [<= {MAX_EXEMPT}] on {x.device}; got {exempt.dtype} "
+                         f"{tuple(exempt.shape)} on {exempt.device}")
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
+    if exempt is None:
+        exempt = torch.full((1,), -1, dtype=torch.int64, device=x.device)
     blocks = triton.cdiv(n_out, BLOCK_N)
     device = x.device
     upper = empty((n_rows, n_out), torch.float32, device)
@@ -160,9 +175,10 @@ def screened_logits(x: torch.Tensor, weight: torch.Tensor, quantized: torch.Tens
     block_m = 16  # tl.dot's least M
     precision = dict(DOT_F32=INTERPRET or x.dtype == torch.float32, IEEE=x.dtype == torch.float32)
     _screen_kernel[(blocks,)](
-        x2d, x2d.stride(0), quantized, scale, upper, block_lower, lower, _arrival_counters(device, 1),
-        n_rows, n_out, n_in, bound_factor(n_in),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_P=1024, num_warps=4, **precision,
+        x2d, x2d.stride(0), quantized, scale, exempt, exempt.numel(), upper, block_lower, lower,
+        _arrival_counters(device, 1), n_rows, n_out, n_in, bound_factor(n_in),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_P=1024, BLOCK_E=MAX_EXEMPT, num_warps=4,
+        **precision,
     )
     _exact_kernel[(blocks,)](
         x2d, x2d.stride(0), weight, upper, lower, out, n_rows, n_out, n_in,
