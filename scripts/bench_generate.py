@@ -44,8 +44,8 @@ each full-attention layer's cache update, attention and output gate in one launc
 (`decode.RESIDUAL_IN_PRODUCTS`: each layer's residual adds in its output projections' epilogues), `norm=1`
 (`decode.NORM_FIRST_PRODUCTS`: each norm and the first products of the adapters after it in one launch),
 `small_pdl=1` (`kernels.utils.DECODE_PDL`: the small decoding kernels as programmatic dependent launches),
-`greedy=0` (`decode_loop.GREEDY_TOKEN_KERNEL`: a greedy step's token chosen and recorded in one launch),
-`norm_rope=0` (`decode.NORM_ROPE_IN_ATTENTION`: the q/k norm and RoPE inside the attention's launch), `screened=0`
+`greedy=1` (`decode_loop.GREEDY_TOKEN_KERNEL`: a greedy step's token chosen and recorded in one launch),
+`norm_rope=1` (`decode.NORM_ROPE_IN_ATTENTION`: the q/k norm and RoPE inside the attention's launch), `screened=1`
 (`decode.SCREENED_LM_HEAD`, with `greedy=1`: the lm_head screened by an int8 copy). A suffixed adapter variant's
 `lora_cost` is against `unsloth_lite` with the same suffix.
 

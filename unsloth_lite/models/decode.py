@@ -26,7 +26,7 @@ from unsloth_lite.kernels.nf4_gated_matvec import gated_matvec_supported, nf4_ga
 from unsloth_lite.kernels.nf4_grouped_matvec import grouped_matvec_supported, nf4_grouped_matvec
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 from unsloth_lite.kernels.nf4_matvec_reference import nf4_matvec_reference
-from unsloth_lite.kernels.screened_logits import int8_rows, screened_logits
+from unsloth_lite.kernels.screened_logits import MAX_EXEMPT, int8_rows, screened_logits
 from unsloth_lite.kernels.swiglu import swiglu, swiglu_reference
 from unsloth_lite.kernels.utils import INTERPRET
 
@@ -58,17 +58,19 @@ RESIDUAL_IN_PRODUCTS = True
 # slower than their own `lora_down_rows` launches and removed (docs/design.md).
 NORM_FIRST_PRODUCTS = True
 # A full-attention layer's q/k norm and RoPE (Qwen3, Qwen3.5) inside its `decode_attention` launch (the query and
-# the new key normed and rotated as they are read) instead of a `qk_norm_rope` launch before it. Tested on the
-# CPU, not yet timed on a GPU: off.
-NORM_ROPE_IN_ATTENTION = False
+# the new key normed and rotated as they are read) instead of a `qk_norm_rope` launch before it. On since measured
+# with `SCREENED_LM_HEAD` and the loop's one-launch greedy step (docs/benchmarks.md, "W3 with the one-launch greedy
+# step"; an H100, Qwen3-8B shape): the two take the captured step 3.356 -> 3.266 ms, 291 -> 305 tokens/s with it.
+NORM_ROPE_IN_ATTENTION = True
 # A greedy step's logits from the dense lm_head screened by an int8 copy of it (`screened_logits`: the head read at
 # half the bytes, exact products only where the argmax can lie), where the decoding loop takes only their argmax
-# (`greedy_logits`). The copy is kept on the head (0.62 GB at the Qwen3-8B shape). Tested on the CPU, not yet
-# timed on a GPU: off.
-SCREENED_LM_HEAD = False
+# (`greedy_logits`). The copy is kept on the head (0.62 GB at the Qwen3-8B shape) until the decoding cache is
+# released. On since measured with `NORM_ROPE_IN_ATTENTION` (above).
+SCREENED_LM_HEAD = True
 # A Gated DeltaNet layer's token step after its convolution in one launch (`delta_rule_gated_step`: the gates,
 # the delta-rule step and the gated RMSNorm of each head), instead of three. Correct on the GPU (the tests above;
-# on in that run, where the Qwen3-8B shape has no DeltaNet layer), not yet timed at the Qwen3.5-27B shape: off.
+# on in that run, where the Qwen3-8B shape has no DeltaNet layer); 1.5% slower at the Qwen3.5-27B shape (H100,
+# docs/benchmarks.md): off.
 GATED_DELTANET_STEP = False
 # Attention implementations whose mask (None, or 4-D boolean or additive) SDPA reads as they do.
 GROUPED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -79,26 +81,29 @@ INT8_HEAD_ATTRIBUTE = "_unsloth_lite_int8_rows"
 
 
 @contextlib.contextmanager
-def greedy_logits():
-    """Within: the forwards' logits feed only a greedy argmax (the decoding loop's `greedy_token`), so that with
-    `SCREENED_LM_HEAD` they may be `screened_logits`."""
-    previous = getattr(_GREEDY_LOGITS, "on", False)
-    _GREEDY_LOGITS.on = True
+def greedy_logits(end_ids: torch.Tensor | None = None):
+    """Within: the forwards' logits feed only a greedy argmax (the decoding loop's `greedy_token`), which may mask
+    `end_ids` (1-D int64, the end-of-sequence ids, within `min_new_tokens`), so that with `SCREENED_LM_HEAD` they
+    may be `screened_logits` with those rows exempt (at most `MAX_EXEMPT` of them)."""
+    previous = getattr(_GREEDY_LOGITS, "state", None)
+    _GREEDY_LOGITS.state = (end_ids,) if end_ids is None or end_ids.numel() <= MAX_EXEMPT else None
     try:
         yield
     finally:
-        _GREEDY_LOGITS.on = previous
+        _GREEDY_LOGITS.state = previous
 
 
 def screens_logits() -> bool:
     """Whether the forwards now running may return `screened_logits` (`greedy_logits` and `SCREENED_LM_HEAD`)."""
-    return SCREENED_LM_HEAD and getattr(_GREEDY_LOGITS, "on", False)
+    return SCREENED_LM_HEAD and getattr(_GREEDY_LOGITS, "state", None) is not None
 
 
 def screened_head_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor | None:
     """`screened_logits` of the rows `hidden` through a dense `lm_head` without bias where `screens_logits()` and
     the rows are decoding rows on the kernels' device, else None. The head's int8 copy is made once and kept on
-    it (`INT8_HEAD_ATTRIBUTE`, dropped with the decoding cache) while its weight is unchanged."""
+    it (`INT8_HEAD_ATTRIBUTE`, dropped with the decoding cache) while its weight is unchanged, with a buffer of
+    the exempt ids that a captured step reads: each forward outside a capture (a request's prompt comes first)
+    copies `greedy_logits`' end ids into it."""
     weight = getattr(lm_head, "weight", None)
     if not screens_logits() or type(lm_head) is not torch.nn.Linear or lm_head.bias is not None:
         return None
@@ -108,11 +113,19 @@ def screened_head_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor | None:
         return None
     key = (weight.data_ptr(), weight._version)
     kept = lm_head.__dict__.get(INT8_HEAD_ATTRIBUTE)
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     if kept is None or kept[0] != key:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing:
             return None  # made outside a capture, on the step before
-        kept = lm_head.__dict__[INT8_HEAD_ATTRIBUTE] = (key, *int8_rows(weight))
-    return screened_logits(hidden, weight, kept[1], kept[2])
+        exempt = torch.empty(MAX_EXEMPT, dtype=torch.int64, device=weight.device)
+        kept = lm_head.__dict__[INT8_HEAD_ATTRIBUTE] = (key, *int8_rows(weight), exempt)
+    exempt = kept[3]
+    if not capturing:
+        end_ids = _GREEDY_LOGITS.state[0]
+        exempt.fill_(-1)
+        if end_ids is not None:
+            exempt[: end_ids.numel()].copy_(end_ids.reshape(-1))
+    return screened_logits(hidden, weight, kept[1], kept[2], exempt)
 
 
 def is_decode_rows(x: torch.Tensor) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import inspect
 import types
 
@@ -55,9 +56,10 @@ from unsloth_lite.models.layers import use_kernels
 # step run for nothing after the last sequence finishes.
 IN_FLIGHT = 2
 # A greedy step without logits processors (but the minimum-new-tokens one) chooses its token and does its
-# bookkeeping in one launch (`greedy_token`) instead of a dozen small ones. Tested on the CPU, not yet timed on a
-# GPU: off.
-GREEDY_TOKEN_KERNEL = False
+# bookkeeping in one launch (`greedy_token`) instead of a dozen small ones. On since measured with
+# `decode.NORM_ROPE_IN_ATTENTION` and `decode.SCREENED_LM_HEAD` (docs/benchmarks.md, "W3 with the one-launch greedy
+# step"; an H100, Qwen3-8B shape): the loop's work between two replays 76 -> 13 us a token.
+GREEDY_TOKEN_KERNEL = True
 # The reused cache's length is rounded up to this, so that calls of nearby lengths share it (and the captured
 # decode step, whose mask has the cache's length). Masked positions cost a few keys of attention, nothing else.
 CACHE_ROUNDING = 256
@@ -310,7 +312,7 @@ def decode(model, request: Request) -> torch.Tensor:
     ids[:, :length] = prompt
     one_launch = GREEDY_TOKEN_KERNEL and _one_launch_choice(request) and use_kernels(prompt)
     # only the argmax of each step's logits is read: the lm_head may screen them (`decode.SCREENED_LM_HEAD`)
-    forwards = greedy_logits if one_launch else contextlib.nullcontext
+    forwards = functools.partial(greedy_logits, request.eos) if one_launch else contextlib.nullcontext
     with forwards():
         output = model(input_ids=prompt, attention_mask=request.attention_mask, use_cache=True, logits_to_keep=1,
                        **{cache_keyword: cache})
