@@ -245,7 +245,8 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
                         nf4_matvec.nf4_matvec(x, packed, quant_state=state)
             finally:
                 nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH = saved
-            tile = (nf4_matvec.word_tile if words else nf4_matvec.blocked_tile)(n_out)
+            launch = "gated" if name.startswith("gated") else "words"
+            tile = nf4_matvec.word_tile(n_out, n_in, launch) if words else nf4_matvec.blocked_tile(n_out)
             rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=tile_name(tile),
                              **launch_figures(launches, arch, 2 if name.startswith("gated") else 1)))
     return rows
@@ -266,8 +267,10 @@ def grouped_rows(groups, arch: int) -> list[dict]:
                     nf4_grouped_matvec.nf4_grouped_matvec(x, weights, [None] * len(weights), [None] * len(weights))
             finally:
                 nf4_matvec.WORD_KERNEL = saved
-            rows.append(dict(out="/".join(map(str, widths)), **{"in": n_in}, kernel=name,
-                             tile=tile_name(nf4_matvec.blocked_tile(max(widths))), **launch_figures(launches, arch)))
+            widest = max(widths)
+            tile = nf4_matvec.word_tile(widest, n_in, "grouped") if words else nf4_matvec.blocked_tile(widest)
+            rows.append(dict(out="/".join(map(str, widths)), **{"in": n_in}, kernel=name, tile=tile_name(tile),
+                             **launch_figures(launches, arch)))
     return rows
 
 

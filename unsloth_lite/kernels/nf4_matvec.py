@@ -35,13 +35,13 @@ fp32 slot `[splits, rows, N]`; the last to arrive at the feature block's counter
 slots in split order (deterministic), writes y and resets the counter, so there is no second launch and no
 memset. `BF16_CODES` decodes bf16 weights with the code book rounded to bf16: two of the four byte planes of the
 lookup (compiled offline for sm_90: 496 instructions instead of 592 in the kernel at 8 x 512), each weight within
-bf16's rounding of its exact value. With `PDL`
-(Hopper's programmatic dependent launch) a projection starts loading its weight while the kernel before it
-finishes and waits for that kernel before it reads anything the kernel may write; a decoding step chains
-hundreds of them. The code lookups are in `nf4_codes.py`, the adapters' first product x Aᵀ in `lora_down.py`,
-the programs' ends (the K split's sum, bias and adapter) in `matvec_epilogue.py`, the kept flat absmax and the
-word kernel's tables in `nf4_matvec_state.py`; the word kernel, the gate-and-up kernel and the grouped kernel
-(`nf4_matvec_words.py`, `nf4_gated_matvec.py`, `nf4_grouped_matvec.py`) share the blocked kernel's pieces.
+bf16's rounding of its exact value. With `PDL` (Hopper's programmatic dependent launch) a projection starts
+loading its weight while the kernel before it finishes and waits for that kernel before it reads anything the
+kernel may write; a decoding step chains hundreds of them. The code lookups are in `nf4_codes.py`, the
+adapters' first product x Aᵀ in `lora_down.py`, the programs' ends (the K split's sum, bias and adapter) in
+`matvec_epilogue.py`, the kept flat absmax and the word kernel's tables in `nf4_matvec_state.py`; the word
+kernel, the gate-and-up kernel and the grouped kernel (`nf4_matvec_words.py`, `nf4_gated_matvec.py`,
+`nf4_grouped_matvec.py`) share the blocked kernel's pieces.
 
 Inference only: no autograd (the weight is frozen and generation needs no gradient); `nf4_matvec` refuses
 inputs that require grad.
@@ -139,9 +139,9 @@ def uses_pdl(device: torch.device) -> bool:
 
 def blocked_tile(n_out: int) -> tuple[int, int, int, int]:
     """(features, weights along K, warps, tiles a split along K: 0 or False for none) of the blocked kernel's
-    programs. Measured on the H200
-    at batch 1 over the Qwen3-8B and Qwen3.5-27B projections (`bench_nf4_matvec.py --sweep`): 8 features by 512
-    weights where N is large; 4 by 1024 where N / 8 programs would leave SMs idle (k/v projections: N = 1024).
+    programs. Measured on the H200 at batch 1 over the Qwen3-8B and Qwen3.5-27B projections (`bench_nf4_matvec.py
+    --sweep`): 8 features by 512 weights where N is large; 4 by 1024 where N / 8 programs would leave SMs idle
+    (k/v projections: N = 1024).
     The interpreter's cost is per program and per operation: few, wide tiles. Split along K (one tile of K a
     program, `_nf4_matvec_blocked_kernel`): measured slower at every projection but the 27B's 48-feature ones
     (8.4 against 9.7 us), so off."""

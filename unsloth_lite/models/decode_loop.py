@@ -359,7 +359,7 @@ def decode(model, request: Request) -> torch.Tensor:
 
 
 def _one_launch_choice(request: Request) -> bool:
-    """Whether `greedy_token` makes the request's choice: greedy, at most 16 end-of-sequence ids, and no logits
+    """Whether `greedy_token` makes the request's choice: greedy, at most MAX_EOS end-of-sequence ids, and no logits
     processor but the minimum-new-tokens one (which it applies itself)."""
     processors = len(request.processors) - (1 if request.min_new_tokens else 0)
     eos = 0 if request.eos is None else request.eos.numel()
