@@ -46,7 +46,9 @@ each full-attention layer's cache update, attention and output gate in one launc
 `small_pdl=1` (`kernels.utils.DECODE_PDL`: the small decoding kernels as programmatic dependent launches),
 `greedy=1` (`decode_loop.GREEDY_TOKEN_KERNEL`: a greedy step's token chosen and recorded in one launch),
 `norm_rope=1` (`decode.NORM_ROPE_IN_ATTENTION`: the q/k norm and RoPE inside the attention's launch), `screened=1`
-(`decode.SCREENED_LM_HEAD`, with `greedy=1`: the lm_head screened by an int8 copy). A suffixed adapter variant's
+(`decode.SCREENED_LM_HEAD`, with `greedy=1`: the lm_head screened by an int8 copy), `first=0`
+(`nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH`: an output projection's adapter's first product in the projection's own
+launch). A suffixed adapter variant's
 `lora_cost` is against `unsloth_lite` with the same suffix.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
@@ -138,6 +140,7 @@ DECODE_SETTINGS = {
     "greedy": ("unsloth_lite.models.decode_loop", "GREEDY_TOKEN_KERNEL", 0),
     "norm_rope": ("unsloth_lite.models.decode", "NORM_ROPE_IN_ATTENTION", 0),
     "screened": ("unsloth_lite.models.decode", "SCREENED_LM_HEAD", 0),
+    "first": ("unsloth_lite.kernels.nf4_matvec", "FIRST_PRODUCTS_IN_LAUNCH", 0),
 }
 TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
 H200_COPY_GBPS = 4270.0

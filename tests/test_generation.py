@@ -24,6 +24,7 @@ from helpers import assert_close
 from peft import LoraConfig, get_peft_model
 from test_patch_model import tiny_model, tiny_qwen3_5
 
+from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.decode_attention import decode_attention
 from unsloth_lite.kernels.deltanet_decode_gated import delta_rule_gated_step
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
@@ -274,9 +275,10 @@ def test_greedy_tokens_match_with_norms_and_first_products_in_one_launch(arch, c
 
 
 def test_greedy_tokens_match_with_every_fused_launch(device, monkeypatch):
-    """Every fused decoding launch at once (the tiny Qwen3.5: gated attention and DeltaNet layers), the greedy
-    tokens those of the unpatched model."""
+    """Every fused decoding launch at once (the tiny Qwen3.5: gated attention and DeltaNet layers), the output
+    projections' first products in their own launches, the greedy tokens those of the unpatched model."""
     set_fused_launches(monkeypatch, on=FUSED_LAUNCHES)
+    monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
     assert_same_greedy_tokens("qwen3_5", "4bit+lora", "static", 3, device, prompt_shape=(2, 4))
 
 
@@ -424,6 +426,7 @@ def test_bf16_greedy_path_matches_cuda_with_every_fused_launch(arch, torch_delta
     from unsloth_lite.kernels import lora_down, utils
 
     set_fused_launches(monkeypatch, on=FUSED_LAUNCHES)
+    monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
     monkeypatch.setattr(utils, "DECODE_PDL", True)
     monkeypatch.setattr(lora_down, "SPLIT_K", True)
     monkeypatch.setattr(lora_down, "PDL", True)

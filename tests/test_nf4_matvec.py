@@ -235,16 +235,19 @@ def test_bf16_code_book_only_for_bf16_weights(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("words", [False, True], ids=["blocked", "words"])
+@pytest.mark.parametrize("words", [False, True, "first_products"],
+                         ids=["blocked", "words", "words_first_products_in_launch"])
 @pytest.mark.parametrize("stages", [1, 3], ids=lambda n: f"{n}stages")
 @pytest.mark.parametrize("split", [False, True], ids=["loop", "split"])
 def test_nf4_matvec_programmatic_dependent_launch_chain(split, stages, words, monkeypatch):
     """`PDL`: each projection launched while the one before it finishes reads that one's output only after
     waiting for it. A chain of four (y = W4 W3 W2 W1 x, each with bias and adapter, the inputs of one the outputs
-    of the one before), eager and replayed as a CUDA graph, against float64; the blocked and the word kernel."""
+    of the one before), eager and replayed as a CUDA graph, against float64; the blocked and the word kernel, the
+    latter also with each adapter's first product in its launch (`FIRST_PRODUCTS_IN_LAUNCH`)."""
     monkeypatch.setattr(nf4_matvec_module, "PDL", True)
     monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", stages)
-    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", words)
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", bool(words))
+    monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", words == "first_products")
     if split:
         for tile in ("blocked_tile", "word_tile"):
             monkeypatch.setattr(nf4_matvec_module, tile, lambda *_: (16, 1024, 8, True))

@@ -13,8 +13,9 @@ import torch
 from helpers import TOLERANCE, assert_close, dtype_id
 from test_nf4_matvec import check, check_split_along_k, float64_reference, make_case
 
+from unsloth_lite.kernels import lora_down as lora_down_module
+from unsloth_lite.kernels import matvec_epilogue, nf4_matvec_state
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
-from unsloth_lite.kernels import nf4_matvec_state
 from unsloth_lite.kernels.nf4_codes import word_lookup_tables
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 
@@ -86,6 +87,27 @@ def test_word_kernel_with_register_prefetch(rows, split_k, device, word_kernel, 
     assert len(word_kernel) == 1
 
 
+def assert_first_products_in_the_launch(shape, rows, rank, device, launches):
+    """One word-kernel launch whose first rank x steps programs computed t = x Aᵀ (`FIRST_PRODUCTS_IN_LAUNCH`),
+    y against float64, the launch's ready flags and column counters left at 0 for the next one."""
+    check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=rank, device=device)
+    steps = -(-shape[1] // lora_down_module.LORA_BLOCK_K)
+    block_n = nf4_matvec_module.word_tile(*shape)[0]
+    assert [grid[0] for grid in launches] == [rank * steps + -(-shape[0] // block_n)]
+    assert not matvec_epilogue._arrival_counters(torch.device(device), 2, use="first products").any()
+    assert not matvec_epilogue._arrival_counters(torch.device(device), rank).any()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("shape,rank", [((40, 64 * 37), 4), ((130, 64), 16)], ids=str)
+def test_word_kernel_takes_the_first_product_in_its_launch(shape, rank, rows, device, word_kernel, monkeypatch):
+    """An adapter given by A (no precomputed t): its first product by the launch's first programs (several steps
+    along K, or one), which the others await before adding t Bᵀ."""
+    monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
+    monkeypatch.setattr(nf4_matvec_module, "lora_down_rows", None)  # no launch of its own
+    assert_first_products_in_the_launch(shape, rows, rank, device, word_kernel)
+
+
 def test_lane_tables_hold_the_lookup_tables_once_per_lane():
     tables = nf4_matvec_state.lane_tables(torch.device("cpu"), True)
     assert tables.shape == (32, 8) and tables.dtype == torch.int32
@@ -125,6 +147,19 @@ def test_word_kernel_cuda(shape, rows, dtype, word_kernel):
     """Compiled, the PTX lookup: bf16 weights with the code book rounded to bf16, fp32 ones with the exact one."""
     check(shape, rows, dtype, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
     assert word_kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("shape", W3_SHAPES, ids=str)
+def test_word_kernel_takes_the_first_product_in_its_launch_cuda(shape, rows, word_kernel, monkeypatch):
+    """Compiled, at the W3 models' shapes: the launch's first programs' t awaited by the others (one wave or
+    several), flags left at 0."""
+    monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
+    monkeypatch.setattr(nf4_matvec_module, "lora_down_rows", None)
+    for _ in range(3):
+        word_kernel.clear()
+        assert_first_products_in_the_launch(shape, rows, 16, "cuda", word_kernel)
 
 
 @pytest.mark.gpu

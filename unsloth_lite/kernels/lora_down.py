@@ -63,16 +63,8 @@ def _lora_down_kernel(
     rows = tl.arange(0, BLOCK_M)
     mask_rows = rows < n_rows
     if SPLIT_K:
-        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        a = tl.load(a_row + cols, mask=cols < n_in, other=0.0).to(tl.float32)
-        if PDL:
-            gdc_wait()
-        x = _x_step(x_ptr, x_row_stride, x_col_stride, rows, mask_rows, cols, n_in)
-        if PDL:
-            gdc_launch_dependents()
-        column = tl.sum(x * a[None, :], axis=1)[:, None]
-        column, last = _sum_of_splits(column, rows, j + tl.arange(0, 1), n_rows, width, partial_ptr, arrivals_ptr,
-                                      BLOCK_M)
+        _split_column(x_ptr, x_row_stride, x_col_stride, a_row, j, tl.program_id(1), tl.num_programs(1), t_ptr,
+                      t_row_stride, n_rows, n_in, width, partial_ptr, arrivals_ptr, BLOCK_M, BLOCK_K, PDL)
     else:
         if PDL:
             gdc_wait()
@@ -83,10 +75,70 @@ def _lora_down_kernel(
             acc += _x_step(x_ptr, x_row_stride, x_col_stride, rows, mask_rows, cols, n_in) * a[None, :]
         if PDL:
             gdc_launch_dependents()
-        column = tl.sum(acc, axis=1)[:, None]
-        last = True
+        tl.store(t_ptr + rows[:, None] * t_row_stride + j, tl.sum(acc, axis=1)[:, None], mask=mask_rows[:, None])
+
+
+@triton.jit
+def _split_column(
+    x_ptr, x_row_stride, x_col_stride, a_row, j, split, n_splits, t_ptr, t_row_stride, n_rows, n_in, width,
+    partial_ptr, arrivals_ptr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """Step `split` of column j of t = x Aᵀ (`a_row`: row j of A): its sum over K's columns [split · BLOCK_K,
+    (split + 1) · BLOCK_K), stored in the step's slot of `partial_ptr` `[n_splits, BLOCK_M, width]`; the column's
+    last step to arrive adds the slots in order, writes the column of t and returns True. PDL: A is read before
+    `gdc_wait`, x after."""
+    rows = tl.arange(0, BLOCK_M)
+    mask_rows = rows < n_rows
+    cols = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    a = tl.load(a_row + cols, mask=cols < n_in, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+    x = _x_step(x_ptr, x_row_stride, x_col_stride, rows, mask_rows, cols, n_in)
+    if PDL:
+        gdc_launch_dependents()
+    column = tl.sum(x * a[None, :], axis=1)[:, None]
+    column, last = _sum_of_splits(column, rows, j + tl.arange(0, 1), n_rows, width, partial_ptr, arrivals_ptr,
+                                  split, n_splits, j, BLOCK_M)
     if last:
         tl.store(t_ptr + rows[:, None] * t_row_stride + j, column, mask=mask_rows[:, None])
+    return last
+
+
+@triton.jit
+def _first_product_program(
+    x_ptr, x_row_stride, x_col_stride, lora_a_ptr, t_ptr, t_row_stride, n_rows, n_in, rank, partial_ptr,
+    arrivals_ptr, flags_ptr, n_splits, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program w < rank · n_splits of a product's launch that also takes its adapter's first product t = x Aᵀ
+    (`nf4_matvec`'s FIRST_PRODUCTS): step w // rank of column w % rank (`_split_column`); the column's last step
+    counts the column as ready (`flags_ptr[0]`, released at GPU scope after its store of t)."""
+    j = tl.program_id(0) % rank
+    last = _split_column(x_ptr, x_row_stride, x_col_stride, lora_a_ptr + j.to(tl.int64) * n_in, j,
+                         tl.program_id(0) // rank, n_splits, t_ptr, t_row_stride, n_rows, n_in, rank, partial_ptr,
+                         arrivals_ptr, BLOCK_M, BLOCK_K, PDL)
+    if last:
+        tl.debug_barrier()  # every thread's store of the column before the release
+        tl.atomic_add(flags_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _await_first_products(flags_ptr, rank):
+    """Wait until the launch's first-product programs have written every column of t (`flags_ptr[0]` = rank,
+    acquired at GPU scope). They are the launch's lowest program ids, so they are scheduled before any program
+    that waits, and they wait for nothing of their launch."""
+    ready = tl.atomic_add(flags_ptr, 0, sem="acquire", scope="gpu")
+    while ready < rank:
+        ready = tl.atomic_add(flags_ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _count_reader(flags_ptr, readers):
+    """Count a program that has read t (`flags_ptr[1]`); the last of the launch's `readers` sets both flags back
+    to 0 for the next launch, when no program of this one reads them any more."""
+    done = tl.atomic_add(flags_ptr + 1, 1, sem="relaxed", scope="gpu")
+    if done == readers - 1:
+        tl.atomic_xchg(flags_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(flags_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
 MAX_ADAPTERS_PER_LAUNCH = 3  # q, k, v: the most projections that share an input

@@ -19,36 +19,38 @@ BIAS_NONE, BIAS_FEATURES, BIAS_ROWS = 0, 1, 2
 _ARRIVALS: dict = {}
 
 
-def _arrival_counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """int32 zeros, at least `blocks` of them, one set per (device, stream): the split kernel's arrival counters,
-    which each launch leaves at 0. Launches on one stream run in order; another stream gets its own set."""
+def _arrival_counters(device: torch.device, blocks: int, use: str = "splits") -> torch.Tensor:
+    """int32 zeros, at least `blocks` of them, one set per (device, stream, use): the split kernel's arrival
+    counters (or another `use`'s), which each launch leaves at 0. Launches on one stream run in order; another
+    stream gets its own set."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device, stream)
+    key = (device, stream, use)
     counters = _ARRIVALS.get(key)
     if counters is None or counters.numel() < blocks:
-        counters = _ARRIVALS[key] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+        counters = _ARRIVALS[key] = torch.zeros(max(blocks, 4096 if use == "splits" else blocks), dtype=torch.int32,
+                                                device=device)
     return counters
 
 
 @triton.jit
-def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, BLOCK_M: tl.constexpr):
-    """(sum over the K splits of each program's sums, whether this program finishes the feature block): each
-    split stores its sums `[BLOCK_M, BLOCK_N]` in its slot of `partial_ptr` ([splits, BLOCK_M, n_out] fp32) and
-    counts itself in the block's arrival counter; the last to arrive adds every slot in split order (the same
-    bits whichever program comes last) and sets the counter back to 0 for the next launch (no memset: a
-    replayed CUDA graph finds it at 0)."""
-    split = tl.program_id(1)
+def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, split, n_splits, counter,
+                   BLOCK_M: tl.constexpr):
+    """(sum over the K splits of each program's sums, whether this program finishes the feature block): split
+    `split` of `n_splits` stores its sums `[BLOCK_M, BLOCK_N]` in its slot of `partial_ptr` ([splits, BLOCK_M,
+    n_out] fp32) and counts itself in the block's arrival counter (`arrivals_ptr + counter`); the last to arrive
+    adds every slot in split order (the same bits whichever program comes last) and sets the counter back to 0
+    for the next launch (no memset: a replayed CUDA graph finds it at 0)."""
     mask = (rows < n_rows)[:, None] & (features < n_out)[None, :]
     slot = (rows[:, None] * n_out + features[None, :]).to(tl.int64)
     tl.store(partial_ptr + split * BLOCK_M * n_out + slot, acc, mask=mask)
     tl.debug_barrier()  # every thread's stores before the arrival (released at GPU scope by the atomic)
-    arrived = tl.atomic_add(arrivals_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-    last = arrived == tl.num_programs(1) - 1
+    arrived = tl.atomic_add(arrivals_ptr + counter, 1, sem="acq_rel", scope="gpu")
+    last = arrived == n_splits - 1
     total = tl.zeros_like(acc)
     if last:
-        for s in range(0, tl.num_programs(1)):  # .cg: from L2, where the other SMs' stores are
+        for s in range(0, n_splits):  # .cg: from L2, where the other SMs' stores are
             total += tl.load(partial_ptr + s * BLOCK_M * n_out + slot, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(arrivals_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(arrivals_ptr + counter, 0, sem="relaxed", scope="gpu")
     return total, last
 
 
@@ -121,7 +123,8 @@ def _finish_product(
     if PDL:
         gdc_launch_dependents()
     if SPLIT_K:
-        acc, last = _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, BLOCK_M)
+        acc, last = _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, tl.program_id(1),
+                                   tl.num_programs(1), tl.program_id(0), BLOCK_M)
     else:
         last = True
     if last:

@@ -60,7 +60,7 @@ from unsloth_lite.kernels.dequantize_nf4 import (
     _launch,
     _quant_state_of,
 )
-from unsloth_lite.kernels.lora_down import lora_down_rows
+from unsloth_lite.kernels.lora_down import LORA_BLOCK_K, lora_down_rows
 from unsloth_lite.kernels.matvec_epilogue import (
     BIAS_FEATURES,
     BIAS_NONE,
@@ -118,6 +118,12 @@ FLAT_ABSMAX = True
 # (2026-12-05, one row, one stage): faster at every projection of the W3 models, by 1-18% (Qwen3-8B 4.99 -> 4.64
 # ms a token in the projections' sum, Qwen3.5-27B 14.40 -> 12.54; bitsandbytes' gemv 5.29 and 15.34).
 WORD_KERNEL = True
+# With an adapter whose first product is not given (`lora_a`, no `lora_t`), the word kernel's launch computes it
+# itself: its first r · steps programs take x Aᵀ a column and a step along K each (`lora_down`'s split), and the
+# other programs wait for t only before their epilogue, long after those few programs are done; one launch
+# instead of a `lora_down_rows` launch before the product (the output projections of a decoding step: two a
+# layer). Not yet measured on a GPU: off.
+FIRST_PRODUCTS_IN_LAUNCH = False
 # The word walk's tile and stages by launch ("words", "gated", "grouped") and shape, where one was measured faster
 # than `blocked_tile`'s with `PIPELINE_STAGES` (`scripts/bench_word_tiles.py`, which times every candidate of
 # each launch a decoding step makes): (launch, N, K) -> (features, weights along K, warps, tiles a split along K
@@ -328,6 +334,17 @@ def word_kernel_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (x_rows.view(torch.int32) if x_pairs else x_rows), x_pairs
 
 
+def _first_product_args(x2d: torch.Tensor, lora_a: torch.Tensor, block_m: int) -> tuple:
+    """The word kernel's arguments for its adapter's first product in the launch (FIRST_PRODUCTS): x's elements
+    and strides, A, the steps' fp32 slots `[steps, block_m, r]` and arrival counters, the ready flags, the steps
+    along K (`LORA_BLOCK_K` wide, as `lora_down_rows` takes them)."""
+    rank, n_in = lora_a.shape
+    steps = triton.cdiv(n_in, LORA_BLOCK_K)
+    slots = empty((steps, block_m, rank), torch.float32, x2d.device)
+    return (x2d, x2d.stride(0), x2d.stride(1), lora_a.contiguous(), slots, _arrival_counters(x2d.device, rank),
+            _arrival_counters(x2d.device, 2, use="first products"), steps)
+
+
 def packed_words(packed: torch.Tensor) -> torch.Tensor:
     """An NF4 weight's packed bytes as the int32 words of eight codes the word kernel's walk reads."""
     return packed.reshape(-1).view(torch.int32)
@@ -372,14 +389,6 @@ def nf4_matvec(
     if residual is not None and bias is not None:  # one addend in the epilogue: the bias's sum with the residual
         residual, bias = residual + bias.to(residual.dtype), None
     out = empty((n_rows, n_out), x.dtype, x.device)
-    if lora_t is not None:
-        t, rank = lora_t, lora_t.shape[1]
-    elif lora_a is not None and lora_a.shape[0] > 0:
-        t, rank = lora_down_rows(x2d, [lora_a]), lora_a.shape[0]
-    else:
-        t, rank = out, 0
-    has_lora = rank > 0
-    lora_b_arg = lora_b if has_lora else out
     packed, absmax, code, nested_code, nested_absmax, offset, nested_blocksize = launch.inputs
     nested = launch.meta["NESTED"]
     flat = fp32_absmax(weight, quant_state) if nested else None
@@ -393,6 +402,18 @@ def nf4_matvec(
     blocked = n_in % blocksize == 0 and tile_k % blocksize == 0
     feature_blocks, splits = triton.cdiv(n_out, block_n), triton.cdiv(n_in, tile_k * max(int(tiles_a_split), 1))
     split_k = int(tiles_a_split) if blocked and splits > 1 else 0  # tiles a split, 0: K not split
+    first_in_launch = (FIRST_PRODUCTS_IN_LAUNCH and lora_t is None and lora_a is not None and lora_a.shape[0] > 0
+                       and blocked and words and not split_k)
+    if lora_t is not None:
+        t, rank = lora_t, lora_t.shape[1]
+    elif first_in_launch:
+        t, rank = empty((n_rows, lora_a.shape[0]), torch.float32, x.device), lora_a.shape[0]
+    elif lora_a is not None and lora_a.shape[0] > 0:
+        t, rank = lora_down_rows(x2d, [lora_a]), lora_a.shape[0]
+    else:
+        t, rank = out, 0
+    has_lora = rank > 0
+    lora_b_arg = lora_b if has_lora else out
     block_m = triton.next_power_of_2(n_rows)  # rows of the blocked kernel: x's, padded
     if split_k:
         partial = empty((splits, block_m, n_out), torch.float32, x.device)
@@ -419,9 +440,12 @@ def nf4_matvec(
     if blocked and words:
         pdl = uses_pdl(x.device)
         x_rows, x_pairs = word_kernel_rows(x2d)
-        _nf4_matvec_words_kernel[(feature_blocks, splits if split_k else 1)](
+        first = _first_product_args(x2d, lora_a, block_m) if first_in_launch else (x2d, 0, 0, out, out, out, out, 0)
+        writers = rank * first[-1]
+        _nf4_matvec_words_kernel[(writers + feature_blocks, splits if split_k else 1)](
             x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],
-            *((partial, arrivals) if split_k else (out, out)), *sizes,
+            *((partial, arrivals) if split_k else (out, out)), *sizes, *first,
+            FIRST_PRODUCTS=first_in_launch, FIRST_BLOCK_K=LORA_BLOCK_K,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             PTX=LOOKUP == "registers", BF16_CODES=bf16_codes,
             SPLIT_K=split_k, PDL=pdl, STAGES=word_stages(n_out, n_in), num_warps=warps,

@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_wait
 
 from unsloth_lite.kernels.dequantize_nf4 import _block_absmax
+from unsloth_lite.kernels.lora_down import _await_first_products, _count_reader, _first_product_program
 from unsloth_lite.kernels.matvec_epilogue import _finish_product, _tile_range
 from unsloth_lite.kernels.nf4_codes import _nf4_word_codes
 
@@ -261,11 +262,13 @@ def _nf4_matvec_words_kernel(
     bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
     out_ptr, out_row_stride, partial_ptr, arrivals_ptr,
     n_rows, n_out, n_in, rank,
+    xv_ptr, xv_row_stride, xv_col_stride, lora_a_ptr, first_partial_ptr, first_arrivals_ptr, flags_ptr, first_splits,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
     BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
+    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) for all rows, walking K BLOCKS_PER_TILE quantisation
     blocks at a time (with SPLIT_K, tiles a split, program (i, j) takes tiles [j · SPLIT_K, (j + 1) · SPLIT_K),
@@ -273,8 +276,49 @@ def _nf4_matvec_words_kernel(
     weight as int32 words; PTX: the lookup in registers (compiled only), else from the code book `code_ptr`.
     PDL and STAGES as in `_nf4_matvec_blocked_kernel`: nothing another kernel may write is read before
     `gdc_wait`. WHOLE_TILES: N a multiple of BLOCK_N and K of the tile (every projection of the Qwen models):
-    no masks. X_PAIRS: x is bf16, read as int32 pairs (`x_ptr` int32, its row stride in pairs)."""
-    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    no masks. X_PAIRS: x is bf16, read as int32 pairs (`x_ptr` int32, its row stride in pairs).
+    FIRST_PRODUCTS (no SPLIT_K): the adapter's first product t = x Aᵀ in the same launch, by its first
+    rank · first_splits programs (`_first_product_program`; x as `xv_ptr`, its elements), which every other
+    program awaits before its epilogue (`_await_first_products`)."""
+    if FIRST_PRODUCTS:
+        writers = rank * first_splits
+        if tl.program_id(0) < writers:
+            _first_product_program(
+                xv_ptr, xv_row_stride, xv_col_stride, lora_a_ptr, t_ptr, t_row_stride, n_rows, n_in, rank,
+                first_partial_ptr, first_arrivals_ptr, flags_ptr, first_splits, BLOCK_M, FIRST_BLOCK_K, PDL,
+            )
+        else:
+            _word_program(
+                tl.program_id(0) - writers, x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr,
+                nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, bias_ptr, t_ptr, t_row_stride,
+                lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr,
+                arrivals_ptr, n_rows, n_out, n_in, rank, flags_ptr, tl.num_programs(0) - writers, BLOCKSIZE, NESTED,
+                BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES,
+                WHOLE_TILES, X_PAIRS, PREFETCH, True,
+            )
+    else:
+        _word_program(
+            tl.program_id(0), x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr,
+            nested_absmax_ptr, offset_ptr, nested_blocksize, bias_ptr, t_ptr, t_row_stride, lora_b_ptr,
+            lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr, arrivals_ptr, n_rows,
+            n_out, n_in, rank, flags_ptr, 0, BLOCKSIZE, NESTED, BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE,
+            BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False,
+        )
+
+
+@triton.jit
+def _word_program(
+    block, x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
+    offset_ptr, nested_blocksize: tl.constexpr, bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride,
+    lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr, arrivals_ptr, n_rows, n_out, n_in, rank,
+    flags_ptr, readers, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
+    PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, AWAIT_T: tl.constexpr,
+):
+    """Feature block `block` of the word kernel: its walk and its epilogue. AWAIT_T: t comes from the launch's
+    first programs (`_await_first_products` before the epilogue, `_count_reader` after it)."""
+    features = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     first_block, end_block = _tile_range(n_in // BLOCKSIZE, BLOCKS_PER_TILE, SPLIT_K)
     acc, partial = _word_walk(
@@ -282,8 +326,12 @@ def _nf4_matvec_words_kernel(
         offset_ptr, nested_blocksize, features, n_rows, n_out, n_in, first_block, end_block, BLOCKSIZE, NESTED,
         BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, PTX, BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH,
     )
+    if AWAIT_T:
+        _await_first_products(flags_ptr, rank)
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
         lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
         BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R,
     )
+    if AWAIT_T:
+        _count_reader(flags_ptr, readers)

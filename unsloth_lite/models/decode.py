@@ -141,7 +141,10 @@ def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor, resid
     added to its result, in `nf4_matvec`'s epilogue for an NF4 base."""
     kernels = (x.is_cuda or INTERPRET) and x.dtype != torch.float64
     quantized = [getattr(p.base, "quant_state", None) is not None for p in projections]
-    t, products = first_products(projections, x, [kernels and q for q in quantized])
+    # one projection's adapter: its first product left to `nf4_matvec` (in its own launch where it can), unless
+    # a norm's launch computed it already
+    own = len(projections) == 1 and not first_products_pending(x)
+    t, products = first_products(projections, x, [kernels and q and not own for q in quantized])
     if residual is not None:
         if len(projections) != 1:
             raise ValueError("a residual joins the result of one projection")
@@ -155,7 +158,8 @@ def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor, resid
     outputs = []
     for i, p in enumerate(projections):
         if quantized[i] and kernels:
-            lora = dict(lora_b=p.lora_b, lora_t=products[i]) if p.rank else {}
+            lora = {} if not p.rank else (dict(lora_b=p.lora_b, lora_t=products[i]) if i in products
+                                          else dict(lora_a=p.lora_a, lora_b=p.lora_b))
             outputs.append(nf4_matvec(x, p.base, p.bias, scale=p.scale, residual=residual, **lora))
             continue
         if quantized[i]:
@@ -210,6 +214,12 @@ def first_products_of(x: torch.Tensor, lora_as: list[torch.Tensor], t: torch.Ten
         yield
     finally:
         _PENDING_PRODUCTS.pending = previous
+
+
+def first_products_pending(x: torch.Tensor) -> bool:
+    """Whether `first_products_of` holds first products computed for exactly the tensor `x`."""
+    pending = getattr(_PENDING_PRODUCTS, "pending", None)
+    return pending is not None and pending[0] is x
 
 
 def first_products(projections, x: torch.Tensor, on_kernels: list[bool]):
