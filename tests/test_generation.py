@@ -206,7 +206,8 @@ def test_greedy_tokens_match_with_the_gated_mlp_kernel(device, monkeypatch):
     greedy tokens those of the unpatched model (the tiny Qwen3.5: its MLP's input, 64 wide, holds whole blocks)."""
     set_fused_launches(monkeypatch, on=("GATED_MATVEC",))
     calls = []
-    monkeypatch.setattr(decode, "nf4_gated_matvec", lambda *args: calls.append(1) or nf4_gated_matvec(*args))
+    monkeypatch.setattr(decode, "nf4_gated_matvec",
+                        lambda *args, **kwargs: calls.append(1) or nf4_gated_matvec(*args, **kwargs))
     assert_same_greedy_tokens("qwen3_5", "4bit+lora", "static", 3, device, prompt_shape=(2, 4))
     assert calls
 

@@ -95,6 +95,32 @@ def test_gated_matvec_with_one_or_no_adapter(adapters, device):
     check((40, 64 * 5), 2, torch.bfloat16, True, adapters, False, device, exact=device == "cpu")
 
 
+def check_first_products_in_the_launch(shape, rows, adapters, device, walk, monkeypatch, exact):
+    """`lora_as` instead of t (`FIRST_PRODUCTS_IN_LAUNCH`): t computed by the launch's first programs where the
+    word walk runs (no `lora_down_rows` launch), else by one such launch; h against the three launches (t from
+    `lora_down_rows`) and float64."""
+    from unsloth_lite.kernels import nf4_gated_matvec as gated_module
+
+    monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
+    launches = []
+    monkeypatch.setattr(gated_module, "lora_down_rows", lambda *args: launches.append(1) or lora_down_rows(*args))
+    case = gated_case(shape, rows, torch.bfloat16, True, adapters, True, device)
+    x, gate, up, biases, loras = case
+    got = nf4_gated_matvec(x, gate, up, *biases, *[(lo[0], None, lo[2]) if lo else None for lo in loras],
+                           lora_as=[lo[3] for lo in loras if lo])
+    assert len(launches) == (0 if walk != "blocked" else 1)
+    if exact:
+        assert torch.equal(got, unfused(*case))
+    assert_close(got, unfused(*case), TOLERANCE[torch.bfloat16], "h against the three launches")
+    assert_close(got, float64_gated(*case), 2 * TOLERANCE[torch.bfloat16], "h")
+
+
+@pytest.mark.parametrize("adapters", [(True, True), (False, True)], ids=str)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gated_matvec_takes_the_first_products_in_its_launch(rows, adapters, device, walk, monkeypatch):
+    check_first_products_in_the_launch((40, 64 * 5), rows, adapters, device, walk, monkeypatch, exact=False)
+
+
 def test_gated_matvec_refuses_what_it_does_not_take(device, monkeypatch):
     x = torch.randn(1, 128, device=device)
     gate, up = (quantize((24, 128), torch.float32, True, 64, device) for _ in range(2))
@@ -123,6 +149,14 @@ def test_gated_matvec_refuses_what_it_does_not_take(device, monkeypatch):
 def test_gated_matvec_cuda(shape, rows):
     """Compiled, at the W3 models' MLP shapes (bf16 codes, PDL on Hopper) and a part-filled feature block."""
     check(shape, rows, torch.bfloat16, True, (True, True), True, "cuda", exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("shape", [(12288, 4096), (17408, 5120)], ids=str)
+def test_gated_matvec_takes_the_first_products_in_its_launch_cuda(shape, rows, walk, monkeypatch):
+    for _ in range(3):  # the launch leaves its flags at 0 for the next
+        check_first_products_in_the_launch(shape, rows, (True, True), "cuda", walk, monkeypatch, exact=False)
 
 
 @pytest.mark.gpu

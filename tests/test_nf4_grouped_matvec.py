@@ -91,6 +91,31 @@ def test_grouped_matvec_refuses_what_it_does_not_take(device, monkeypatch):
     assert not grouped_matvec_supported(x, weights, biases, loras)
 
 
+def check_first_products_in_the_launch(widths, ranks, rows, n_in, device, walk, monkeypatch):
+    """`lora_as` instead of t (`FIRST_PRODUCTS_IN_LAUNCH`): t computed by the launch's first programs where the
+    word walk runs and at most three weights are adapted (no `lora_down_rows` launch), else by `lora_down_rows`;
+    each y against float64."""
+    from unsloth_lite.kernels import nf4_grouped_matvec as grouped_module
+
+    monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
+    launches = []
+    monkeypatch.setattr(grouped_module, "lora_down_rows", lambda *args: launches.append(1) or lora_down_rows(*args))
+    x, weights, biases, loras, _, a = group_case(widths, n_in, ranks, rows, torch.bfloat16, True, True, device)
+    outputs = nf4_grouped_matvec(x, weights, biases, loras, None, list(a.values()))
+    in_launch = walk != "blocked" and len(a) <= 3
+    assert len(launches) == (0 if in_launch else 1)
+    for i, (weight, bias, lora, y) in enumerate(zip(weights, biases, loras, outputs, strict=True)):
+        expected = float64_reference(x, weight, bias, a.get(i), lora[0] if lora else None, lora[1] if lora else 0)
+        assert_close(y, expected, TOLERANCE[torch.bfloat16], f"y{i}")
+
+
+@pytest.mark.parametrize("ranks", [(4, 0, 8, 4), (4, 4, 4, 4)], ids=str)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_grouped_matvec_takes_the_first_products_in_its_launch(rows, ranks, device, walk, monkeypatch):
+    """Three adapters of different ranks (one weight without): in the launch; four: one launch before it."""
+    check_first_products_in_the_launch((96, 40, 8, 130), ranks, rows, 64 * 5, device, walk, monkeypatch)
+
+
 W3_GROUPS = {"qwen3_8b_qkv": ((4096, 1024, 1024), 4096), "qwen3_5_27b_attention": ((12288, 1024, 1024), 5120),
              "qwen3_5_27b_deltanet": ((10240, 6144, 48, 48), 5120)}
 
@@ -103,6 +128,16 @@ def test_grouped_matvec_cuda(group, rows):
     widths, n_in = W3_GROUPS[group]
     ranks = (16,) * (len(widths) - 1) + (0,)
     check(widths, ranks, rows, torch.bfloat16, True, False, "cuda", exact=False, n_in=n_in)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("group", list(W3_GROUPS))
+def test_grouped_matvec_takes_the_first_products_in_its_launch_cuda(group, rows, walk, monkeypatch):
+    widths, n_in = W3_GROUPS[group]
+    ranks = (16,) * min(len(widths), 3) + (0,) * (len(widths) - 3)
+    for _ in range(3):  # the launch leaves its flags at 0 for the next
+        check_first_products_in_the_launch(widths, ranks, rows, n_in, "cuda", walk, monkeypatch)
 
 
 @pytest.mark.gpu

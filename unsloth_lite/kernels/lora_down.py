@@ -106,28 +106,30 @@ def _split_column(
 
 @triton.jit
 def _first_product_program(
-    x_ptr, x_row_stride, x_col_stride, lora_a_ptr, t_ptr, t_row_stride, n_rows, n_in, rank, partial_ptr,
-    arrivals_ptr, flags_ptr, n_splits, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, x_row_stride, x_col_stride, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, width, t_ptr, t_row_stride, n_rows,
+    n_in, partial_ptr, arrivals_ptr, flags_ptr, n_splits, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Program w < rank · n_splits of a product's launch that also takes its adapter's first product t = x Aᵀ
-    (`nf4_matvec`'s FIRST_PRODUCTS): step w // rank of column w % rank (`_split_column`); the column's last step
-    counts the column as ready (`flags_ptr[0]`, released at GPU scope after its store of t)."""
-    j = tl.program_id(0) % rank
-    last = _split_column(x_ptr, x_row_stride, x_col_stride, lora_a_ptr + j.to(tl.int64) * n_in, j,
-                         tl.program_id(0) // rank, n_splits, t_ptr, t_row_stride, n_rows, n_in, rank, partial_ptr,
-                         arrivals_ptr, BLOCK_M, BLOCK_K, PDL)
+    """Program w < width · n_splits of a product's launch that also takes its adapters' first products t = x [A0;
+    A1; A2]ᵀ (`width` columns; the FIRST_PRODUCTS of `nf4_matvec`'s word kernel, the grouped and the gate-and-up
+    launches): step w // width of column w % width (`_split_column`); the column's last step counts the column as
+    ready (`flags_ptr[0]`, released at GPU scope after its store of t)."""
+    j = tl.program_id(0) % width
+    last = _split_column(x_ptr, x_row_stride, x_col_stride, _adapter_row(j, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, n_in),
+                         j, tl.program_id(0) // width, n_splits, t_ptr, t_row_stride, n_rows, n_in, width,
+                         partial_ptr, arrivals_ptr, BLOCK_M, BLOCK_K, PDL)
     if last:
         tl.debug_barrier()  # every thread's store of the column before the release
         tl.atomic_add(flags_ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit
-def _await_first_products(flags_ptr, rank):
-    """Wait until the launch's first-product programs have written every column of t (`flags_ptr[0]` = rank,
+def _await_first_products(flags_ptr, width):
+    """Wait until the launch's first-product programs have written every column of t (`flags_ptr[0]` = width,
     acquired at GPU scope). They are the launch's lowest program ids, so they are scheduled before any program
     that waits, and they wait for nothing of their launch."""
     ready = tl.atomic_add(flags_ptr, 0, sem="acquire", scope="gpu")
-    while ready < rank:
+    while ready < width:
         ready = tl.atomic_add(flags_ptr, 0, sem="acquire", scope="gpu")
 
 
@@ -156,6 +158,32 @@ SPLIT_K = True
 # it finishes, its adapter rows already loading, and lets the product after it start in turn. Measured in the same
 # run: 244.1 tokens/s alone, 246.7 with the split (within the split's own noise): off.
 PDL = False
+
+
+# The arguments a launch with first-product programs (`_first_product_program`) takes after its own: x's elements
+# and strides, the adapters' rows (three pointers, the first two ranks), the width Σ r_i, the steps' fp32 slots
+# `[steps, rows, width]` and their arrival counters, the ready flags, the steps along K (`LORA_BLOCK_K` wide).
+FIRST_PRODUCT_ARGS = 13
+
+
+def no_first_products(x2d: torch.Tensor) -> tuple:
+    """The FIRST_PRODUCT_ARGS of a launch without first-product programs (width 0, no steps)."""
+    return (x2d, 0, 0, x2d, x2d, x2d, 0, 0, 0, x2d, x2d, x2d, 0)
+
+
+def first_product_args(x2d: torch.Tensor, lora_as: list[torch.Tensor], block_m: int) -> tuple[torch.Tensor, tuple]:
+    """(t `[rows, Σ r_i]` fp32, the launch's arguments for its first-product programs, `FIRST_PRODUCT_ARGS`) for
+    a launch that takes the first products of up to MAX_ADAPTERS_PER_LAUNCH adapters `[r_i, K]` of x itself."""
+    n_in = x2d.shape[1]
+    group = [a.contiguous() for a in lora_as]
+    width = sum(a.shape[0] for a in group)
+    pointers = group + [group[-1]] * (MAX_ADAPTERS_PER_LAUNCH - len(group))
+    steps = triton.cdiv(n_in, LORA_BLOCK_K)
+    t = empty((x2d.shape[0], width), torch.float32, x2d.device)
+    slots = empty((steps, block_m, width), torch.float32, x2d.device)
+    return t, (x2d, x2d.stride(0), x2d.stride(1), *pointers, group[0].shape[0],
+               group[1].shape[0] if len(group) > 1 else 0, width, slots, _arrival_counters(x2d.device, width),
+               _arrival_counters(x2d.device, 2, use="first products"), steps)
 
 
 def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor:

@@ -24,7 +24,16 @@ from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
 from unsloth_lite.kernels import nf4_matvec as matvec  # its settings (tiles, lookup, PDL) are read at each call
 from unsloth_lite.kernels.dequantize_nf4 import _launch
-from unsloth_lite.kernels.lora_down import MAX_ROWS
+from unsloth_lite.kernels.lora_down import (
+    LORA_BLOCK_K,
+    MAX_ROWS,
+    _await_first_products,
+    _count_reader,
+    _first_product_program,
+    first_product_args,
+    lora_down_rows,
+    no_first_products,
+)
 from unsloth_lite.kernels.matvec_epilogue import _output_values
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, _nf4_word_codes, code_pairs
 from unsloth_lite.kernels.nf4_matvec import _blocked_tile_loads, packed_words, word_kernel_rows
@@ -205,17 +214,71 @@ def _nf4_gated_matvec_kernel(
     up_b_ptr, up_b_row_stride, up_b_col_stride, up_scale,
     out_ptr, out_row_stride,
     n_rows, n_out, n_in,
+    xv_ptr, xv_row_stride, xv_col_stride, a0_ptr, a1_ptr, a2_ptr, first_rank0, first_rank1, width, first_partial_ptr,
+    first_arrivals_ptr, flags_ptr, first_splits,
     BLOCKSIZE: tl.constexpr, GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr, GATE_LORA: tl.constexpr,
     UP_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
     GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr,
     PDL: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
     PREFETCH: tl.constexpr,
+    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) of both projections for all rows (module docstring).
     PDL as in `nf4_matvec`'s blocked kernel: only the frozen weights are read before `gdc_wait`. WORDS: the word
     kernel's walk (the packed weights as int32 words, x as `word_kernel_rows` gives it, `table_ptr` the code
-    book, `tables_ptr` the lane tables), else the blocked kernel's (one stage)."""
-    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    book, `tables_ptr` the lane tables), else the blocked kernel's (one stage). FIRST_PRODUCTS (the word walk):
+    the adapters' first products t in the launch, by its first width · first_splits programs, as the word
+    kernel's FIRST_PRODUCTS; the feature blocks' programs come after them."""
+    if FIRST_PRODUCTS:
+        writers = width * first_splits
+        if tl.program_id(0) < writers:
+            _first_product_program(
+                xv_ptr, xv_row_stride, xv_col_stride, a0_ptr, a1_ptr, a2_ptr, first_rank0, first_rank1, width,
+                gate_t_ptr, t_row_stride, n_rows, n_in, first_partial_ptr, first_arrivals_ptr, flags_ptr,
+                first_splits, BLOCK_M, FIRST_BLOCK_K, PDL,
+            )
+        else:
+            _gated_program(
+                tl.program_id(0) - writers, x_ptr, x_row_stride, x_col_stride, gate_packed_ptr, gate_absmax_ptr,
+                up_packed_ptr, up_absmax_ptr, table_ptr, tables_ptr, gate_bias_ptr, up_bias_ptr, gate_t_ptr,
+                up_t_ptr, t_row_stride, gate_rank, up_rank, gate_b_ptr, gate_b_row_stride, gate_b_col_stride,
+                gate_scale, up_b_ptr, up_b_row_stride, up_b_col_stride, up_scale, out_ptr, out_row_stride, n_rows,
+                n_out, n_in, flags_ptr, width, tl.num_programs(0) - writers,
+                BLOCKSIZE, GATE_BIAS, UP_BIAS, GATE_LORA, UP_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, GATE_BLOCK_R,
+                UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, True,
+            )
+    else:
+        _gated_program(
+            tl.program_id(0), x_ptr, x_row_stride, x_col_stride, gate_packed_ptr, gate_absmax_ptr, up_packed_ptr,
+            up_absmax_ptr, table_ptr, tables_ptr, gate_bias_ptr, up_bias_ptr, gate_t_ptr, up_t_ptr, t_row_stride,
+            gate_rank, up_rank, gate_b_ptr, gate_b_row_stride, gate_b_col_stride, gate_scale, up_b_ptr,
+            up_b_row_stride, up_b_col_stride, up_scale, out_ptr, out_row_stride, n_rows, n_out, n_in,
+            flags_ptr, 0, 0,
+            BLOCKSIZE, GATE_BIAS, UP_BIAS, GATE_LORA, UP_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, GATE_BLOCK_R,
+            UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False,
+        )
+
+
+@triton.jit
+def _gated_program(
+    block, x_ptr, x_row_stride, x_col_stride,
+    gate_packed_ptr, gate_absmax_ptr, up_packed_ptr, up_absmax_ptr, table_ptr, tables_ptr,
+    gate_bias_ptr, up_bias_ptr, gate_t_ptr, up_t_ptr, t_row_stride, gate_rank, up_rank,
+    gate_b_ptr, gate_b_row_stride, gate_b_col_stride, gate_scale,
+    up_b_ptr, up_b_row_stride, up_b_col_stride, up_scale,
+    out_ptr, out_row_stride,
+    n_rows, n_out, n_in,
+    flags_ptr, width, readers,
+    BLOCKSIZE: tl.constexpr, GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr, GATE_LORA: tl.constexpr,
+    UP_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
+    GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr,
+    PDL: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    AWAIT_T: tl.constexpr,
+):
+    """Feature block `block` of the gate-and-up launch (`_nf4_gated_matvec_kernel`). AWAIT_T: t comes from the
+    launch's first programs (awaited before the epilogue, the program counted after it)."""
+    features = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     if WORDS:
         acc_gate, acc_up = _gated_word_sums(
@@ -229,6 +292,8 @@ def _nf4_gated_matvec_kernel(
             table_ptr, features, n_rows, n_out, n_in, BLOCKSIZE, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP,
             BF16_CODES, PDL,
         )
+    if AWAIT_T:
+        _await_first_products(flags_ptr, width)
     if PDL:
         gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
@@ -241,6 +306,8 @@ def _nf4_gated_matvec_kernel(
     h = g * tl.sigmoid(g) * u
     mask = (rows < n_rows)[:, None] & (features < n_out)[None, :]
     tl.store(out_ptr + rows[:, None] * out_row_stride + features[None, :], h.to(dtype), mask=mask)
+    if AWAIT_T:
+        _count_reader(flags_ptr, readers)
 
 
 def gated_matvec_supported(x: torch.Tensor, gate, up) -> bool:
@@ -264,11 +331,13 @@ def gated_matvec_supported(x: torch.Tensor, gate, up) -> bool:
 
 
 def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None = None,
-                     up_bias: torch.Tensor | None = None, gate_lora=None, up_lora=None) -> torch.Tensor:
+                     up_bias: torch.Tensor | None = None, gate_lora=None, up_lora=None,
+                     lora_as: list[torch.Tensor] | None = None) -> torch.Tensor:
     """`silu(x Gᵀ + b_g + s_g t_g B_gᵀ) · (x Uᵀ + b_u + s_u t_u B_uᵀ)` for x `[..., K]` and NF4 `Params4bit`
     gate and up `[N, K]` (module docstring); returns `[..., N]` in x's dtype. `gate_lora`, `up_lora`: None or
-    (B `[N, r]`, t `[rows, r]` fp32 with unit column stride, scale). Inputs `gated_matvec_supported` refuses
-    raise ValueError. No autograd."""
+    (B `[N, r]`, t `[rows, r]` fp32 with unit column stride, scale); t None in both with `lora_as`, the adapted
+    weights' A in order: t then computed in the launch (`nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH`, the word walk) or
+    by `lora_down_rows`. Inputs `gated_matvec_supported` refuses raise ValueError. No autograd."""
     if not gated_matvec_supported(x, gate, up):
         raise ValueError("nf4_gated_matvec takes 1 to 8 rows of x and two NF4 weights of one shape, dtype and "
                          "block size, whole blocks along K, on x's kernel device (gated_matvec_supported)")
@@ -276,6 +345,9 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     x2d = x.reshape(-1, n_in)
     n_rows = x2d.shape[0]
     loras = [gate_lora, up_lora]
+    first = no_first_products(x2d)
+    if any(lora is not None and lora[1] is None for lora in loras):
+        loras, first = _adapters_with_t(x2d, loras, lora_as)
     for lora in loras:
         if lora is not None:
             matvec._check_args(x, gate, None, None, lora[0], lora[1], n_out, n_in)
@@ -294,8 +366,10 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         packed = [packed_words(p) for p in packed]
     t_row_stride = next((lora[1].stride(0) for lora in loras if lora is not None), 0)
     adapters = []
+    # a missing adapter reads no t (rank 0) but points at the other's: the first-product programs write t there
+    some_t = next((lora[1] for lora in loras if lora is not None), out)
     for lora in loras:
-        b, t, scale = lora if lora is not None else (out, out, 0.0)
+        b, t, scale = lora if lora is not None else (out, some_t, 0.0)
         adapters.append((t, t.shape[1] if lora is not None else 0, b, b.stride(0), b.stride(1), float(scale)))
     if all(lora is not None for lora in loras) and loras[0][1].stride(0) != loras[1][1].stride(0):
         raise ValueError("gate_lora's and up_lora's t must share a row stride (slices of one lora_down_rows)")
@@ -303,14 +377,14 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     blocksize = 2 * launches[0].meta["HALF_BLOCK"]
     pdl = matvec.uses_pdl(x.device)
     ranks = [a[1] for a in adapters]
-    _nf4_gated_matvec_kernel[(triton.cdiv(n_out, block_n),)](
+    _nf4_gated_matvec_kernel[(first[8] * first[-1] + triton.cdiv(n_out, block_n),)](
         x_rows, x_rows.stride(0), x_rows.stride(1),
         packed[0], matvec.fp32_absmax(gate), packed[1], matvec.fp32_absmax(up), table, tables if words else table,
         gate_bias if gate_bias is not None else out, up_bias if up_bias is not None else out,
         adapters[0][0], adapters[1][0], t_row_stride, ranks[0], ranks[1],
         *adapters[0][2:], *adapters[1][2:],
         out, out.stride(0),
-        n_rows, n_out, n_in,
+        n_rows, n_out, n_in, *first,
         BLOCKSIZE=blocksize, GATE_BIAS=gate_bias is not None, UP_BIAS=up_bias is not None,
         GATE_LORA=ranks[0] > 0, UP_LORA=ranks[1] > 0, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n,
         BLOCKS_PER_TILE=tile_k // blocksize, GATE_BLOCK_R=max(2, triton.next_power_of_2(ranks[0])),
@@ -318,6 +392,31 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=bf16_codes, PDL=pdl, WORDS=words,
         STAGES=matvec.word_stages(n_out, n_in, "gated") if words else matvec.PIPELINE_STAGES,
         WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
-        PREFETCH=matvec.REGISTER_PREFETCH, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+        PREFETCH=matvec.REGISTER_PREFETCH, FIRST_PRODUCTS=first[-1] > 0, FIRST_BLOCK_K=LORA_BLOCK_K,
+        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return out.view(*x.shape[:-1], n_out)
+
+
+def _adapters_with_t(x2d: torch.Tensor, loras: list, lora_as: list[torch.Tensor] | None) -> tuple[list, tuple]:
+    """(gate's and up's adapters with their t, the launch's FIRST_PRODUCT_ARGS) where t is to be computed from
+    `lora_as`: in the launch where `FIRST_PRODUCTS_IN_LAUNCH` and the word walk take it, else by one
+    `lora_down_rows` launch. t is one `[rows, Σ r]` tensor, gate's columns first."""
+    adapted = [lora for lora in loras if lora is not None]
+    if any(lora[1] is not None for lora in adapted) or lora_as is None or (
+            [a.shape[0] for a in lora_as] != [lora[0].shape[1] for lora in adapted]):
+        raise ValueError("with t None, both adapters' t must be None and lora_as must hold their A in order")
+    first = no_first_products(x2d)
+    if matvec.FIRST_PRODUCTS_IN_LAUNCH and matvec.WORD_KERNEL:
+        t, first = first_product_args(x2d, lora_as, triton.next_power_of_2(x2d.shape[0]))
+    else:
+        t = lora_down_rows(x2d, lora_as)
+    column, with_t = 0, []
+    for lora in loras:
+        if lora is None:
+            with_t.append(None)
+            continue
+        rank = lora[0].shape[1]
+        with_t.append((lora[0], t[:, column:column + rank], lora[2]))
+        column += rank
+    return with_t, first

@@ -24,7 +24,17 @@ import triton.language as tl
 
 from unsloth_lite.kernels import nf4_matvec as matvec  # its settings (tiles, lookup, PDL) are read at each call
 from unsloth_lite.kernels.dequantize_nf4 import _launch
-from unsloth_lite.kernels.lora_down import MAX_ROWS
+from unsloth_lite.kernels.lora_down import (
+    LORA_BLOCK_K,
+    MAX_ADAPTERS_PER_LAUNCH,
+    MAX_ROWS,
+    _await_first_products,
+    _count_reader,
+    _first_product_program,
+    first_product_args,
+    lora_down_rows,
+    no_first_products,
+)
 from unsloth_lite.kernels.matvec_epilogue import _finish_product
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
 from unsloth_lite.kernels.nf4_matvec import _blocked_sums, packed_words, word_kernel_rows
@@ -43,16 +53,68 @@ def _nf4_grouped_matvec_kernel(
     packed2, absmax2, bias2, b2, b2_row_stride, b2_col_stride, scale2, out2, n_out2, t_col2, rank2, end2,
     packed3, absmax3, bias3, b3, b3_row_stride, b3_col_stride, scale3, out3, n_out3, t_col3, rank3,
     n_rows, n_in,
+    xv_ptr, xv_row_stride, xv_col_stride, a0_ptr, a1_ptr, a2_ptr, first_rank0, first_rank1, width, first_partial_ptr,
+    first_arrivals_ptr, flags_ptr, first_splits,
     BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr,
     BF16_CODES: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr,
-    WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr,
 ):
     """Program p: weight i, the first with p < end_i (the slots past the last weight repeat it and are never
     reached), features [(p - end_{i-1}) · BLOCK_N, ...) of it for all rows. WORDS: the word kernel's walk (the
     packed weights as int32 words, x as `word_kernel_rows` gives it, `table_ptr` the code book, `tables_ptr` the
-    lane tables; WHOLE_TILES and X_PAIRS as in `_nf4_matvec_words_kernel`), else the blocked kernel's."""
-    pid = tl.program_id(0)
+    lane tables; WHOLE_TILES and X_PAIRS as in `_nf4_matvec_words_kernel`), else the blocked kernel's.
+    FIRST_PRODUCTS (the word walk): the adapters' first products t in the launch, by its first width ·
+    first_splits programs, as the word kernel's FIRST_PRODUCTS; the weights' programs come after them."""
+    if FIRST_PRODUCTS:
+        writers = width * first_splits
+        if tl.program_id(0) < writers:
+            _first_product_program(
+                xv_ptr, xv_row_stride, xv_col_stride, a0_ptr, a1_ptr, a2_ptr, first_rank0, first_rank1, width, t_ptr,
+                t_row_stride, n_rows, n_in, first_partial_ptr, first_arrivals_ptr, flags_ptr, first_splits, BLOCK_M,
+                FIRST_BLOCK_K, PDL,
+            )
+        else:
+            _grouped_program(
+                tl.program_id(0) - writers, x_ptr, x_row_stride, x_col_stride, table_ptr, tables_ptr, t_ptr,
+                t_row_stride,
+                packed0, absmax0, bias0, b0, b0_row_stride, b0_col_stride, scale0, out0, n_out0, t_col0, rank0, end0,
+                packed1, absmax1, bias1, b1, b1_row_stride, b1_col_stride, scale1, out1, n_out1, t_col1, rank1, end1,
+                packed2, absmax2, bias2, b2, b2_row_stride, b2_col_stride, scale2, out2, n_out2, t_col2, rank2, end2,
+                packed3, absmax3, bias3, b3, b3_row_stride, b3_col_stride, scale3, out3, n_out3, t_col3, rank3,
+                n_rows, n_in, flags_ptr, width, tl.num_programs(0) - writers,
+                BLOCKSIZE, HAS_BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, LOOKUP, BF16_CODES, PDL,
+                STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, True,
+            )
+    else:
+        _grouped_program(
+            tl.program_id(0), x_ptr, x_row_stride, x_col_stride, table_ptr, tables_ptr, t_ptr, t_row_stride,
+            packed0, absmax0, bias0, b0, b0_row_stride, b0_col_stride, scale0, out0, n_out0, t_col0, rank0, end0,
+            packed1, absmax1, bias1, b1, b1_row_stride, b1_col_stride, scale1, out1, n_out1, t_col1, rank1, end1,
+            packed2, absmax2, bias2, b2, b2_row_stride, b2_col_stride, scale2, out2, n_out2, t_col2, rank2, end2,
+            packed3, absmax3, bias3, b3, b3_row_stride, b3_col_stride, scale3, out3, n_out3, t_col3, rank3,
+            n_rows, n_in, flags_ptr, 0, 0,
+            BLOCKSIZE, HAS_BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, LOOKUP, BF16_CODES, PDL,
+            STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, False,
+        )
+
+
+@triton.jit
+def _grouped_program(
+    pid, x_ptr, x_row_stride, x_col_stride, table_ptr, tables_ptr, t_ptr, t_row_stride,
+    packed0, absmax0, bias0, b0, b0_row_stride, b0_col_stride, scale0, out0, n_out0, t_col0, rank0, end0,
+    packed1, absmax1, bias1, b1, b1_row_stride, b1_col_stride, scale1, out1, n_out1, t_col1, rank1, end1,
+    packed2, absmax2, bias2, b2, b2_row_stride, b2_col_stride, scale2, out2, n_out2, t_col2, rank2, end2,
+    packed3, absmax3, bias3, b3, b3_row_stride, b3_col_stride, scale3, out3, n_out3, t_col3, rank3,
+    n_rows, n_in,
+    flags_ptr, width, readers,
+    BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr,
+    BF16_CODES: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, AWAIT_T: tl.constexpr,
+):
+    """The grouped launch's program `pid` among the weights' programs (`_nf4_grouped_matvec_kernel`). AWAIT_T: t
+    comes from the launch's first programs (awaited before the epilogue, the program counted after it)."""
     if pid < end0:
         packed, absmax, bias, lora_b, scale, out, n_out = packed0, absmax0, bias0, b0, scale0, out0, n_out0
         b_row_stride, b_col_stride, t_col, rank, start = b0_row_stride, b0_col_stride, t_col0, rank0, 0
@@ -79,10 +141,14 @@ def _nf4_grouped_matvec_kernel(
             n_rows, n_out, n_in, 0, n_in // BLOCKSIZE, BLOCKSIZE, False, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP,
             BF16_CODES, PDL, STAGES,
         )
+    if AWAIT_T:
+        _await_first_products(flags_ptr, width)
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, absmax, absmax, bias, t_ptr + t_col, t_row_stride, rank,
         lora_b, b_row_stride, b_col_stride, scale, out, n_out, BLOCK_M, PDL, False, HAS_BIAS, HAS_LORA, BLOCK_R,
     )
+    if AWAIT_T:
+        _count_reader(flags_ptr, readers)
 
 
 def grouped_matvec_supported(x: torch.Tensor, weights, biases, loras) -> bool:
@@ -112,11 +178,14 @@ def grouped_matvec_supported(x: torch.Tensor, weights, biases, loras) -> bool:
     return all(matvec.fp32_absmax(w) is not None for w in weights)
 
 
-def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Tensor | None = None):
+def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Tensor | None = None,
+                       lora_as: list[torch.Tensor] | None = None):
     """`[x W_iᵀ + b_i + s_i t_i B_iᵀ for each weight]` for x `[..., K]` and 2 to 4 NF4 `Params4bit` W_i
     (module docstring), each `[..., N_i]` in x's dtype. `biases`: one per weight (all None or all tensors);
     `loras`: one per weight, None or (B_i `[N_i, r_i]`, s_i); `lora_t`: fp32 `[rows, Σ r_i]` with unit column
-    stride, the adapted weights' t side by side in their order (`lora_down_rows`). Inputs
+    stride, the adapted weights' t side by side in their order (`lora_down_rows`), or None with `lora_as`, the
+    adapted weights' A_i in their order: t then computed in the launch (`nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH`, the
+    word walk, up to MAX_ADAPTERS_PER_LAUNCH adapters) or by `lora_down_rows`. Inputs
     `grouped_matvec_supported` refuses raise ValueError. No autograd."""
     if not grouped_matvec_supported(x, weights, biases, loras):
         raise ValueError("nf4_grouped_matvec takes 1 to 8 rows of x and 2 to 4 NF4 weights of one input width, "
@@ -126,18 +195,28 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     x2d = x.reshape(-1, n_in)
     n_rows = x2d.shape[0]
     ranks = [lora[0].shape[1] if lora is not None else 0 for lora in loras]
-    if sum(ranks) and (lora_t is None or lora_t.shape[1] != sum(ranks)):
-        raise ValueError(f"lora_t must hold the adapters' {sum(ranks)} columns side by side")
-    outputs, slots, first, end = [], [], 0, 0
     bf16_codes = matvec.uses_bf16_codes(weights[0].quant_state.dtype)
     tables = lane_tables(x.device, bf16_codes) if matvec.WORD_KERNEL else None
     words = tables is not None  # the word kernel's walk, else the blocked one's
+    block_m = triton.next_power_of_2(n_rows)
+    first = no_first_products(x2d)
+    if sum(ranks) and lora_t is None and lora_as is not None:
+        if [a.shape[0] for a in lora_as] != [r for r in ranks if r]:
+            raise ValueError(f"lora_as must hold the adapted weights' A in order; got ranks "
+                             f"{[a.shape[0] for a in lora_as]} for {[r for r in ranks if r]}")
+        if matvec.FIRST_PRODUCTS_IN_LAUNCH and words and len(lora_as) <= MAX_ADAPTERS_PER_LAUNCH:
+            lora_t, first = first_product_args(x2d, lora_as, block_m)
+        else:
+            lora_t = lora_down_rows(x2d, lora_as)
+    if sum(ranks) and (lora_t is None or lora_t.shape[1] != sum(ranks)):
+        raise ValueError(f"lora_t must hold the adapters' {sum(ranks)} columns side by side")
+    outputs, slots, first_column, end = [], [], 0, 0
     widths = [int(w.quant_state.shape[0]) for w in weights]
     widest = max(widths)
     block_n, tile_k, warps, _ = matvec.word_tile(widest, n_in, "grouped") if words else matvec.blocked_tile(widest)
     for weight, bias, lora, rank in zip(weights, biases, loras, ranks, strict=True):
         n_out = int(weight.quant_state.shape[0])
-        t_cols = lora_t[:, first:first + rank] if rank else None
+        t_cols = lora_t[:, first_column:first_column + rank] if rank else None
         matvec._check_args(x, weight, bias, None, lora[0] if lora else None, t_cols, n_out, n_in)
         out = empty((n_rows, n_out), x.dtype, x.device)
         # a weight without an adapter reads none (rank 0) but passes a B of the others' dtype
@@ -147,9 +226,9 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
         slots.append((packed_words(packed) if words else packed, matvec.fp32_absmax(weight),
                       bias if bias is not None else out,
                       lora_b, lora_b.stride(0), lora_b.stride(-1), float(lora[1]) if lora else 0.0, out, n_out,
-                      first, rank, end))
+                      first_column, rank, end))
         outputs.append(out.view(*x.shape[:-1], n_out))
-        first += rank
+        first_column += rank
     slots += [slots[-1]] * (MAX_WEIGHTS - len(slots))
     code = _launch(weights[0], None).inputs[2]
     blocksize = int(weights[0].quant_state.blocksize)
@@ -157,17 +236,18 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     pdl = matvec.uses_pdl(x.device)
     x_rows, x_pairs = word_kernel_rows(x2d) if words else (x2d, False)
     table = code_pairs(code) if matvec.LOOKUP == "pairs" and not words else code
-    _nf4_grouped_matvec_kernel[(end,)](
+    _nf4_grouped_matvec_kernel[(first[8] * first[-1] + end,)](
         x_rows, x_rows.stride(0), x_rows.stride(1), table,
         tables if words else code, t, t.stride(0), *(arg for slot in slots[:-1] for arg in slot), *slots[-1][:-1],
-        n_rows, n_in,
+        n_rows, n_in, *first,
         BLOCKSIZE=blocksize, HAS_BIAS=biases[0] is not None, HAS_LORA=sum(ranks) > 0,
-        BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
         BLOCK_R=max(2, triton.next_power_of_2(max(ranks))), LOOKUP=LOOKUPS.index(matvec.LOOKUP),
         BF16_CODES=bf16_codes, PDL=pdl, WORDS=words,
         STAGES=matvec.word_stages(widest, n_in, "grouped") if words else matvec.PIPELINE_STAGES,
         PREFETCH=matvec.REGISTER_PREFETCH,
         WHOLE_TILES=all(n % block_n == 0 for n in widths) and n_in % tile_k == 0, X_PAIRS=x_pairs,
-        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+        FIRST_PRODUCTS=first[-1] > 0, FIRST_BLOCK_K=LORA_BLOCK_K, num_warps=warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return outputs

@@ -60,7 +60,7 @@ from unsloth_lite.kernels.dequantize_nf4 import (
     _launch,
     _quant_state_of,
 )
-from unsloth_lite.kernels.lora_down import LORA_BLOCK_K, lora_down_rows
+from unsloth_lite.kernels.lora_down import LORA_BLOCK_K, first_product_args, lora_down_rows, no_first_products
 from unsloth_lite.kernels.matvec_epilogue import (
     BIAS_FEATURES,
     BIAS_NONE,
@@ -334,17 +334,6 @@ def word_kernel_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (x_rows.view(torch.int32) if x_pairs else x_rows), x_pairs
 
 
-def _first_product_args(x2d: torch.Tensor, lora_a: torch.Tensor, block_m: int) -> tuple:
-    """The word kernel's arguments for its adapter's first product in the launch (FIRST_PRODUCTS): x's elements
-    and strides, A, the steps' fp32 slots `[steps, block_m, r]` and arrival counters, the ready flags, the steps
-    along K (`LORA_BLOCK_K` wide, as `lora_down_rows` takes them)."""
-    rank, n_in = lora_a.shape
-    steps = triton.cdiv(n_in, LORA_BLOCK_K)
-    slots = empty((steps, block_m, rank), torch.float32, x2d.device)
-    return (x2d, x2d.stride(0), x2d.stride(1), lora_a.contiguous(), slots, _arrival_counters(x2d.device, rank),
-            _arrival_counters(x2d.device, 2, use="first products"), steps)
-
-
 def packed_words(packed: torch.Tensor) -> torch.Tensor:
     """An NF4 weight's packed bytes as the int32 words of eight codes the word kernel's walk reads."""
     return packed.reshape(-1).view(torch.int32)
@@ -404,10 +393,11 @@ def nf4_matvec(
     split_k = int(tiles_a_split) if blocked and splits > 1 else 0  # tiles a split, 0: K not split
     first_in_launch = (FIRST_PRODUCTS_IN_LAUNCH and lora_t is None and lora_a is not None and lora_a.shape[0] > 0
                        and blocked and words and not split_k)
+    first = no_first_products(x2d)  # the word kernel's arguments for the first products in its launch
     if lora_t is not None:
         t, rank = lora_t, lora_t.shape[1]
     elif first_in_launch:
-        t, rank = empty((n_rows, lora_a.shape[0]), torch.float32, x.device), lora_a.shape[0]
+        (t, first), rank = first_product_args(x2d, [lora_a], triton.next_power_of_2(n_rows)), lora_a.shape[0]
     elif lora_a is not None and lora_a.shape[0] > 0:
         t, rank = lora_down_rows(x2d, [lora_a]), lora_a.shape[0]
     else:
@@ -440,9 +430,7 @@ def nf4_matvec(
     if blocked and words:
         pdl = uses_pdl(x.device)
         x_rows, x_pairs = word_kernel_rows(x2d)
-        first = _first_product_args(x2d, lora_a, block_m) if first_in_launch else (x2d, 0, 0, out, out, out, out, 0)
-        writers = rank * first[-1]
-        _nf4_matvec_words_kernel[(writers + feature_blocks, splits if split_k else 1)](
+        _nf4_matvec_words_kernel[(rank * first[-1] + feature_blocks, splits if split_k else 1)](
             x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],
             *((partial, arrivals) if split_k else (out, out)), *sizes, *first,
             FIRST_PRODUCTS=first_in_launch, FIRST_BLOCK_K=LORA_BLOCK_K,

@@ -262,7 +262,8 @@ def _nf4_matvec_words_kernel(
     bias_ptr, t_ptr, t_row_stride, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale,
     out_ptr, out_row_stride, partial_ptr, arrivals_ptr,
     n_rows, n_out, n_in, rank,
-    xv_ptr, xv_row_stride, xv_col_stride, lora_a_ptr, first_partial_ptr, first_arrivals_ptr, flags_ptr, first_splits,
+    xv_ptr, xv_row_stride, xv_col_stride, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, width, first_partial_ptr,
+    first_arrivals_ptr, flags_ptr, first_splits,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
     BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -278,14 +279,15 @@ def _nf4_matvec_words_kernel(
     `gdc_wait`. WHOLE_TILES: N a multiple of BLOCK_N and K of the tile (every projection of the Qwen models):
     no masks. X_PAIRS: x is bf16, read as int32 pairs (`x_ptr` int32, its row stride in pairs).
     FIRST_PRODUCTS (no SPLIT_K): the adapter's first product t = x Aᵀ in the same launch, by its first
-    rank · first_splits programs (`_first_product_program`; x as `xv_ptr`, its elements), which every other
-    program awaits before its epilogue (`_await_first_products`)."""
+    width · first_splits programs (`lora_down._first_product_program`; x as `xv_ptr`, its elements), which every
+    other program awaits before its epilogue (`_await_first_products`)."""
     if FIRST_PRODUCTS:
-        writers = rank * first_splits
+        writers = width * first_splits
         if tl.program_id(0) < writers:
             _first_product_program(
-                xv_ptr, xv_row_stride, xv_col_stride, lora_a_ptr, t_ptr, t_row_stride, n_rows, n_in, rank,
-                first_partial_ptr, first_arrivals_ptr, flags_ptr, first_splits, BLOCK_M, FIRST_BLOCK_K, PDL,
+                xv_ptr, xv_row_stride, xv_col_stride, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, width, t_ptr,
+                t_row_stride, n_rows, n_in, first_partial_ptr, first_arrivals_ptr, flags_ptr, first_splits, BLOCK_M,
+                FIRST_BLOCK_K, PDL,
             )
         else:
             _word_program(

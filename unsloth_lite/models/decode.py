@@ -141,20 +141,24 @@ def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor, resid
     added to its result, in `nf4_matvec`'s epilogue for an NF4 base."""
     kernels = (x.is_cuda or INTERPRET) and x.dtype != torch.float64
     quantized = [getattr(p.base, "quant_state", None) is not None for p in projections]
-    # one projection's adapter: its first product left to `nf4_matvec` (in its own launch where it can), unless
-    # a norm's launch computed it already
-    own = len(projections) == 1 and not first_products_pending(x)
-    t, products = first_products(projections, x, [kernels and q and not own for q in quantized])
     if residual is not None:
         if len(projections) != 1:
             raise ValueError("a residual joins the result of one projection")
-        y_shape = (*x.shape[:-1], -1)
-        residual = residual.reshape(y_shape)
-    if GROUPED_MATVEC and kernels and all(quantized) and residual is None:
+        residual = residual.reshape(*x.shape[:-1], -1)
+    # Unless a norm's launch computed them already, the adapters' first products are left to the launch of their
+    # projections (`nf4_grouped_matvec`, `nf4_matvec`: in that launch where it can, else one launch before it).
+    pending = first_products_pending(x)
+    grouped = GROUPED_MATVEC and kernels and all(quantized) and residual is None
+    if grouped:
         bases, biases = [p.base for p in projections], [p.bias for p in projections]
         loras = [(p.lora_b, p.scale) if p.rank else None for p in projections]
-        if grouped_matvec_supported(x, bases, biases, loras):
-            return tuple(nf4_grouped_matvec(x, bases, biases, loras, t))
+        grouped = grouped_matvec_supported(x, bases, biases, loras)
+    if grouped and not pending:
+        return tuple(nf4_grouped_matvec(x, bases, biases, loras, None, [p.lora_a for p in projections if p.rank]))
+    own = len(projections) == 1 and not pending
+    t, products = first_products(projections, x, [kernels and q and not own for q in quantized])
+    if grouped:
+        return tuple(nf4_grouped_matvec(x, bases, biases, loras, t))
     outputs = []
     for i, p in enumerate(projections):
         if quantized[i] and kernels:
@@ -245,9 +249,14 @@ def gated_rows(projections: tuple[LoRAProjection, LoRAProjection], x: torch.Tens
     (`project_rows`) and `swiglu`."""
     gate, up = projections
     if GATED_MATVEC and gated_matvec_supported(x, gate.base, up.base):
-        _, products = first_products(projections, x, [True, True])
-        loras = [(p.lora_b, products[i], p.scale) if p.rank else None for i, p in enumerate(projections)]
-        return nf4_gated_matvec(x, gate.base, up.base, gate.bias, up.bias, *loras)
+        if first_products_pending(x):
+            _, products = first_products(projections, x, [True, True])
+            loras = [(p.lora_b, products[i], p.scale) if p.rank else None for i, p in enumerate(projections)]
+            return nf4_gated_matvec(x, gate.base, up.base, gate.bias, up.bias, *loras)
+        # the first products left to the launch (in it where it can, else one launch before it)
+        loras = [(p.lora_b, None, p.scale) if p.rank else None for p in projections]
+        return nf4_gated_matvec(x, gate.base, up.base, gate.bias, up.bias, *loras,
+                                lora_as=[p.lora_a for p in projections if p.rank])
     g, u = project_rows(projections, x)
     return (swiglu if g.is_cuda or INTERPRET else swiglu_reference)(g, u)
 

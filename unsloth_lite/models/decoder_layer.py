@@ -23,6 +23,7 @@ import inspect
 
 import torch
 
+from unsloth_lite.kernels import nf4_matvec
 from unsloth_lite.kernels.lora_down import MAX_ADAPTERS_PER_LAUNCH, rms_norm_lora_down_rows
 from unsloth_lite.models import decode
 from unsloth_lite.models.layers import _lora_projections, rms_norm_forward, use_kernels, zero_centred_rms_norm_forward
@@ -99,6 +100,8 @@ def _normed(norm, x: torch.Tensor, consumer, names) -> tuple[torch.Tensor, conte
     projections = _lora_projections(consumer, names, x)
     lora_as = [p.lora_a for p in projections or ()
                if p.rank and getattr(p.base, "quant_state", None) is not None]
+    if nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH:
+        lora_as = []  # the projections' launch takes them itself
     if len(lora_as) > MAX_ADAPTERS_PER_LAUNCH:
         return norm(x), contextlib.nullcontext()
     eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
