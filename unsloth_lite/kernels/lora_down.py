@@ -7,6 +7,13 @@ adds s · t Bᵀ to its product (`lora_t`). With `SPLIT_K`, program (j, s) takes
 last program to arrive adds the steps in order (`matvec_epilogue._sum_of_splits`: deterministic, one launch).
 `rms_norm_lora_down_rows` makes the RMSNorm of x and the first products of the projections that read it one
 launch. Inference only.
+
+A product's own launch can take them too (`nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH`: the word kernel, the grouped
+and the gate-and-up launches): its first width · steps programs are `_first_product_program`s, the split steps
+above, the last of a column counting it on the launch's ready flag (a release at GPU scope after its store); the
+projection's programs walk their weights meanwhile and only before their epilogue await the flag (an acquire).
+The writers have the launch's lowest program ids, so they are scheduled before any program that waits, and wait
+for nothing of their launch themselves; the last reader to count itself sets the flags back to 0.
 """
 
 from __future__ import annotations

@@ -118,11 +118,11 @@ FLAT_ABSMAX = True
 # (2026-12-05, one row, one stage): faster at every projection of the W3 models, by 1-18% (Qwen3-8B 4.99 -> 4.64
 # ms a token in the projections' sum, Qwen3.5-27B 14.40 -> 12.54; bitsandbytes' gemv 5.29 and 15.34).
 WORD_KERNEL = True
-# With an adapter whose first product is not given (`lora_a`, no `lora_t`), the word kernel's launch computes it
-# itself: its first r · steps programs take x Aᵀ a column and a step along K each (`lora_down`'s split), and the
-# other programs wait for t only before their epilogue, long after those few programs are done; one launch
-# instead of a `lora_down_rows` launch before the product (the output projections of a decoding step: two a
-# layer). Not yet measured on a GPU: off.
+# With adapters whose first products are not given (`lora_a`, no `lora_t`; `lora_as` of the grouped and the
+# gate-and-up launches), the word walk's launch computes them itself: its first width · steps programs take x Aᵀ a
+# column and a step along K each (`lora_down`'s split), and the other programs await t only before their
+# epilogue, long after those few programs are done: no `lora_down_rows` launch before the output projections, and
+# the norms before the others alone (`decoder_layer.py`). Not yet measured on a GPU: off.
 FIRST_PRODUCTS_IN_LAUNCH = False
 # The word walk's tile and stages by launch ("words", "gated", "grouped") and shape, where one was measured faster
 # than `blocked_tile`'s with `PIPELINE_STAGES` (`scripts/bench_word_tiles.py`, which times every candidate of
