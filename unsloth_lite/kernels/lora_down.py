@@ -167,20 +167,24 @@ SPLIT_K = True
 PDL = False
 
 
-# The arguments a launch with first-product programs (`_first_product_program`) takes after its own: x's elements
-# and strides, the adapters' rows (three pointers, the first two ranks), the width Σ r_i, the steps' fp32 slots
-# `[steps, rows, width]` and their arrival counters, the ready flags, the steps along K (`LORA_BLOCK_K` wide).
-FIRST_PRODUCT_ARGS = 13
-
-
 def no_first_products(x2d: torch.Tensor) -> tuple:
-    """The FIRST_PRODUCT_ARGS of a launch without first-product programs (width 0, no steps)."""
+    """The arguments of a launch without first-product programs where `first_product_args` gives them (width 0,
+    no steps)."""
     return (x2d, 0, 0, x2d, x2d, x2d, 0, 0, 0, x2d, x2d, x2d, 0)
 
 
+def first_product_programs(args: tuple) -> int:
+    """The programs a launch puts before its own for the first products whose arguments are `args`
+    (`first_product_args`, `no_first_products`): width x steps."""
+    return args[8] * args[12]
+
+
 def first_product_args(x2d: torch.Tensor, lora_as: list[torch.Tensor], block_m: int) -> tuple[torch.Tensor, tuple]:
-    """(t `[rows, Σ r_i]` fp32, the launch's arguments for its first-product programs, `FIRST_PRODUCT_ARGS`) for
-    a launch that takes the first products of up to MAX_ADAPTERS_PER_LAUNCH adapters `[r_i, K]` of x itself."""
+    """(t `[rows, Σ r_i]` fp32, the arguments of its `_first_product_program`s) for a launch that takes the first
+    products of up to MAX_ADAPTERS_PER_LAUNCH adapters `[r_i, K]` of x itself. The arguments, after the launch's
+    own: x's elements and strides, the adapters' rows (three pointers, the first two ranks), the width Σ r_i, the
+    steps' fp32 slots `[steps, block_m, width]` and their arrival counters, the ready flags, the steps along K
+    (`LORA_BLOCK_K` wide, as `lora_down_rows` takes them)."""
     n_in = x2d.shape[1]
     group = [a.contiguous() for a in lora_as]
     width = sum(a.shape[0] for a in group)
