@@ -18,6 +18,8 @@ for nothing of their launch themselves; the last reader to count itself sets the
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -167,34 +169,51 @@ SPLIT_K = True
 PDL = False
 
 
-def no_first_products(x2d: torch.Tensor) -> tuple:
-    """The arguments of a launch without first-product programs where `first_product_args` gives them (width 0,
-    no steps)."""
-    return (x2d, 0, 0, x2d, x2d, x2d, 0, 0, 0, x2d, x2d, x2d, 0)
+class FirstProductArgs(NamedTuple):
+    """The arguments a launch with `_first_product_program`s takes after its own (unpacked with `*` into the
+    launch): x's elements and strides, the adapters' rows (three pointers, the first two ranks), the width Σ r_i,
+    the steps' fp32 slots `[steps, rows, width]` and their arrival counters, the ready flags, the steps along K."""
+
+    x: torch.Tensor
+    x_row_stride: int
+    x_col_stride: int
+    a0: torch.Tensor
+    a1: torch.Tensor
+    a2: torch.Tensor
+    rank0: int
+    rank1: int
+    width: int
+    slots: torch.Tensor
+    arrivals: torch.Tensor
+    flags: torch.Tensor
+    steps: int
+
+    @property
+    def programs(self) -> int:
+        """The programs the launch puts before its own: width x steps."""
+        return self.width * self.steps
 
 
-def first_product_programs(args: tuple) -> int:
-    """The programs a launch puts before its own for the first products whose arguments are `args`
-    (`first_product_args`, `no_first_products`): width x steps."""
-    return args[8] * args[12]
+def no_first_products(x2d: torch.Tensor) -> FirstProductArgs:
+    """The arguments of a launch without first-product programs (width 0, no steps)."""
+    return FirstProductArgs(x2d, 0, 0, x2d, x2d, x2d, 0, 0, 0, x2d, x2d, x2d, 0)
 
 
-def first_product_args(x2d: torch.Tensor, lora_as: list[torch.Tensor], block_m: int) -> tuple[torch.Tensor, tuple]:
-    """(t `[rows, Σ r_i]` fp32, the arguments of its `_first_product_program`s) for a launch that takes the first
-    products of up to MAX_ADAPTERS_PER_LAUNCH adapters `[r_i, K]` of x itself. The arguments, after the launch's
-    own: x's elements and strides, the adapters' rows (three pointers, the first two ranks), the width Σ r_i, the
-    steps' fp32 slots `[steps, block_m, width]` and their arrival counters, the ready flags, the steps along K
-    (`LORA_BLOCK_K` wide, as `lora_down_rows` takes them)."""
-    n_in = x2d.shape[1]
+def first_product_args(x2d: torch.Tensor, lora_as: list[torch.Tensor],
+                       block_m: int) -> tuple[torch.Tensor, FirstProductArgs]:
+    """(t `[rows, Σ r_i]` fp32, the launch's `FirstProductArgs`) for a launch that takes the first products of up
+    to MAX_ADAPTERS_PER_LAUNCH adapters `[r_i, K]` of x itself, by steps `LORA_BLOCK_K` wide (as `lora_down_rows`
+    takes them)."""
     group = [a.contiguous() for a in lora_as]
     width = sum(a.shape[0] for a in group)
     pointers = group + [group[-1]] * (MAX_ADAPTERS_PER_LAUNCH - len(group))
-    steps = triton.cdiv(n_in, LORA_BLOCK_K)
+    steps = triton.cdiv(x2d.shape[1], LORA_BLOCK_K)
     t = empty((x2d.shape[0], width), torch.float32, x2d.device)
     slots = empty((steps, block_m, width), torch.float32, x2d.device)
-    return t, (x2d, x2d.stride(0), x2d.stride(1), *pointers, group[0].shape[0],
-               group[1].shape[0] if len(group) > 1 else 0, width, slots, _arrival_counters(x2d.device, width),
-               _arrival_counters(x2d.device, 2, use="first products"), steps)
+    return t, FirstProductArgs(x2d, x2d.stride(0), x2d.stride(1), *pointers, group[0].shape[0],
+                               group[1].shape[0] if len(group) > 1 else 0, width, slots,
+                               _arrival_counters(x2d.device, width),
+                               _arrival_counters(x2d.device, 2, use="first products"), steps)
 
 
 def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor:

@@ -27,8 +27,7 @@ def _arrival_counters(device: torch.device, blocks: int, use: str = "splits") ->
     key = (device, stream, use)
     counters = _ARRIVALS.get(key)
     if counters is None or counters.numel() < blocks:
-        counters = _ARRIVALS[key] = torch.zeros(max(blocks, 4096 if use == "splits" else blocks), dtype=torch.int32,
-                                                device=device)
+        counters = _ARRIVALS[key] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
     return counters
 
 

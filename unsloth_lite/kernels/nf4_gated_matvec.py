@@ -31,7 +31,6 @@ from unsloth_lite.kernels.lora_down import (
     _count_reader,
     _first_product_program,
     first_product_args,
-    first_product_programs,
     lora_down_rows,
     no_first_products,
 )
@@ -378,7 +377,7 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     blocksize = 2 * launches[0].meta["HALF_BLOCK"]
     pdl = matvec.uses_pdl(x.device)
     ranks = [a[1] for a in adapters]
-    _nf4_gated_matvec_kernel[(first_product_programs(first) + triton.cdiv(n_out, block_n),)](
+    _nf4_gated_matvec_kernel[(first.programs + triton.cdiv(n_out, block_n),)](
         x_rows, x_rows.stride(0), x_rows.stride(1),
         packed[0], matvec.fp32_absmax(gate), packed[1], matvec.fp32_absmax(up), table, tables if words else table,
         gate_bias if gate_bias is not None else out, up_bias if up_bias is not None else out,
@@ -393,7 +392,7 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=bf16_codes, PDL=pdl, WORDS=words,
         STAGES=matvec.word_stages(n_out, n_in, "gated") if words else matvec.PIPELINE_STAGES,
         WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
-        PREFETCH=matvec.REGISTER_PREFETCH, FIRST_PRODUCTS=first_product_programs(first) > 0, FIRST_BLOCK_K=LORA_BLOCK_K,
+        PREFETCH=matvec.REGISTER_PREFETCH, FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return out.view(*x.shape[:-1], n_out)

@@ -32,7 +32,6 @@ from unsloth_lite.kernels.lora_down import (
     _count_reader,
     _first_product_program,
     first_product_args,
-    first_product_programs,
     lora_down_rows,
     no_first_products,
 )
@@ -237,7 +236,7 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     pdl = matvec.uses_pdl(x.device)
     x_rows, x_pairs = word_kernel_rows(x2d) if words else (x2d, False)
     table = code_pairs(code) if matvec.LOOKUP == "pairs" and not words else code
-    _nf4_grouped_matvec_kernel[(first_product_programs(first) + end,)](
+    _nf4_grouped_matvec_kernel[(first.programs + end,)](
         x_rows, x_rows.stride(0), x_rows.stride(1), table,
         tables if words else code, t, t.stride(0), *(arg for slot in slots[:-1] for arg in slot), *slots[-1][:-1],
         n_rows, n_in, *first,
@@ -248,7 +247,7 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
         STAGES=matvec.word_stages(widest, n_in, "grouped") if words else matvec.PIPELINE_STAGES,
         PREFETCH=matvec.REGISTER_PREFETCH,
         WHOLE_TILES=all(n % block_n == 0 for n in widths) and n_in % tile_k == 0, X_PAIRS=x_pairs,
-        FIRST_PRODUCTS=first_product_programs(first) > 0, FIRST_BLOCK_K=LORA_BLOCK_K, num_warps=warps,
+        FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K, num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return outputs

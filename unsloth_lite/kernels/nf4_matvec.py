@@ -63,7 +63,6 @@ from unsloth_lite.kernels.dequantize_nf4 import (
 from unsloth_lite.kernels.lora_down import (
     LORA_BLOCK_K,
     first_product_args,
-    first_product_programs,
     lora_down_rows,
     no_first_products,
 )
@@ -437,7 +436,7 @@ def nf4_matvec(
     if blocked and words:
         pdl = uses_pdl(x.device)
         x_rows, x_pairs = word_kernel_rows(x2d)
-        _nf4_matvec_words_kernel[(first_product_programs(first) + feature_blocks, splits if split_k else 1)](
+        _nf4_matvec_words_kernel[(first.programs + feature_blocks, splits if split_k else 1)](
             x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],
             *((partial, arrivals) if split_k else (out, out)), *sizes, *first,
             FIRST_PRODUCTS=first_in_launch, FIRST_BLOCK_K=LORA_BLOCK_K,

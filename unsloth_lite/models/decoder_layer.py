@@ -97,11 +97,10 @@ def _normed(norm, x: torch.Tensor, consumer, names) -> tuple[torch.Tensor, conte
     offset = NORM_OFFSETS.get(getattr(norm.forward, "__func__", None))
     if not decode.NORM_FIRST_PRODUCTS or offset is None or not use_kernels(x) or x.dtype == torch.float64:
         return norm(x), contextlib.nullcontext()
-    projections = _lora_projections(consumer, names, x)
-    lora_as = [p.lora_a for p in projections or ()
-               if p.rank and getattr(p.base, "quant_state", None) is not None]
-    if nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH:
-        lora_as = []  # the projections' launch takes them itself
+    lora_as = []  # with FIRST_PRODUCTS_IN_LAUNCH the projections' launch takes them itself
+    if not nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH:
+        lora_as = [p.lora_a for p in _lora_projections(consumer, names, x) or ()
+                   if p.rank and getattr(p.base, "quant_state", None) is not None]
     if len(lora_as) > MAX_ADAPTERS_PER_LAUNCH:
         return norm(x), contextlib.nullcontext()
     eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
