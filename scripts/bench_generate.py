@@ -47,8 +47,8 @@ each full-attention layer's cache update, attention and output gate in one launc
 `greedy=1` (`decode_loop.GREEDY_TOKEN_KERNEL`: a greedy step's token chosen and recorded in one launch),
 `norm_rope=1` (`decode.NORM_ROPE_IN_ATTENTION`: the q/k norm and RoPE inside the attention's launch), `screened=1`
 (`decode.SCREENED_LM_HEAD`, with `greedy=1`: the lm_head screened by an int8 copy), `first=0`
-(`nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH`: an output projection's adapter's first product in the projection's own
-launch). A suffixed adapter variant's
+(`nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH`: the adapters' first products in their projections' own launches, the
+norms alone). A suffixed adapter variant's
 `lora_cost` is against `unsloth_lite` with the same suffix.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
