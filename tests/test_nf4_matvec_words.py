@@ -108,6 +108,19 @@ def test_word_kernel_takes_the_first_product_in_its_launch(shape, rank, rows, de
     assert_first_products_in_the_launch(shape, rows, rank, device, word_kernel)
 
 
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_first_products_readers_counted_in_groups(rows, device, word_kernel, monkeypatch):
+    """More programs await t than one reader group holds (`lora_down.READER_GROUP`; 4 features a program: 33
+    readers, a full group and one of 1): every group counter and the flags are back at 0 after each launch."""
+    monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
+    monkeypatch.setattr(nf4_matvec_module, "lora_down_rows", None)
+    monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda *_: (4, 256, 4, False))
+    assert -(-130 // 4) > lora_down_module.READER_GROUP
+    for _ in range(2):
+        word_kernel.clear()
+        assert_first_products_in_the_launch((130, 64 * 5), rows, 4, device, word_kernel)
+
 def test_lane_tables_hold_the_lookup_tables_once_per_lane():
     tables = nf4_matvec_state.lane_tables(torch.device("cpu"), True)
     assert tables.shape == (32, 8) and tables.dtype == torch.int32

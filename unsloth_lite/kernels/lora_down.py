@@ -35,6 +35,7 @@ from unsloth_lite.kernels.utils import (
     row_launch_config,
 )
 
+_INTERPRET = tl.constexpr(INTERPRET)
 MAX_ROWS = 8  # rows of x (tokens of all sequences together) the decoding kernels take
 
 
@@ -133,23 +134,56 @@ def _first_product_program(
 
 
 @triton.jit
+def _acquired(flags_ptr):
+    """flags_ptr[0] read with acquire semantics at GPU scope: compiled, a plain `ld.acquire` (the launch's
+    programs read the flag together; an atomic read-modify-write would queue them at one L2 address); under
+    the interpreter, an atomic add of 0."""
+    if _INTERPRET:
+        value = tl.atomic_add(flags_ptr, 0, sem="acquire", scope="gpu")
+    else:
+        value = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flags_ptr],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+    return value
+
+
+@triton.jit
 def _await_first_products(flags_ptr, width):
     """Wait until the launch's first-product programs have written every column of t (`flags_ptr[0]` = width,
     acquired at GPU scope). They are the launch's lowest program ids, so they are scheduled before any program
     that waits, and they wait for nothing of their launch."""
-    ready = tl.atomic_add(flags_ptr, 0, sem="acquire", scope="gpu")
+    ready = _acquired(flags_ptr)
     while ready < width:
-        ready = tl.atomic_add(flags_ptr, 0, sem="acquire", scope="gpu")
+        ready = _acquired(flags_ptr)
+
+
+# Readers counted together on one counter (`_count_reader`), each group's counter on its own 128-byte line.
+READER_GROUP = 32
+_READER_GROUP = tl.constexpr(READER_GROUP)
+_COUNTER_STRIDE = tl.constexpr(32)  # int32s: 128 bytes
 
 
 @triton.jit
-def _count_reader(flags_ptr, readers):
-    """Count a program that has read t (`flags_ptr[1]`); the last of the launch's `readers` sets both flags back
-    to 0 for the next launch, when no program of this one reads them any more."""
-    done = tl.atomic_add(flags_ptr + 1, 1, sem="relaxed", scope="gpu")
-    if done == readers - 1:
-        tl.atomic_xchg(flags_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(flags_ptr + 1, 0, sem="relaxed", scope="gpu")
+def _count_reader(flags_ptr, reader, readers):
+    """Count reader `reader` of the launch's `readers` programs that read t: on its group's counter
+    (`READER_GROUP` readers a group, each counter on its own line, so that the launch's programs do not queue
+    at one address), the group's last on `flags_ptr[1]`; the last group's count sets every counter and the
+    ready flag back to 0 for the next launch, when no program of this one reads them any more."""
+    group = reader // _READER_GROUP
+    groups = (readers + _READER_GROUP - 1) // _READER_GROUP
+    in_group = tl.minimum(readers - group * _READER_GROUP, _READER_GROUP)
+    group_counter = flags_ptr + (group + 1) * _COUNTER_STRIDE
+    done = tl.atomic_add(group_counter, 1, sem="relaxed", scope="gpu")
+    if done == in_group - 1:
+        tl.atomic_xchg(group_counter, 0, sem="relaxed", scope="gpu")
+        groups_done = tl.atomic_add(flags_ptr + 1, 1, sem="relaxed", scope="gpu")
+        if groups_done == groups - 1:
+            tl.atomic_xchg(flags_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(flags_ptr + 1, 0, sem="relaxed", scope="gpu")
+
+
+def reader_counters(programs: int) -> int:
+    """The int32 flags and counters a launch of `programs` readers needs (`_count_reader`)."""
+    return (triton.cdiv(programs, READER_GROUP) + 1) * _COUNTER_STRIDE.value
 
 
 MAX_ADAPTERS_PER_LAUNCH = 3  # q, k, v: the most projections that share an input
@@ -199,11 +233,11 @@ def no_first_products(x2d: torch.Tensor) -> FirstProductArgs:
     return FirstProductArgs(x2d, 0, 0, x2d, x2d, x2d, 0, 0, 0, x2d, x2d, x2d, 0)
 
 
-def first_product_args(x2d: torch.Tensor, lora_as: list[torch.Tensor],
-                       block_m: int) -> tuple[torch.Tensor, FirstProductArgs]:
+def first_product_args(x2d: torch.Tensor, lora_as: list[torch.Tensor], block_m: int,
+                       readers: int) -> tuple[torch.Tensor, FirstProductArgs]:
     """(t `[rows, Σ r_i]` fp32, the launch's `FirstProductArgs`) for a launch that takes the first products of up
     to MAX_ADAPTERS_PER_LAUNCH adapters `[r_i, K]` of x itself, by steps `LORA_BLOCK_K` wide (as `lora_down_rows`
-    takes them)."""
+    takes them), whose `readers` programs await t."""
     group = [a.contiguous() for a in lora_as]
     width = sum(a.shape[0] for a in group)
     pointers = group + [group[-1]] * (MAX_ADAPTERS_PER_LAUNCH - len(group))
@@ -213,7 +247,8 @@ def first_product_args(x2d: torch.Tensor, lora_as: list[torch.Tensor],
     return t, FirstProductArgs(x2d, x2d.stride(0), x2d.stride(1), *pointers, group[0].shape[0],
                                group[1].shape[0] if len(group) > 1 else 0, width, slots,
                                _arrival_counters(x2d.device, width),
-                               _arrival_counters(x2d.device, 2, use="first products"), steps)
+                               _arrival_counters(x2d.device, reader_counters(readers), use="first products"),
+                               steps)
 
 
 def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor:

@@ -27,6 +27,7 @@ from unsloth_lite.kernels.dequantize_nf4 import _launch
 from unsloth_lite.kernels.lora_down import (
     LORA_BLOCK_K,
     MAX_ROWS,
+    FirstProductArgs,
     _await_first_products,
     _count_reader,
     _first_product_program,
@@ -307,7 +308,7 @@ def _gated_program(
     mask = (rows < n_rows)[:, None] & (features < n_out)[None, :]
     tl.store(out_ptr + rows[:, None] * out_row_stride + features[None, :], h.to(dtype), mask=mask)
     if AWAIT_T:
-        _count_reader(flags_ptr, readers)
+        _count_reader(flags_ptr, block, readers)
 
 
 def gated_matvec_supported(x: torch.Tensor, gate, up) -> bool:
@@ -345,19 +346,21 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     x2d = x.reshape(-1, n_in)
     n_rows = x2d.shape[0]
     loras = [gate_lora, up_lora]
+    launches = [_launch(w, None) for w in (gate, up)]
+    bf16_codes = matvec.uses_bf16_codes(launches[0].dtype)
+    tables = lane_tables(x.device, bf16_codes) if matvec.WORD_KERNEL else None
+    words = tables is not None  # the word kernel's walk, else the blocked one's
+    block_n, tile_k, warps, _ = matvec.word_tile(n_out, n_in, "gated") if words else matvec.blocked_tile(n_out)
+    feature_blocks = triton.cdiv(n_out, block_n)
     first = no_first_products(x2d)
     if any(lora is not None and lora[1] is None for lora in loras):
-        loras, first = _adapters_with_t(x2d, loras, lora_as)
+        loras, first = _adapters_with_t(x2d, loras, lora_as, feature_blocks)
     for lora in loras:
         if lora is not None:
             matvec._check_args(x, gate, None, None, lora[0], lora[1], n_out, n_in)
     for bias in (gate_bias, up_bias):
         matvec._check_args(x, gate, bias, None, None, None, n_out, n_in)
     out = empty((n_rows, n_out), x.dtype, x.device)
-    launches = [_launch(w, None) for w in (gate, up)]
-    bf16_codes = matvec.uses_bf16_codes(launches[0].dtype)
-    tables = lane_tables(x.device, bf16_codes) if matvec.WORD_KERNEL else None
-    words = tables is not None  # the word kernel's walk, else the blocked one's
     code = launches[0].inputs[2]
     table = code_pairs(code) if matvec.LOOKUP == "pairs" and not words else code
     packed = [launch.inputs[0] for launch in launches]
@@ -373,11 +376,10 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         adapters.append((t, t.shape[1] if lora is not None else 0, b, b.stride(0), b.stride(1), float(scale)))
     if all(lora is not None for lora in loras) and loras[0][1].stride(0) != loras[1][1].stride(0):
         raise ValueError("gate_lora's and up_lora's t must share a row stride (slices of one lora_down_rows)")
-    block_n, tile_k, warps, _ = matvec.word_tile(n_out, n_in, "gated") if words else matvec.blocked_tile(n_out)
     blocksize = 2 * launches[0].meta["HALF_BLOCK"]
     pdl = matvec.uses_pdl(x.device)
     ranks = [a[1] for a in adapters]
-    _nf4_gated_matvec_kernel[(first.programs + triton.cdiv(n_out, block_n),)](
+    _nf4_gated_matvec_kernel[(first.programs + feature_blocks,)](
         x_rows, x_rows.stride(0), x_rows.stride(1),
         packed[0], matvec.fp32_absmax(gate), packed[1], matvec.fp32_absmax(up), table, tables if words else table,
         gate_bias if gate_bias is not None else out, up_bias if up_bias is not None else out,
@@ -398,17 +400,18 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     return out.view(*x.shape[:-1], n_out)
 
 
-def _adapters_with_t(x2d: torch.Tensor, loras: list, lora_as: list[torch.Tensor] | None) -> tuple[list, tuple]:
-    """(gate's and up's adapters with their t, the launch's FIRST_PRODUCT_ARGS) where t is to be computed from
-    `lora_as`: in the launch where `FIRST_PRODUCTS_IN_LAUNCH` and the word walk take it, else by one
-    `lora_down_rows` launch. t is one `[rows, Σ r]` tensor, gate's columns first."""
+def _adapters_with_t(x2d: torch.Tensor, loras: list, lora_as: list[torch.Tensor] | None,
+                     readers: int) -> tuple[list, FirstProductArgs]:
+    """(gate's and up's adapters with their t, the launch's `FirstProductArgs`) where t is to be computed from
+    `lora_as`: in the launch (its `readers` programs awaiting it) where `FIRST_PRODUCTS_IN_LAUNCH` and the word
+    walk take it, else by one `lora_down_rows` launch. t is one `[rows, Σ r]` tensor, gate's columns first."""
     adapted = [lora for lora in loras if lora is not None]
     if any(lora[1] is not None for lora in adapted) or lora_as is None or (
             [a.shape[0] for a in lora_as] != [lora[0].shape[1] for lora in adapted]):
         raise ValueError("with t None, both adapters' t must be None and lora_as must hold their A in order")
     first = no_first_products(x2d)
     if matvec.FIRST_PRODUCTS_IN_LAUNCH and matvec.WORD_KERNEL:
-        t, first = first_product_args(x2d, lora_as, triton.next_power_of_2(x2d.shape[0]))
+        t, first = first_product_args(x2d, lora_as, triton.next_power_of_2(x2d.shape[0]), readers)
     else:
         t = lora_down_rows(x2d, lora_as)
     column, with_t = 0, []

@@ -148,7 +148,7 @@ def _grouped_program(
         lora_b, b_row_stride, b_col_stride, scale, out, n_out, BLOCK_M, PDL, False, HAS_BIAS, HAS_LORA, BLOCK_R,
     )
     if AWAIT_T:
-        _count_reader(flags_ptr, readers)
+        _count_reader(flags_ptr, pid, readers)
 
 
 def grouped_matvec_supported(x: torch.Tensor, weights, biases, loras) -> bool:
@@ -199,21 +199,22 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     tables = lane_tables(x.device, bf16_codes) if matvec.WORD_KERNEL else None
     words = tables is not None  # the word kernel's walk, else the blocked one's
     block_m = triton.next_power_of_2(n_rows)
+    widths = [int(w.quant_state.shape[0]) for w in weights]
+    widest = max(widths)
+    block_n, tile_k, warps, _ = matvec.word_tile(widest, n_in, "grouped") if words else matvec.blocked_tile(widest)
     first = no_first_products(x2d)
     if sum(ranks) and lora_t is None and lora_as is not None:
         if [a.shape[0] for a in lora_as] != [r for r in ranks if r]:
             raise ValueError(f"lora_as must hold the adapted weights' A in order; got ranks "
                              f"{[a.shape[0] for a in lora_as]} for {[r for r in ranks if r]}")
         if matvec.FIRST_PRODUCTS_IN_LAUNCH and words and len(lora_as) <= MAX_ADAPTERS_PER_LAUNCH:
-            lora_t, first = first_product_args(x2d, lora_as, block_m)
+            lora_t, first = first_product_args(x2d, lora_as, block_m,
+                                               sum(triton.cdiv(n, block_n) for n in widths))
         else:
             lora_t = lora_down_rows(x2d, lora_as)
     if sum(ranks) and (lora_t is None or lora_t.shape[1] != sum(ranks)):
         raise ValueError(f"lora_t must hold the adapters' {sum(ranks)} columns side by side")
     outputs, slots, first_column, end = [], [], 0, 0
-    widths = [int(w.quant_state.shape[0]) for w in weights]
-    widest = max(widths)
-    block_n, tile_k, warps, _ = matvec.word_tile(widest, n_in, "grouped") if words else matvec.blocked_tile(widest)
     for weight, bias, lora, rank in zip(weights, biases, loras, ranks, strict=True):
         n_out = int(weight.quant_state.shape[0])
         t_cols = lora_t[:, first_column:first_column + rank] if rank else None

@@ -399,18 +399,18 @@ def nf4_matvec(
     split_k = int(tiles_a_split) if blocked and splits > 1 else 0  # tiles a split, 0: K not split
     first_in_launch = (FIRST_PRODUCTS_IN_LAUNCH and lora_t is None and lora_a is not None and lora_a.shape[0] > 0
                        and blocked and words and not split_k)
+    block_m = triton.next_power_of_2(n_rows)  # rows of the blocked kernel: x's, padded
     first = no_first_products(x2d)  # the word kernel's arguments for the first products in its launch
     if lora_t is not None:
         t, rank = lora_t, lora_t.shape[1]
     elif first_in_launch:
-        (t, first), rank = first_product_args(x2d, [lora_a], triton.next_power_of_2(n_rows)), lora_a.shape[0]
+        (t, first), rank = first_product_args(x2d, [lora_a], block_m, feature_blocks), lora_a.shape[0]
     elif lora_a is not None and lora_a.shape[0] > 0:
         t, rank = lora_down_rows(x2d, [lora_a]), lora_a.shape[0]
     else:
         t, rank = out, 0
     has_lora = rank > 0
     lora_b_arg = lora_b if has_lora else out
-    block_m = triton.next_power_of_2(n_rows)  # rows of the blocked kernel: x's, padded
     if split_k:
         partial = empty((splits, block_m, n_out), torch.float32, x.device)
         arrivals = _arrival_counters(x.device, feature_blocks)

@@ -336,4 +336,4 @@ def _word_program(
         BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R,
     )
     if AWAIT_T:
-        _count_reader(flags_ptr, readers)
+        _count_reader(flags_ptr, block, readers)
