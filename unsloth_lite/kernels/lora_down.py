@@ -13,7 +13,10 @@ and the gate-and-up launches): its first width · steps programs are `_first_pro
 above, the last of a column counting it on the launch's ready flag (a release at GPU scope after its store); the
 projection's programs walk their weights meanwhile and only before their epilogue await the flag (an acquire).
 The writers have the launch's lowest program ids, so they are scheduled before any program that waits, and wait
-for nothing of their launch themselves; the last reader to count itself sets the flags back to 0.
+for nothing of their launch themselves; the readers count themselves in groups (a counter a group, on its own
+line), and the last group's count sets every counter and the flag back to 0. The await is a plain acquire load
+and the counters are spread because a launch has up to a few thousand readers: read-modify-writes of one address
+would queue them in L2 one after another.
 """
 
 from __future__ import annotations
