@@ -140,6 +140,8 @@ def sweep(shape: str, device, tiny: bool, tiles=None, stages=(3,)) -> tuple[list
             best_tile, best_stages = options[row["best"]]
             row["word_tiles_entry"] = [list(key), [*best_tile, best_stages]]
         rows.append(row)
+        best = row["best"]  # each launch as it is done, so that a run cut short still tells
+        print(f"{shape} {name}: shipped {row['shipped']} us, fastest {best} {best and row[best]} us", flush=True)
     columns = dict.fromkeys(c for row in rows for c in row if c not in ("model", "launch", "per_token", "best")
                             and not c.startswith("word_tiles"))
     for column in columns:  # a candidate every launch was timed at (the default tiles differ by launch)
