@@ -127,8 +127,9 @@ WORD_KERNEL = True
 # gate-and-up launches), the word walk's launch computes them itself: its first width · steps programs take x Aᵀ a
 # column and a step along K each (`lora_down`'s split), and the other programs await t only before their
 # epilogue, long after those few programs are done: no `lora_down_rows` launch before the output projections, and
-# the norms before the others alone (`decoder_layer.py`). Measured on an H200 (2026-12-06, Qwen3-8B shape, rank-16
-# adapters on 7 projections): 263.9 -> 268.5 tokens/s. Off until its GPU tests have run at every shape it takes.
+# the norms before the others alone (`decoder_layer.py`). Its GPU tests pass at every W3 shape; measured on an
+# H200 (2026-12-06, rank-16 adapters on 7 projections): +1.5% at the Qwen3-8B shape, -1.6% at Qwen3.5-27B's
+# (docs/benchmarks.md): off.
 FIRST_PRODUCTS_IN_LAUNCH = False
 # The word walk's tile and stages by launch ("words", "gated", "grouped") and shape, where one was measured faster
 # than `blocked_tile`'s with `PIPELINE_STAGES` (`scripts/bench_word_tiles.py`, which times every candidate of
