@@ -79,7 +79,8 @@ def launches(shape: str, device, tiny: bool) -> list[tuple[str, tuple[str, int, 
                       [lambda g=g, u=u, x=x: nf4_gated_matvec(x, g, u) for g, u in pairs]))
     for _, group, widths, n_in, count in projection_groups([shape], tiny):
         x = torch.randn(1, n_in, device=device, dtype=dtype)
-        sets = list(zip(*(weight_copies(nf4_weight(n, n_in, device, dtype), tiny) for n in widths), strict=True))
+        # as many sets as the widest weight has copies (the narrower ones have more)
+        sets = list(zip(*(weight_copies(nf4_weight(n, n_in, device, dtype), tiny) for n in widths), strict=False))
         found.append((f"grouped {group} {'/'.join(map(str, widths))}x{n_in}", ("grouped", max(widths), n_in), count,
                       [lambda ws=ws, x=x: nf4_grouped_matvec(x, list(ws), [None] * len(ws), [None] * len(ws))
                        for ws in sets]))
