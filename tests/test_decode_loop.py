@@ -81,7 +81,7 @@ def test_sequences_ending_at_different_steps(arch, choice, loop_calls, monkeypat
     monkeypatch.setattr(decode_loop, "GREEDY_TOKEN_KERNEL", choice != "torch")
     monkeypatch.setattr(decode, "SCREENED_LM_HEAD", choice == "screened_head")
     screened = []
-    monkeypatch.setattr(decode, "screened_logits", lambda *a: screened.append(1) or screened_logits(*a))
+    monkeypatch.setattr(decode, "screened_logits", lambda *a, **k: screened.append(1) or screened_logits(*a, **k))
     reference, patched = model_pair(arch, "dense", device)
     for _ in range(20):  # a prompt whose greedy path has such tokens (random tiny models repeat tokens)
         prompt = torch.randint(0, 150, (2, 7), device=device)  # no pad token (150): a prompt's pads are padding

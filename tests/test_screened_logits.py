@@ -6,6 +6,8 @@ import pytest
 import torch
 from helpers import dtype_id
 
+from unsloth_lite.kernels import screened_logits as screened_logits_module
+from unsloth_lite.kernels.matvec_epilogue import _arrival_counters
 from unsloth_lite.kernels.screened_logits import BLOCK_N, int8_rows, screened_logits
 
 
@@ -22,7 +24,7 @@ def test_screened_logits_keep_the_argmax(vocab, hidden, dtype, device):
     weight[vocab - 1] = weight[7]  # a tie across blocks: the first index wins
     x[1] = x[1] / x[1].abs().max()
     weight[3] = x[1] * 3  # row 1's maximum far above the rest: few candidates
-    quantized, scale = int8_rows(weight)
+    quantized, scale, _ = int8_rows(weight)
     got = screened_logits(x, weight, quantized, scale)
     full = (x.double() @ weight.double().t()).to(dtype)
     assert got.dtype == dtype and got.shape == full.shape
@@ -43,7 +45,7 @@ def test_exempt_rows_keep_the_masked_argmax(dtype, device):
     weight, x = _head(vocab, hidden, dtype, device)
     x = x / x.abs().amax(dim=1, keepdim=True)
     weight[11], weight[vocab - 2] = x[0] * 3, x[2] * 3  # rows 0 and 2: one logit far above the rest, exempt
-    quantized, scale = int8_rows(weight)
+    quantized, scale, _ = int8_rows(weight)
     exempt = torch.tensor([vocab - 2, -1, 11], device=device)
     got = screened_logits(x, weight, quantized, scale, exempt)
     full = (x.double() @ weight.double().t()).to(dtype).float()
@@ -60,21 +62,52 @@ def test_exempt_rows_keep_the_masked_argmax(dtype, device):
         screened_logits(x, weight, quantized, scale, torch.zeros(9, dtype=torch.int64, device=device))
 
 
-def test_int8_rows_by_passes(device):
-    """The copy made a few rows at a time is the copy made at once; every weight within half a step."""
-    weight, _ = _head(70, 64, torch.bfloat16, device)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_int8_rows_by_passes(dtype, device):
+    """The copy made a few rows at a time is the copy made at once; every weight within half a step, the rounding's
+    norm that of the weight's own rounding; the weight left as it was."""
+    weight, _ = _head(70, 64, dtype, device)
     weight[5] = 0
-    quantized, scale = int8_rows(weight, rows_a_pass=16)
+    original = weight.clone()
+    quantized, scale, error_norm = int8_rows(weight, rows_a_pass=16)
     whole = int8_rows(weight, rows_a_pass=1000)
-    assert torch.equal(quantized, whole[0]) and torch.equal(scale, whole[1])
+    assert all(torch.equal(a, b) for a, b in zip((quantized, scale, error_norm), whole, strict=True))
     assert quantized.abs().max() == 127 and not quantized[5].any()
-    error = (weight.float() - quantized.float() * scale[:, None]).abs()
-    assert (error <= scale[:, None] * 0.5001).all()
+    error = weight.double() - quantized.double() * scale.double()[:, None]
+    assert (error.abs() <= scale[:, None] * 0.5001).all()
+    torch.testing.assert_close(error_norm.double(), error.norm(dim=1), rtol=1e-5, atol=1e-12)
+    assert torch.equal(weight, original)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_norm_bound_and_split_exact_products_keep_the_argmax(splits, dtype, device, monkeypatch):
+    """`NORM_BOUND` (the bound also by Cauchy–Schwarz) and `EXACT_SPLITS` (a block's exact products split along
+    K, the splits added in order): the argmax and the near maxima of every row kept, the candidates' values the
+    product's, no more candidates than the plain bound leaves, counters back at 0 for the next launch."""
+    vocab, hidden = 4 * BLOCK_N + 3, 300  # splits of 128 columns: the last one short
+    weight, x = _head(vocab, hidden, dtype, device)
+    weight[vocab - 1] = weight[7]
+    quantized, scale, error_norm = int8_rows(weight)
+    plain = screened_logits(x, weight, quantized, scale)
+    monkeypatch.setattr(screened_logits_module, "NORM_BOUND", True)
+    monkeypatch.setattr(screened_logits_module, "EXACT_SPLITS", splits)
+    full = (x.double() @ weight.double().t()).to(dtype).float()
+    for _ in range(2):
+        got = screened_logits(x, weight, quantized, scale, error_norm=error_norm)
+        assert torch.equal(got.float().argmax(dim=-1), full.argmax(dim=-1))
+        candidates = torch.isfinite(got)
+        assert (candidates <= torch.isfinite(plain)).all() and candidates.sum() <= torch.isfinite(plain).sum()
+        diff = (got.float() - full)[candidates].abs()
+        assert diff.max() <= 1e-5 + 2 ** -7 * full[candidates].abs().max(), diff.max()
+        largest = full.max(dim=1, keepdim=True).values
+        assert candidates[full >= largest - 1e-3].all()
+        assert not _arrival_counters(torch.device(device), 1, use="exact").any()
 
 
 def test_screened_logits_refuse_bad_inputs(device):
     weight, x = _head(70, 64, torch.float32, device)
-    quantized, scale = int8_rows(weight)
+    quantized, scale, _ = int8_rows(weight)
     with pytest.raises(ValueError, match="1 to 8 rows"):
         screened_logits(torch.randn(9, 64, device=device), weight, quantized, scale)
     with pytest.raises(ValueError, match="int8_rows"):
@@ -85,7 +118,7 @@ def test_screened_logits_refuse_bad_inputs(device):
 @pytest.mark.parametrize("vocab,hidden", [(151936, 4096), (248320, 5120)], ids=["qwen3_8b", "qwen3_5_27b"])
 def test_screened_logits_qwen_heads_cuda(vocab, hidden):
     weight = (torch.randn(vocab, hidden, device="cuda") * 0.02).to(torch.bfloat16)
-    quantized, scale = int8_rows(weight)
+    quantized, scale, _ = int8_rows(weight)
     for rows in (1, 8):
         x = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
         got = screened_logits(x, weight, quantized, scale)

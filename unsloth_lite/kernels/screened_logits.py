@@ -11,6 +11,11 @@ For hidden rows x `[B, K]` (B <= 8), the head W `[V, K]` and its int8 copy Q wit
     L   = max_n (a_n − e_n)         no largest logit is smaller (n over the rows not exempt)
     y_n = z_n (in W's dtype) where a_n + e_n >= L − |L| 2⁻⁶ or n is exempt, else −inf
 
+With `NORM_BOUND` the bound is the smaller of e_n and, by Cauchy–Schwarz, r_n ||x||₂ (1 + 2⁻⁸, each norm's own
+fp32 rounding) plus the three sums' rounding, where r_n = ||W_n − s_n Q_n||₂ is kept with Q (`int8_rows`). With
+the rounding errors spread over ±s_n/2, r_n ≈ s_n √(K/12), so the first term is about s_n √(K/12) ||x||₂ against
+s_n Σ_k |x_k| / 2: a third of the candidates at the Qwen3-8B head with random weights.
+
 So the largest logit, and every one that could round to the same value, is computed from W itself: the argmax of
 y (its first index) is that of the full product x Wᵀ. Exempt rows (the end-of-sequence ids, which a
 minimum-new-tokens step masks after the head) are always computed and never set L, so the argmax stays the full
@@ -21,7 +26,9 @@ only; only the argmax of y is the full product's (the other values are not logit
 Two launches. `_screen_kernel`, a program a block of rows n: a and e for every row of x (tensor-core products of
 x and Q's rows converted to x's dtype, exact), a + e stored, its block's max of a − e stored; the last program to
 arrive (an acq_rel counter) stores L from the blocks' maxima. `_exact_kernel`, the same blocks: the rows with a
-candidate take x Wᵀ from W (the others skip it), and y. The counters are left at 0 for the next launch.
+candidate take x Wᵀ from W (the others skip it), and y; with `EXACT_SPLITS` > 1 each block's K is split over that
+many programs, whose sums the block's last to arrive adds in split order (`_sum_of_splits`): a candidate row's
+product is then a chain of K / EXACT_SPLITS columns instead of K. The counters are left at 0 for the next launch.
 """
 
 from __future__ import annotations
@@ -30,56 +37,72 @@ import torch
 import triton
 import triton.language as tl
 
-from unsloth_lite.kernels.matvec_epilogue import _arrival_counters
+from unsloth_lite.kernels.matvec_epilogue import _arrival_counters, _sum_of_splits
 from unsloth_lite.kernels.utils import INTERPRET, empty
 
 BLOCK_N = 64  # rows of the head a program
 BLOCK_K = 128  # columns a step
 MAX_ROWS = 8
 MAX_EXEMPT = 8  # exempt row ids a launch takes
+# The screen's bound also by Cauchy–Schwarz (module docstring): a third of the candidates at the Qwen3-8B head with
+# random weights (CPU, float64 reference). Off until timed on a GPU.
+NORM_BOUND = False
+# Programs a block's exact products are split over along K (1: one program a block). At the Qwen3-8B head with
+# random weights about 1,000 of the 2,374 blocks hold a candidate, each one program walking all of K (68 us of a
+# 3.26 ms decoding step on an H200, 2026-12-06). Not yet timed split: 1.
+EXACT_SPLITS = 1
 
 
 @triton.jit
-def _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, mask_features, n_in,
+def _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, mask_features, n_in, k_start, k_end,
                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
                         IEEE: tl.constexpr):
-    """(x W_fᵀ `[BLOCK_M, BLOCK_N]` in fp32 for the rows f of `w_ptr` (int8 or float, `[N, K]` contiguous, rows
-    that are masked off never read), Σ_k |x_k| `[BLOCK_M]`)."""
+    """(x W_fᵀ over columns [k_start, k_end) `[BLOCK_M, BLOCK_N]` in fp32 for the rows f of `w_ptr` (int8 or
+    float, `[N, K]` contiguous, rows that are masked off never read), Σ_k |x_k| and Σ_k x_k² `[BLOCK_M]` over
+    those columns)."""
     acc = tl.zeros([BLOCK_M, features.shape[0]], tl.float32)
     absolute = tl.zeros([BLOCK_M], tl.float32)
+    squares = tl.zeros([BLOCK_M], tl.float32)
     mask_rows = rows < n_rows
-    for k0 in range(0, n_in, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = k < n_in
+        mask_k = k < k_end
         x = tl.load(x_ptr + rows[:, None] * x_row_stride + k[None, :], mask=mask_rows[:, None] & mask_k[None, :],
                     other=0.0)
         w = tl.load(w_ptr + features[:, None].to(tl.int64) * n_in + k[None, :],
                     mask=mask_features[:, None] & mask_k[None, :], other=0)
-        absolute += tl.sum(tl.abs(x.to(tl.float32)), axis=1)
+        x32 = x.to(tl.float32)
+        absolute += tl.sum(tl.abs(x32), axis=1)
+        squares += tl.sum(x32 * x32, axis=1)
         if DOT_F32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee" if IEEE else "tf32")
+            acc += tl.dot(x32, tl.trans(w.to(tl.float32)), input_precision="ieee" if IEEE else "tf32")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    return acc, absolute
+    return acc, absolute, squares
 
 
 @triton.jit
 def _screen_kernel(
-    x_ptr, x_row_stride, q_ptr, scale_ptr, exempt_ptr, n_exempt, upper_ptr, block_lower_ptr, lower_ptr,
-    arrivals_ptr, n_rows, n_out, n_in, bound_factor,
+    x_ptr, x_row_stride, q_ptr, scale_ptr, error_norm_ptr, exempt_ptr, n_exempt, upper_ptr, block_lower_ptr,
+    lower_ptr, arrivals_ptr, n_rows, n_out, n_in, bound_factor, rounding_factor,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_E: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_E: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr, NORM_BOUND: tl.constexpr,
 ):
     block = tl.program_id(0)
     features = block * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_features = features < n_out
     rows = tl.arange(0, BLOCK_M)
     mask_rows = rows < n_rows
-    acc, absolute = _row_block_products(x_ptr, x_row_stride, q_ptr, rows, n_rows, features, mask_features, n_in,
-                                        BLOCK_M, BLOCK_K, DOT_F32, IEEE)
+    acc, absolute, squares = _row_block_products(x_ptr, x_row_stride, q_ptr, rows, n_rows, features,
+                                                 mask_features, n_in, 0, n_in, BLOCK_M, BLOCK_K, DOT_F32, IEEE)
     scale = tl.load(scale_ptr + features, mask=mask_features, other=0.0)
     approximate = acc * scale[None, :]
     bound = bound_factor * scale[None, :] * absolute[:, None]
+    if NORM_BOUND:  # Cauchy–Schwarz on the rounding of W, each norm's own rounding covered by 2⁻⁸
+        error_norm = tl.load(error_norm_ptr + features, mask=mask_features, other=0.0)
+        norm_bound = (error_norm[None, :] * tl.sqrt(squares)[:, None] * (1 + 2.0**-8)
+                      + rounding_factor * scale[None, :] * absolute[:, None])
+        bound = tl.minimum(bound, norm_bound)
     slots = tl.arange(0, BLOCK_E)
     exempt_ids = tl.load(exempt_ptr + slots, mask=slots < n_exempt, other=-1)
     exempt = tl.max((features[:, None] == exempt_ids[None, :]).to(tl.int32), axis=1) != 0
@@ -103,11 +126,14 @@ def _screen_kernel(
 
 @triton.jit
 def _exact_kernel(
-    x_ptr, x_row_stride, w_ptr, upper_ptr, lower_ptr, out_ptr, n_rows, n_out, n_in,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    IEEE: tl.constexpr,
+    x_ptr, x_row_stride, w_ptr, upper_ptr, lower_ptr, out_ptr, partial_ptr, arrivals_ptr, n_rows, n_out, n_in,
+    split_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Block `program_id(0)` of y. SPLIT: program (block, j) takes columns [j · split_k, (j + 1) · split_k) of
+    its products, the block's last to arrive adds the splits' sums in order; else all of K."""
+    block = tl.program_id(0)
+    features = block * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_features = features < n_out
     rows = tl.arange(0, BLOCK_M)
     mask_rows = rows < n_rows
@@ -117,45 +143,72 @@ def _exact_kernel(
     upper = tl.load(upper_ptr + rows[:, None] * n_out + features[None, :], mask=mask, other=float("-inf"))
     candidate = mask & (upper >= threshold[:, None])
     wanted = tl.max(candidate.to(tl.int32), axis=0) != 0  # a row of W some row of x needs
-    exact = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if tl.max(wanted.to(tl.int32), axis=0) != 0:
-        exact, _ = _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, wanted, n_in,
-                                       BLOCK_M, BLOCK_K, DOT_F32, IEEE)
-    tl.store(out_ptr + rows[:, None] * n_out + features[None, :], tl.where(candidate, exact, float("-inf")), mask=mask)
+    out = out_ptr + rows[:, None] * n_out + features[None, :]
+    if SPLIT:
+        split = tl.program_id(1)
+        if tl.max(wanted.to(tl.int32), axis=0) != 0:  # every split of the block sees the same candidates
+            k_start = split * split_k
+            exact, _, _ = _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, wanted, n_in,
+                                              k_start, tl.minimum(k_start + split_k, n_in), BLOCK_M, BLOCK_K,
+                                              DOT_F32, IEEE)
+            exact, last = _sum_of_splits(exact, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, split,
+                                         tl.num_programs(1), block, n_rows)
+            if last:
+                tl.store(out, tl.where(candidate, exact, float("-inf")), mask=mask)
+        elif split == 0:
+            tl.store(out, tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32), mask=mask)
+    else:
+        exact = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if tl.max(wanted.to(tl.int32), axis=0) != 0:
+            exact, _, _ = _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, wanted, n_in, 0,
+                                              n_in, BLOCK_M, BLOCK_K, DOT_F32, IEEE)
+        tl.store(out, tl.where(candidate, exact, float("-inf")), mask=mask)
 
 
-def int8_rows(weight: torch.Tensor, rows_a_pass: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Q int8 `[V, K]`, s fp32 `[V]`): each row of `weight` over its largest magnitude / 127, rounded; made
-    `rows_a_pass` rows at a time (their fp32 copy is all the memory it takes besides Q)."""
+def int8_rows(weight: torch.Tensor, rows_a_pass: int = 16384) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Q int8 `[V, K]`, s fp32 `[V]`, r fp32 `[V]`): each row of `weight` over its largest magnitude / 127,
+    rounded, and the rounding's 2-norm r_n = ||W_n − s_n Q_n||₂ (`NORM_BOUND`); made `rows_a_pass` rows at a time
+    (their fp32 copy is all the memory it takes besides Q)."""
     quantized = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    error_norm = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
     for first in range(0, weight.shape[0], rows_a_pass):
         rows = weight[first:first + rows_a_pass].float()
         row_scale = rows.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-        quantized[first:first + rows_a_pass] = torch.round(rows / row_scale[:, None]).clamp_(-127, 127)
+        row_quantized = torch.round(rows / row_scale[:, None]).clamp_(-127, 127)
+        quantized[first:first + rows_a_pass] = row_quantized
         scale[first:first + rows_a_pass] = row_scale
-    return quantized, scale
+        error_norm[first:first + rows_a_pass] = torch.linalg.vector_norm(  # rows may be the weight itself
+            rows - row_quantized.mul_(row_scale[:, None]), dim=1)
+    return quantized, scale, error_norm
+
+
+def rounding_factor(n_in: int) -> float:
+    """The three fp32 sums' share of C (module docstring) for rows of `n_in` columns."""
+    return 3 * n_in * 127 * 2.0**-24
 
 
 def bound_factor(n_in: int) -> float:
     """C of the module docstring for rows of `n_in` columns."""
-    return 0.5 * (1 + 2.0**-20) + 3 * n_in * 127 * 2.0**-24
+    return 0.5 * (1 + 2.0**-20) + rounding_factor(n_in)
 
 
 def screened_logits(x: torch.Tensor, weight: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor,
-                    exempt: torch.Tensor | None = None):
+                    exempt: torch.Tensor | None = None, error_norm: torch.Tensor | None = None):
     """y `[..., V]` in weight's dtype for x `[..., K]` of 1 to 8 rows, weight `[V, K]` (bf16, fp16 or fp32, the
-    head without bias) and its `int8_rows`: x Wᵀ at the rows where the argmax of each row of x can lie, −inf
-    elsewhere (module docstring). `exempt`: int64 row ids `[<= MAX_EXEMPT]` on x's device (negative ones
-    ignored) computed always and left out of the screen's bound, so that masking them keeps the argmax exact."""
+    head without bias) and its `int8_rows` (Q, s and, for `NORM_BOUND`, r as `error_norm`): x Wᵀ at the rows where
+    the argmax of each row of x can lie, −inf elsewhere (module docstring). `exempt`: int64 row ids
+    `[<= MAX_EXEMPT]` on x's device (negative ones ignored) computed always and left out of the screen's bound,
+    so that masking them keeps the argmax exact."""
     n_out, n_in = weight.shape
     x2d = x.reshape(-1, n_in)
     n_rows = x2d.shape[0]
     if not 1 <= n_rows <= MAX_ROWS or x.shape[-1] != n_in or x.dtype != weight.dtype:
         raise ValueError(f"screened_logits takes 1 to {MAX_ROWS} rows of x in the head's dtype {weight.dtype} and "
                          f"width {n_in}; got {tuple(x.shape)} {x.dtype}")
-    if tuple(quantized.shape) != (n_out, n_in) or quantized.dtype != torch.int8 or scale.shape != (n_out,):
-        raise ValueError(f"quantized and scale must be int8_rows of the head [{n_out}, {n_in}]")
+    if tuple(quantized.shape) != (n_out, n_in) or quantized.dtype != torch.int8 or scale.shape != (n_out,) or (
+            error_norm is not None and error_norm.shape != (n_out,)):
+        raise ValueError(f"quantized, scale and error_norm must be int8_rows of the head [{n_out}, {n_in}]")
     if not weight.is_contiguous() or not quantized.is_contiguous():
         raise ValueError("the head and its int8 copy must be contiguous")
     if exempt is not None and (exempt.dim() != 1 or exempt.numel() > MAX_EXEMPT or exempt.dtype != torch.int64
@@ -174,14 +227,20 @@ def screened_logits(x: torch.Tensor, weight: torch.Tensor, quantized: torch.Tens
     out = empty((n_rows, n_out), weight.dtype, device)
     block_m = 16  # tl.dot's least M
     precision = dict(DOT_F32=INTERPRET or x.dtype == torch.float32, IEEE=x.dtype == torch.float32)
+    norm_bound = NORM_BOUND and error_norm is not None
     _screen_kernel[(blocks,)](
-        x2d, x2d.stride(0), quantized, scale, exempt, exempt.numel(), upper, block_lower, lower,
-        _arrival_counters(device, 1), n_rows, n_out, n_in, bound_factor(n_in),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_P=1024, BLOCK_E=MAX_EXEMPT, num_warps=4,
-        **precision,
+        x2d, x2d.stride(0), quantized, scale, error_norm if norm_bound else scale, exempt, exempt.numel(), upper,
+        block_lower, lower, _arrival_counters(device, 1), n_rows, n_out, n_in, bound_factor(n_in),
+        rounding_factor(n_in),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_P=1024, BLOCK_E=MAX_EXEMPT, NORM_BOUND=norm_bound,
+        num_warps=4, **precision,
     )
-    _exact_kernel[(blocks,)](
-        x2d, x2d.stride(0), weight, upper, lower, out, n_rows, n_out, n_in,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, **precision,
+    split_k = triton.cdiv(triton.cdiv(n_in, EXACT_SPLITS), BLOCK_K) * BLOCK_K  # whole steps a split
+    splits = triton.cdiv(n_in, split_k)
+    partial = empty((splits, n_rows, n_out), torch.float32, device) if splits > 1 else out
+    _exact_kernel[(blocks, splits)](
+        x2d, x2d.stride(0), weight, upper, lower, out, partial, _arrival_counters(device, blocks, use="exact"),
+        n_rows, n_out, n_in, split_k,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=splits > 1, num_warps=4, **precision,
     )
     return out.view(*x.shape[:-1], n_out)

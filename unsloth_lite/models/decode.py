@@ -119,13 +119,13 @@ def screened_head_logits(lm_head, hidden: torch.Tensor) -> torch.Tensor | None:
             return None  # made outside a capture, on the step before
         exempt = torch.empty(MAX_EXEMPT, dtype=torch.int64, device=weight.device)
         kept = lm_head.__dict__[INT8_HEAD_ATTRIBUTE] = (key, *int8_rows(weight), exempt)
-    exempt = kept[3]
+    exempt = kept[4]
     if not capturing:
         end_ids = _GREEDY_LOGITS.state[0]
         exempt.fill_(-1)
         if end_ids is not None:
             exempt[: end_ids.numel()].copy_(end_ids.reshape(-1))
-    return screened_logits(hidden, weight, kept[1], kept[2], exempt)
+    return screened_logits(hidden, weight, kept[1], kept[2], exempt, error_norm=kept[3])
 
 
 def is_decode_rows(x: torch.Tensor) -> bool:
