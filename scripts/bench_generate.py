@@ -65,9 +65,8 @@ float32 per 256 blocks), the other decoder weights (norms, convolution, gates) a
 the input embedding, the KV cache of the full-attention layers at the mean context (prompt + new tokens / 2),
 and each DeltaNet layer's float32 state read and written (plus its convolution state); with LoRA, its adapters.
 `bound_tokens_per_s` = `--bandwidth-gbps` (the H200's device-to-device copy rate in BENCHMARKS.md, 4270 GB/s;
-`--measure-bandwidth` measures it in this run) / bytes per token; `bound_fraction` = decode tokens/s / that.
-BENCHMARKS.md's 17.7 GB per token at the 27B shape counts the whole input embedding (2.5 GB); decoding reads one
-row of it.
+`--measure-bandwidth` measures it in this run) / bytes per token; `bound_fraction` = decode tokens/s / that
+(BENCHMARKS.md's 17.7 GB a token at the 27B counts the whole input embedding, 2.5 GB; decoding reads one row).
 
 unsloth-lite variants on CUDA also report `graph_step_ms`, the median GPU time of one replay of the captured
 decode step in one more generation (each replay between two CUDA events: `graph_step_ms()`), and `host_gap_ms` =
