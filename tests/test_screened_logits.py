@@ -115,12 +115,18 @@ def test_screened_logits_refuse_bad_inputs(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("norm_bound,splits", [(False, 1), (True, 8)], ids=["plain", "norm_bound_splits"])
 @pytest.mark.parametrize("vocab,hidden", [(151936, 4096), (248320, 5120)], ids=["qwen3_8b", "qwen3_5_27b"])
-def test_screened_logits_qwen_heads_cuda(vocab, hidden):
+def test_screened_logits_qwen_heads_cuda(vocab, hidden, norm_bound, splits, monkeypatch):
+    monkeypatch.setattr(screened_logits_module, "NORM_BOUND", norm_bound)
+    monkeypatch.setattr(screened_logits_module, "EXACT_SPLITS", splits)
     weight = (torch.randn(vocab, hidden, device="cuda") * 0.02).to(torch.bfloat16)
-    quantized, scale, _ = int8_rows(weight)
+    quantized, scale, error_norm = int8_rows(weight)
     for rows in (1, 8):
         x = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
-        got = screened_logits(x, weight, quantized, scale)
+        got = screened_logits(x, weight, quantized, scale, error_norm=error_norm)
         full = x @ weight.t()
         assert torch.equal(got.float().argmax(dim=-1), full.float().argmax(dim=-1))
+        candidates = torch.isfinite(got)
+        exact = (x.double() @ weight.double().t()).to(torch.bfloat16).float()
+        assert (got.float() - exact)[candidates].abs().max() <= 2 ** -7 * exact.abs().max()
