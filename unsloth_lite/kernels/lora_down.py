@@ -159,7 +159,7 @@ def _await_first_products(flags_ptr, width):
         ready = _acquired(flags_ptr)
 
 
-# Readers counted together on one counter (`_count_reader`), each group's counter on its own 128-byte line.
+# Readers counted in groups of READER_GROUP (`_count_reader`), each group's counter on its own 128-byte line.
 READER_GROUP = 32
 _READER_GROUP = tl.constexpr(READER_GROUP)
 _COUNTER_STRIDE = tl.constexpr(32)  # int32s: 128 bytes
