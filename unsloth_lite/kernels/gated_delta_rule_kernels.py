@@ -25,9 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from unsloth_lite.kernels.utils import INTERPRET
-
-_INTERPRET = tl.constexpr(INTERPRET)
+from unsloth_lite.kernels.utils import INTERPRETED
 
 
 @triton.jit
@@ -106,7 +104,7 @@ def _dot_bf16x3(a_hi, a_lo, b_hi, b_lo, A_EXACT: tl.constexpr, B_EXACT: tl.const
 def _dot_halves(a, b, acc=None):
     """acc + a b of bf16 halves, fp32 sums. The interpreter's bf16 products are wrong: there the halves are
     multiplied in fp32, exactly as bf16 products with fp32 sums are."""
-    if _INTERPRET:
+    if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)

@@ -31,6 +31,7 @@ from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 from unsloth_lite.kernels.matvec_epilogue import _arrival_counters, _sum_of_splits
 from unsloth_lite.kernels.utils import (
     INTERPRET,
+    INTERPRETED,
     check_kernel_device,
     compute_capability,
     empty,
@@ -38,7 +39,6 @@ from unsloth_lite.kernels.utils import (
     row_launch_config,
 )
 
-_INTERPRET = tl.constexpr(INTERPRET)
 MAX_ROWS = 8  # rows of x (tokens of all sequences together) the decoding kernels take
 
 
@@ -141,7 +141,7 @@ def _acquired(flags_ptr):
     """flags_ptr[0] read with acquire semantics at GPU scope: compiled, a plain `ld.acquire` (the launch's
     programs read the flag together; an atomic read-modify-write would queue them at one L2 address); under
     the interpreter, an atomic add of 0."""
-    if _INTERPRET:
+    if INTERPRETED:
         value = tl.atomic_add(flags_ptr, 0, sem="acquire", scope="gpu")
     else:
         value = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flags_ptr],

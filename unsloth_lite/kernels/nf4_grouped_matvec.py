@@ -202,27 +202,27 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     widths = [int(w.quant_state.shape[0]) for w in weights]
     widest = max(widths)
     block_n, tile_k, warps, _ = matvec.word_tile(widest, n_in, "grouped") if words else matvec.blocked_tile(widest)
+    programs = [triton.cdiv(n, block_n) for n in widths]  # each weight's, side by side
     first = no_first_products(x2d)
     if sum(ranks) and lora_t is None and lora_as is not None:
         if [a.shape[0] for a in lora_as] != [r for r in ranks if r]:
             raise ValueError(f"lora_as must hold the adapted weights' A in order; got ranks "
                              f"{[a.shape[0] for a in lora_as]} for {[r for r in ranks if r]}")
         if matvec.FIRST_PRODUCTS_IN_LAUNCH and words and len(lora_as) <= MAX_ADAPTERS_PER_LAUNCH:
-            lora_t, first = first_product_args(x2d, lora_as, block_m,
-                                               sum(triton.cdiv(n, block_n) for n in widths))
+            lora_t, first = first_product_args(x2d, lora_as, block_m, sum(programs))
         else:
             lora_t = lora_down_rows(x2d, lora_as)
     if sum(ranks) and (lora_t is None or lora_t.shape[1] != sum(ranks)):
         raise ValueError(f"lora_t must hold the adapters' {sum(ranks)} columns side by side")
     outputs, slots, first_column, end = [], [], 0, 0
-    for weight, bias, lora, rank in zip(weights, biases, loras, ranks, strict=True):
+    for weight, bias, lora, rank, weight_programs in zip(weights, biases, loras, ranks, programs, strict=True):
         n_out = int(weight.quant_state.shape[0])
         t_cols = lora_t[:, first_column:first_column + rank] if rank else None
         matvec._check_args(x, weight, bias, None, lora[0] if lora else None, t_cols, n_out, n_in)
         out = empty((n_rows, n_out), x.dtype, x.device)
         # a weight without an adapter reads none (rank 0) but passes a B of the others' dtype
         lora_b = lora[0] if lora is not None else next((lo[0] for lo in loras if lo is not None), out)
-        end += triton.cdiv(n_out, block_n)
+        end += weight_programs
         packed = _launch(weight, None).inputs[0]
         slots.append((packed_words(packed) if words else packed, matvec.fp32_absmax(weight),
                       bias if bias is not None else out,

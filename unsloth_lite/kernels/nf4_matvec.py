@@ -60,12 +60,7 @@ from unsloth_lite.kernels.dequantize_nf4 import (
     _launch,
     _quant_state_of,
 )
-from unsloth_lite.kernels.lora_down import (
-    LORA_BLOCK_K,
-    first_product_args,
-    lora_down_rows,
-    no_first_products,
-)
+from unsloth_lite.kernels.lora_down import LORA_BLOCK_K, first_product_args, lora_down_rows, no_first_products
 from unsloth_lite.kernels.matvec_epilogue import (
     BIAS_FEATURES,
     BIAS_NONE,

@@ -20,6 +20,7 @@ from unsloth_lite.kernels.interpreter import speed_up_interpreter
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
     speed_up_interpreter()
+INTERPRETED = tl.constexpr(INTERPRET)  # the same, for jit functions (which read only constexpr globals)
 
 # Tests set this so that any element a kernel forgets to write shows up as NaN.
 POISON_OUTPUTS = os.environ.get("UNSLOTH_LITE_POISON_OUTPUTS") == "1"
