@@ -31,9 +31,7 @@ Variants, each in its own process (Unsloth patches transformers on import), each
 
 An unsloth-lite variant may carry decoding settings after `@`, `/`-separated, set in its worker so that one run
 compares them (`unsloth_lite@stages=3/lora_stages=3`, `unsloth_lite_lora@flat=0`). Numbers: `stages=N`
-(`nf4_matvec.PIPELINE_STAGES`, the NF4 loop's loads kept N tiles ahead), `lora_stages=N` (`lora_down`'s),
-`exact_splits=N` (`screened_logits.EXACT_SPLITS`, default 1: programs a block of the screened head's exact products
-is split over along K).
+(`nf4_matvec.PIPELINE_STAGES`, the NF4 loop's loads kept N tiles ahead), `lora_stages=N` (`lora_down`'s).
 Switches, 0 or 1, the default first: `lora_split=1` and `lora_pdl=0` (`lora_down.SPLIT_K`, `lora_down.PDL`),
 `flat=1` (`nf4_matvec.FLAT_ABSMAX`; 0: the nested absmax read in the kernel), `pdl=1` (`nf4_matvec.PDL`; 0:
 ordinary launches instead of programmatic dependent ones, each of which starts loading its weight while the
@@ -50,7 +48,7 @@ each full-attention layer's cache update, attention and output gate in one launc
 `norm_rope=1` (`decode.NORM_ROPE_IN_ATTENTION`: the q/k norm and RoPE inside the attention's launch), `screened=1`
 (`decode.SCREENED_LM_HEAD`, with `greedy=1`: the lm_head screened by an int8 copy), `first=0`
 (`nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH`: the adapters' first products in their projections' own launches, the
-norms alone), `norm_bound=0` (`screened_logits.NORM_BOUND`: the screen's bound also by Cauchy–Schwarz). A
+norms alone), `norm_bound=1` (`screened_logits.NORM_BOUND`: the screen's bound also by Cauchy–Schwarz). A
 suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
@@ -143,7 +141,6 @@ DECODE_SETTINGS = {
     "screened": ("unsloth_lite.models.decode", "SCREENED_LM_HEAD", 0),
     "first": ("unsloth_lite.kernels.nf4_matvec", "FIRST_PRODUCTS_IN_LAUNCH", 0),
     "norm_bound": ("unsloth_lite.kernels.screened_logits", "NORM_BOUND", 0),
-    "exact_splits": ("unsloth_lite.kernels.screened_logits", "EXACT_SPLITS", 1),
 }
 TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
 H200_COPY_GBPS = 4270.0

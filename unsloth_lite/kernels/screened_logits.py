@@ -25,10 +25,8 @@ only; only the argmax of y is the full product's (the other values are not logit
 
 Two launches. `_screen_kernel`, a program a block of rows n: a and e for every row of x (tensor-core products of
 x and Q's rows converted to x's dtype, exact), a + e stored, its block's max of a − e stored; the last program to
-arrive (an acq_rel counter) stores L from the blocks' maxima. `_exact_kernel`, the same blocks: the rows with a
-candidate take x Wᵀ from W (the others skip it), and y; with `EXACT_SPLITS` > 1 each block's K is split over that
-many programs, whose sums the block's last to arrive adds in split order (`_sum_of_splits`): a candidate row's
-product is then a chain of K / EXACT_SPLITS columns instead of K. The counters are left at 0 for the next launch.
+arrive (an acq_rel counter, left at 0 for the next launch) stores L from the blocks' maxima. `_exact_kernel`, the
+same blocks: the rows with a candidate take x Wᵀ from W (the others skip it), and y.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unsloth_lite.kernels.matvec_epilogue import _arrival_counters, _sum_of_splits
+from unsloth_lite.kernels.matvec_epilogue import _arrival_counters
 from unsloth_lite.kernels.utils import INTERPRET, empty
 
 BLOCK_N = 64  # rows of the head a program
@@ -45,12 +43,9 @@ BLOCK_K = 128  # columns a step
 MAX_ROWS = 8
 MAX_EXEMPT = 8  # exempt row ids a launch takes
 # The screen's bound also by Cauchy–Schwarz (module docstring): a third of the candidates at the Qwen3-8B head with
-# random weights (CPU, float64 reference). Off until timed on a GPU.
-NORM_BOUND = False
-# Programs a block's exact products are split over along K (1: one program a block). At the Qwen3-8B head with
-# random weights about 1,000 of the 2,374 blocks hold a candidate, each one program walking all of K (68 us of a
-# 3.26 ms decoding step on an H200, 2026-12-06). Not yet timed split: 1.
-EXACT_SPLITS = 1
+# random weights (CPU, float64 reference). Measured on an H100 (2026-12-06, docs/benchmarks.md, random weights):
+# the captured decoding step 3.269 -> 3.255 ms at the Qwen3-8B shape, 9.713 -> 9.654 ms at Qwen3.5-27B's.
+NORM_BOUND = True
 
 
 @triton.jit
@@ -126,12 +121,10 @@ def _screen_kernel(
 
 @triton.jit
 def _exact_kernel(
-    x_ptr, x_row_stride, w_ptr, upper_ptr, lower_ptr, out_ptr, partial_ptr, arrivals_ptr, n_rows, n_out, n_in,
-    split_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    IEEE: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr, x_row_stride, w_ptr, upper_ptr, lower_ptr, out_ptr, n_rows, n_out, n_in,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Block `program_id(0)` of y. SPLIT: program (block, j) takes columns [j · split_k, (j + 1) · split_k) of
-    its products, the block's last to arrive adds the splits' sums in order; else all of K."""
+    """Block `program_id(0)` of y."""
     block = tl.program_id(0)
     features = block * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_features = features < n_out
@@ -143,26 +136,12 @@ def _exact_kernel(
     upper = tl.load(upper_ptr + rows[:, None] * n_out + features[None, :], mask=mask, other=float("-inf"))
     candidate = mask & (upper >= threshold[:, None])
     wanted = tl.max(candidate.to(tl.int32), axis=0) != 0  # a row of W some row of x needs
-    out = out_ptr + rows[:, None] * n_out + features[None, :]
-    if SPLIT:
-        split = tl.program_id(1)
-        if tl.max(wanted.to(tl.int32), axis=0) != 0:  # every split of the block sees the same candidates
-            k_start = split * split_k
-            exact, _, _ = _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, wanted, n_in,
-                                              k_start, tl.minimum(k_start + split_k, n_in), BLOCK_M, BLOCK_K,
-                                              DOT_F32, IEEE)
-            exact, last = _sum_of_splits(exact, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, split,
-                                         tl.num_programs(1), block, n_rows)
-            if last:
-                tl.store(out, tl.where(candidate, exact, float("-inf")), mask=mask)
-        elif split == 0:
-            tl.store(out, tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32), mask=mask)
-    else:
-        exact = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if tl.max(wanted.to(tl.int32), axis=0) != 0:
-            exact, _, _ = _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, wanted, n_in, 0,
-                                              n_in, BLOCK_M, BLOCK_K, DOT_F32, IEEE)
-        tl.store(out, tl.where(candidate, exact, float("-inf")), mask=mask)
+    exact = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if tl.max(wanted.to(tl.int32), axis=0) != 0:
+        exact, _, _ = _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, wanted, n_in, 0, n_in,
+                                          BLOCK_M, BLOCK_K, DOT_F32, IEEE)
+    tl.store(out_ptr + rows[:, None] * n_out + features[None, :], tl.where(candidate, exact, float("-inf")),
+             mask=mask)
 
 
 def int8_rows(weight: torch.Tensor, rows_a_pass: int = 16384) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -235,12 +214,8 @@ def screened_logits(x: torch.Tensor, weight: torch.Tensor, quantized: torch.Tens
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_P=1024, BLOCK_E=MAX_EXEMPT, NORM_BOUND=norm_bound,
         num_warps=4, **precision,
     )
-    split_k = triton.cdiv(triton.cdiv(n_in, EXACT_SPLITS), BLOCK_K) * BLOCK_K  # whole steps a split
-    splits = triton.cdiv(n_in, split_k)
-    partial = empty((splits, n_rows, n_out), torch.float32, device) if splits > 1 else out
-    _exact_kernel[(blocks, splits)](
-        x2d, x2d.stride(0), weight, upper, lower, out, partial, _arrival_counters(device, blocks, use="exact"),
-        n_rows, n_out, n_in, split_k,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=splits > 1, num_warps=4, **precision,
+    _exact_kernel[(blocks,)](
+        x2d, x2d.stride(0), weight, upper, lower, out, n_rows, n_out, n_in,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, **precision,
     )
     return out.view(*x.shape[:-1], n_out)
