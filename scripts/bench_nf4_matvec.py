@@ -7,8 +7,7 @@ decoder projection shape of the W3 models, with the time each model spends in th
 
 Shapes: the NF4 decoder linears of `decode_shapes.py`'s `qwen3_8b` and `qwen3_5_27b` (random weights, bf16
 compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), one row of x (`--rows`: 1 to 8, as
-a decoding step of that many sequences; the fused launches' tables then also time them with `DOT_ROWS`, column
-"dot"). Variants:
+a decoding step of that many sequences). Variants:
 - `unsloth_lite`: `unsloth_lite.kernels.nf4_matvec` (the weight read once, dequantised in registers; each
   block's absmax read as one float32 value, dequantised from the nested form once: `nf4_matvec.FLAT_ABSMAX`);
 - `unsloth_lite_nested_absmax`: the same kernel reading the nested absmax itself (`FLAT_ABSMAX` off: fewer
@@ -17,8 +16,6 @@ a decoding step of that many sequences; the fused launches' tables then also tim
   decoded at once, 30% fewer instructions a weight);
 - `unsloth_lite_prefetch`: the word kernel with each step's next tile loaded into registers before it decodes its
   own (`nf4_matvec.REGISTER_PREFETCH`) instead of Triton's pipelining through shared memory;
-- `unsloth_lite_dot`: the word kernel with each block's sums for all rows of x as one tensor-core product
-  (`nf4_matvec.DOT_ROWS`, from two rows: `--rows`);
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
@@ -70,15 +67,13 @@ from bench_common import (
 from decode_shapes import SHAPES, nf4_bytes, shape_config
 from random_checkpoint import weightless_model
 
-VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "unsloth_lite_prefetch",
-            "unsloth_lite_dot", "bitsandbytes", "dequantize_matmul")
+VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "unsloth_lite_prefetch", "bitsandbytes",
+            "dequantize_matmul")
 NESTED_ABSMAX = "unsloth_lite_nested_absmax"  # the kernel reading the double-quantised absmax itself
 # `nf4_matvec` settings of the unsloth-lite variants
 KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False},
                    "unsloth_lite_words": {"WORD_KERNEL": True},
-                   "unsloth_lite_prefetch": {"WORD_KERNEL": True, "PIPELINE_STAGES": 1, "REGISTER_PREFETCH": True},
-                   "unsloth_lite_dot": {"WORD_KERNEL": True, "DOT_ROWS": 2}}
-DOT_SETTINGS = KERNEL_SETTINGS["unsloth_lite_dot"]  # the fused launches' "dot" columns (`--rows` of 2 or more)
+                   "unsloth_lite_prefetch": {"WORD_KERNEL": True, "PIPELINE_STAGES": 1, "REGISTER_PREFETCH": True}}
 # (features, weights along K, warps, tiles a split along K: False none, True one) a program
 SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (32, 512, 4, False),
                (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),
@@ -141,23 +136,6 @@ def flat_absmax_bytes(n: int) -> float:
     return n / 2 + n / 64 * 4
 
 
-def with_kernel_settings(settings: dict, fn):
-    """`fn` called with the `nf4_matvec` module attributes `settings` set (and restored after each call)."""
-    from unsloth_lite.kernels import nf4_matvec as matvec
-
-    def call():
-        saved = {name: getattr(matvec, name) for name in settings}
-        try:
-            for name, value in settings.items():
-                setattr(matvec, name, value)
-            return fn()
-        finally:
-            for name, value in saved.items():
-                setattr(matvec, name, value)
-
-    return call
-
-
 def variant_fn(variant: str, x, weight):
     import torch.nn.functional as F
 
@@ -165,7 +143,17 @@ def variant_fn(variant: str, x, weight):
     from unsloth_lite.kernels import nf4_matvec as matvec
 
     if variant in KERNEL_SETTINGS:
-        return with_kernel_settings(KERNEL_SETTINGS[variant], lambda: matvec.nf4_matvec(x, weight))
+        def product():
+            saved = {name: getattr(matvec, name) for name in KERNEL_SETTINGS[variant]}
+            try:
+                for name, value in KERNEL_SETTINGS[variant].items():
+                    setattr(matvec, name, value)
+                return matvec.nf4_matvec(x, weight)
+            finally:
+                for name, value in saved.items():
+                    setattr(matvec, name, value)
+
+        return product
     if variant == "bitsandbytes":
         import bitsandbytes as bnb
 
@@ -287,36 +275,23 @@ def mlp_input_calls(x, gate, up, rank: int):
     return three, lambda: nf4_gated_matvec(x, gate, up, None, None, *adapters())
 
 
-def timed_calls(calls, device, x_rows: int) -> list:
-    """Device ms of each of `calls` (`graph_ms` on a GPU), then of the last one with `DOT_SETTINGS` where x has
-    two rows or more (None where one could not be timed)."""
-    if x_rows >= 2:
-        calls = [*calls, with_kernel_settings(DOT_SETTINGS, calls[-1])]
-    with torch.no_grad():
-        return [graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device) for fn in calls]
-
-
-def dot_column(times: list, key: str) -> dict:
-    """{key: us} of the timing `timed_calls` added with `DOT_SETTINGS`, where it did."""
-    return {key: round(1e3 * times[2], 2)} if len(times) > 2 else {}
-
-
 def measure_gated(shapes: list[str], device, tiny: bool, x_rows: int = 1) -> list[dict]:
     """Per model: the MLP input's three launches against `nf4_gated_matvec`, `x_rows` rows of x, without and with
-    an adapter on both projections (us, and ms a token over the model's layers; "gated_dot_us": the launch with
-    `DOT_SETTINGS`, from two rows)."""
+    an adapter on both projections (us, and ms a token over the model's layers)."""
     dtype = torch.float32 if tiny else torch.bfloat16
     rows = []
     for model, n_out, n_in, layers in mlp_shapes(shapes, tiny):
         gate, up = nf4_weight(n_out, n_in, device, dtype), nf4_weight(n_out, n_in, device, dtype)
         x = torch.randn(x_rows, n_in, device=device, dtype=dtype)
         for rank in (0, 16):
-            times = timed_calls(mlp_input_calls(x, gate, up, rank), device, x_rows)
+            with torch.no_grad():
+                times = [graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
+                         for fn in mlp_input_calls(x, gate, up, rank)]
             if None in times:
                 continue
             rows.append(dict(model=model, out=n_out, **{"in": n_in}, rank=rank,
                              three_launches_us=round(1e3 * times[0], 2), gated_us=round(1e3 * times[1], 2),
-                             **dot_column(times, "gated_dot_us"), gated_vs_three=round(times[0] / times[1], 3),
+                             gated_vs_three=round(times[0] / times[1], 3),
                              ms_per_token_saved=round(layers * (times[0] - times[1]), 3)))
     return rows
 
@@ -339,8 +314,7 @@ def projection_groups(shapes: list[str], tiny: bool) -> list[tuple[str, str, tup
 
 def measure_grouped(shapes: list[str], device, tiny: bool, x_rows: int = 1) -> list[dict]:
     """Per model and group: one `nf4_matvec` per projection against `nf4_grouped_matvec`, `x_rows` rows of x,
-    without and with rank-16 adapters on all (their first products from one `lora_down_rows` in both;
-    "grouped_dot_us": the launch with `DOT_SETTINGS`, from two rows)."""
+    without and with rank-16 adapters on all (their first products from one `lora_down_rows` in both)."""
     dtype = torch.float32 if tiny else torch.bfloat16
     rows = []
     for model, group, widths, n_in, layers in projection_groups(shapes, tiny):
@@ -349,12 +323,13 @@ def measure_grouped(shapes: list[str], device, tiny: bool, x_rows: int = 1) -> l
         for rank in (0, 16):
             a = [0.01 * torch.randn(rank, n_in, device=device) for _ in widths]
             loras = [(0.01 * torch.randn(n, rank, device=device), 1.0) if rank else None for n in widths]
-            times = timed_calls(grouped_calls(x, weights, a, loras), device, x_rows)
+            calls = grouped_calls(x, weights, a, loras)
+            with torch.no_grad():
+                times = [graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device) for fn in calls]
             if None in times:
                 continue
             rows.append(dict(model=model, group=group, widths="/".join(map(str, widths)), rank=rank,
                              separate_us=round(1e3 * times[0], 2), grouped_us=round(1e3 * times[1], 2),
-                             **dot_column(times, "grouped_dot_us"),
                              grouped_vs_separate=round(times[0] / times[1], 3),
                              ms_per_token_saved=round(layers * (times[0] - times[1]), 3)))
     return rows
@@ -419,13 +394,11 @@ def main(argv=None) -> int:
     print(markdown_table(totals, ["model", "variant", "ms_per_token"]))
     gated = measure_gated(shapes, device, args.tiny, args.rows) if "unsloth_lite" in variants else []
     if gated:
-        print(markdown_table(gated, ["model", "out", "in", "rank", "three_launches_us", "gated_us",
-                                     *(["gated_dot_us"] if args.rows >= 2 else []), "gated_vs_three",
+        print(markdown_table(gated, ["model", "out", "in", "rank", "three_launches_us", "gated_us", "gated_vs_three",
                                      "ms_per_token_saved"]))
     grouped = measure_grouped(shapes, device, args.tiny, args.rows) if "unsloth_lite" in variants else []
     if grouped:
         print(markdown_table(grouped, ["model", "group", "widths", "rank", "separate_us", "grouped_us",
-                                       *(["grouped_dot_us"] if args.rows >= 2 else []),
                                        "grouped_vs_separate", "ms_per_token_saved"]))
     sweep = sweep_tiles(shapes, device, args.tiny, args.sweep_chosen_tile) if args.sweep else []
     if sweep:

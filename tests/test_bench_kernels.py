@@ -117,6 +117,12 @@ def test_bench_word_tiles_chosen_tiles_and_stages(tmp_path):
         assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+def test_bench_nf4_matvec_several_rows():
+    out = run_tiny("bench_nf4_matvec.py", "--rows", "3", "--shapes", "qwen3_8b", "--variants", "unsloth_lite")
+    assert "3 row(s) of x" in out and "| qwen3_8b | unsloth_lite |" in out
+    assert "| qwen3_8b | attention | 64/32/32 | 16 |" in out
+
+
 def test_bench_nf4_matvec_sweep_of_the_chosen_tile():
     out = run_tiny("bench_nf4_matvec.py", "--sweep", "--sweep-chosen-tile", "--shapes", "qwen3_8b",
                    "--variants", "unsloth_lite")

@@ -15,14 +15,12 @@ from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 from unsloth_lite.kernels.swiglu import swiglu
 
 
-@pytest.fixture(autouse=True, params=["blocked", "words", "words_prefetch", "words_dot"])
+@pytest.fixture(autouse=True, params=["blocked", "words", "words_prefetch"])
 def walk(request, monkeypatch):
-    """The blocked kernel's walk, the word kernel's (`nf4_matvec.WORD_KERNEL`), the word kernel's with the next
-    tile loaded a step ahead (`REGISTER_PREFETCH`) and with tensor-core products from two rows (`DOT_ROWS`):
-    the fused launch and the three launches compared take it."""
+    """The blocked kernel's walk, the word kernel's (`nf4_matvec.WORD_KERNEL`) and the word kernel's with the next
+    tile loaded a step ahead (`REGISTER_PREFETCH`): the fused launch and the three launches compared take it."""
     monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", request.param != "blocked")
     monkeypatch.setattr(nf4_matvec_module, "REGISTER_PREFETCH", request.param == "words_prefetch")
-    monkeypatch.setattr(nf4_matvec_module, "DOT_ROWS", 2 if request.param == "words_dot" else 0)
     return request.param
 
 

@@ -56,25 +56,6 @@ def test_word_kernel_shapes_and_rows(shape, rows, device, word_kernel):
     assert word_kernel
 
 
-@pytest.mark.parametrize("rows", [2, 3, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("shape", [(40, 64 * 37), (130, 64), (2050, 128)], ids=str)
-def test_word_kernel_tensor_core_products(shape, dtype, rows, device, word_kernel, monkeypatch):
-    """`DOT_ROWS`: each block's sums for all rows as one product, with bias, residual-free adapter and
-    part-filled tiles and feature blocks; one row stays on the fused multiply-adds."""
-    monkeypatch.setattr(nf4_matvec_module, "DOT_ROWS", 2)
-    check(shape, rows, dtype, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
-    assert len(word_kernel) == 1
-
-
-@pytest.mark.parametrize("tiles_a_split", [True, 3], ids=["one_tile", "three_tiles"])
-def test_word_kernel_tensor_core_products_split_along_k(tiles_a_split, device, word_kernel, monkeypatch):
-    monkeypatch.setattr(nf4_matvec_module, "DOT_ROWS", 2)
-    monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda *_: (16, 128, 4, tiles_a_split))
-    check_split_along_k(3, device)
-    assert word_kernel
-
-
 def test_word_kernel_reads_unaligned_bf16_x_element_by_element(device, word_kernel):
     """bf16 x whose rows do not start on 4 bytes (odd row stride) cannot be read as pairs: read as elements."""
     x, weight, bias, lora_a, lora_b = make_case((24, 128), 3, torch.bfloat16, True, 64, True, 4, device)
@@ -179,16 +160,6 @@ W3_SHAPES = [(48, 5120), (1024, 4096), (4096, 4096), (4096, 12288), (5120, 5120)
 def test_word_kernel_cuda(shape, rows, dtype, word_kernel):
     """Compiled, the PTX lookup: bf16 weights with the code book rounded to bf16, fp32 ones with the exact one."""
     check(shape, rows, dtype, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
-    assert word_kernel
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [2, 8])
-@pytest.mark.parametrize("shape", [(40, 64 * 37), (2050, 128), *W3_SHAPES], ids=str)
-def test_word_kernel_tensor_core_products_cuda(shape, rows, word_kernel, monkeypatch):
-    """Compiled, `DOT_ROWS`: bf16 codes from the lookup's halves and bf16 x on tensor cores."""
-    monkeypatch.setattr(nf4_matvec_module, "DOT_ROWS", 2)
-    check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
     assert word_kernel
 
 

@@ -4,7 +4,6 @@ book's fp32 bit patterns (or, with `bf16_codes`, those of the codes rounded to b
 nibble; and the word lookup (`nf4_codes._nf4_word_lookup_ptx`) every code in every nibble of a word, in
 element order. The GPU tests run the same PTX compiled."""
 
-import re
 import struct
 
 import pytest
@@ -48,11 +47,6 @@ def run_ptx(ptx: str, inputs: dict[str, int], outputs: int) -> list[int]:
         if line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
-        halves = re.fullmatch(r"\{\s*(\S+),\s*(\S+)\s*\},\s*(\S+)", rest)
-        if op == "mov.b32" and halves:  # a register split into its 16-bit halves, the low one first
-            low, high, source = halves.groups()
-            registers[low], registers[high] = registers[source] & 0xFFFF, registers[source] >> 16
-            continue
         dest, *sources = (token.strip() for token in rest.split(","))
         values = [registers[s] if s in registers else int(s, 0) for s in sources]
         registers[dest] = OPS[op](*values) & MASK
@@ -101,19 +95,6 @@ def test_word_lookup_decodes_every_code_in_every_nibble(bf16_codes):
                 word = sum(((nibbles[2 * j] << 4) | nibbles[2 * j + 1]) << (8 * j) for j in range(4))
                 decoded = run_ptx(ptx, {"$8": word, **tables}, 8)
                 assert decoded == [expected[n] for n in nibbles], (hex(word), position)
-
-
-def test_word_lookup_halves_are_the_bf16_codes():
-    """With `halves`, output j is the 16-bit bf16 pattern of weight j's code (the high half of the fp32 pattern
-    the plain bf16 lookup gives)."""
-    ptx = nf4_codes._nf4_word_lookup_ptx(True, halves=True)
-    tables = {f"${9 + i}": t & MASK for i, t in enumerate(nf4_codes.word_lookup_tables(True))}
-    expected = expected_codes(True)
-    for seed in range(64):
-        nibbles = [(seed * 11 + 7 * i + (seed >> 2) * i * i) & 0xF for i in range(8)]
-        word = sum(((nibbles[2 * j] << 4) | nibbles[2 * j + 1]) << (8 * j) for j in range(4))
-        decoded = run_ptx(ptx, {"$8": word, **tables}, 8)
-        assert decoded == [expected[n] >> 16 for n in nibbles], hex(word)
 
 
 def test_word_lookup_tables_fill_the_registers_the_ptx_reads():

@@ -108,7 +108,7 @@ def _plane_word(words: list[int], plane: int, first: int) -> int:
     return sum(((words[first + i] >> (8 * plane)) & 0xFF) << (8 * i) for i in range(4))
 
 
-def _nf4_word_lookup_ptx(bf16_codes: bool, halves: bool = False) -> str:
+def _nf4_word_lookup_ptx(bf16_codes: bool) -> str:
     """PTX that maps the eight codes of the 32-bit word `$8` (four packed bytes: weights 0-7 of the word in
     element order, the high nibble of byte j being weight 2j) to their values' fp32 bit patterns in `$0..$7`,
     with `word_lookup_tables` in `$9...`. The nibbles of two bytes, side by side in the word's low half, are
@@ -117,9 +117,7 @@ def _nf4_word_lookup_ptx(bf16_codes: bool, halves: bool = False) -> str:
     into byte masks (its sign mode, on the word and the word shifted by 4) select four values at once, with no
     other selector arithmetic. `bf16_codes`: the codes rounded to bf16, two planes; the words are formed from
     bf16 pairs by a shift or a mask (compiled for sm_90: 27 SASS instructions for eight weights, against 41 for
-    two calls of `_nf4_lookup_ptx` with their tables copied in from uniform registers). `halves` (with
-    `bf16_codes`): the eight bf16 codes themselves in the 16-bit `$0..$7` (each pair of the lookup split into its
-    halves, which costs no instruction), for a tensor-core product of bf16 operands."""
+    two calls of `_nf4_lookup_ptx` with their tables copied in from uniform registers)."""
     codes = torch.tensor(NF4_CODE, dtype=torch.float32)
     words = (codes.to(torch.bfloat16).float() if bf16_codes else codes).view(torch.int32).tolist()
     planes = (2, 3) if bf16_codes else range(4)
@@ -141,14 +139,11 @@ def _nf4_word_lookup_ptx(bf16_codes: bool, halves: bool = False) -> str:
     for h in (0, 1):
         first = 4 * h
         if bf16_codes:  # bf16 pairs: the even weight's code in the low half
-            lines += [f"prmt.b32 a, v2_{h}, v3_{h}, 0x4051;", f"prmt.b32 b, v2_{h}, v3_{h}, 0x6273;"]
-            if halves:
-                lines += [f"mov.b32 {{${first}, ${first + 1}}}, a;", f"mov.b32 {{${first + 2}, ${first + 3}}}, b;"]
-            else:
-                lines += [
-                    f"shl.b32 ${first}, a, 16;", f"and.b32 ${first + 1}, a, 0xFFFF0000;",
-                    f"shl.b32 ${first + 2}, b, 16;", f"and.b32 ${first + 3}, b, 0xFFFF0000;",
-                ]
+            lines += [
+                f"prmt.b32 a, v2_{h}, v3_{h}, 0x4051;", f"prmt.b32 b, v2_{h}, v3_{h}, 0x6273;",
+                f"shl.b32 ${first}, a, 16;", f"and.b32 ${first + 1}, a, 0xFFFF0000;",
+                f"shl.b32 ${first + 2}, b, 16;", f"and.b32 ${first + 3}, b, 0xFFFF0000;",
+            ]
         else:  # transpose the four planes into the four words
             lines += [
                 f"prmt.b32 a, v0_{h}, v1_{h}, 0x5140;", f"prmt.b32 b, v0_{h}, v1_{h}, 0x7362;",
@@ -165,7 +160,6 @@ NF4_EVEN_BF16_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=True, bf16_codes=T
 NF4_ODD_BF16_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=False, bf16_codes=True))
 NF4_WORD_PTX = tl.constexpr(_nf4_word_lookup_ptx(bf16_codes=False))
 NF4_WORD_BF16_PTX = tl.constexpr(_nf4_word_lookup_ptx(bf16_codes=True))
-NF4_WORD_BF16_HALVES_PTX = tl.constexpr(_nf4_word_lookup_ptx(bf16_codes=True, halves=True))
 
 
 @triton.jit
@@ -212,12 +206,3 @@ def _nf4_word_codes(words, code_ptr, t0, t1, t2, t3, t4, t5, t6, t7, PTX: tl.con
                  tl.load(code_ptr + ((words >> 20) & 0xF)), tl.load(code_ptr + ((words >> 16) & 0xF)),
                  tl.load(code_ptr + ((words >> 28) & 0xF)), tl.load(code_ptr + ((words >> 24) & 0xF)))
     return codes
-
-
-@triton.jit
-def _nf4_word_bf16_codes(words, t0, t1, t2, t3):
-    """The code-book values rounded to bf16 of the eight weights of each int32 word of `words`, in element order,
-    as eight bf16 tensors of `words`' shape (`_nf4_word_lookup_ptx` with its halves, the bf16 tables in t0..t3;
-    compiled only)."""
-    return tl.inline_asm_elementwise(NF4_WORD_BF16_HALVES_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
-                                     [words, t0, t1, t2, t3], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)

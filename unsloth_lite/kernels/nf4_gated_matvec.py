@@ -37,11 +37,10 @@ from unsloth_lite.kernels.lora_down import (
 )
 from unsloth_lite.kernels.matvec_epilogue import _output_values
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, _nf4_word_codes, code_pairs
-from unsloth_lite.kernels.nf4_matvec import _blocked_tile_loads, packed_words
+from unsloth_lite.kernels.nf4_matvec import _blocked_tile_loads, packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_state import lane_tables
 from unsloth_lite.kernels.nf4_matvec_words import (
     _accumulate,
-    _dot_tile_sums,
     _lane_tables,
     _word_loads,
     _word_sums,
@@ -122,13 +121,11 @@ def _gated_word_sums(
     features, n_rows, n_out, n_in, BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCKS_PER_TILE: tl.constexpr, PTX: tl.constexpr, BF16_CODES: tl.constexpr, PDL: tl.constexpr,
     STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
-    DOT: tl.constexpr = False,
 ):
     """`_gated_blocked_sums` by the word kernel's walk (`nf4_matvec_words.py`): both weights read as words, each
     decoded word's sum with x's tile, loaded once for both, scaled by its block's absmax; the loads of STAGES
     tiles in flight, or with PREFETCH the next tile's loaded into registers a step ahead (`_prefetched_word_walk`:
-    the last step reloads its own tile), or with DOT each block's sums for all rows as a tensor-core product
-    (`_dot_tile_sums`, x not as pairs)."""
+    the last step reloads its own tile)."""
     WORDS: tl.constexpr = BLOCKSIZE // 8
     mask_features = (features < n_out) | WHOLE_TILES
     blocks_per_row = n_in // BLOCKSIZE
@@ -138,29 +135,6 @@ def _gated_word_sums(
     partial_up = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)
     tables = _lane_tables(tables_ptr, PTX, BF16_CODES)
     t0, t1, t2, t3, t4, t5, t6, t7 = tables
-    if DOT:
-        gate_sums = tl.zeros([BLOCKS_PER_TILE, BLOCK_M, BLOCK_N], dtype=tl.float32)
-        up_sums = tl.zeros([BLOCKS_PER_TILE, BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if PDL and STAGES > 1:
-            gdc_wait()
-        for b0 in tl.range(0, blocks_per_row, BLOCKS_PER_TILE, num_stages=STAGES):
-            gate_words, gate_absmax, word_in_row, mask_blocks = _word_loads(
-                b0, gate_words_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, 1, features,
-                mask_features, blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, WHOLE_TILES,
-            )
-            up_words, up_absmax, _, _ = _word_loads(
-                b0, up_words_ptr, up_absmax_ptr, up_absmax_ptr, up_absmax_ptr, up_absmax_ptr, 1, features,
-                mask_features, blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, WHOLE_TILES,
-            )
-            if PDL and STAGES == 1:
-                gdc_wait()
-            gate_sums = _dot_tile_sums(gate_sums, gate_words, gate_absmax, word_in_row, mask_blocks, x_ptr,
-                                       x_row_stride, n_rows, code_ptr, tables, BLOCKSIZE, BLOCK_M, BLOCK_N,
-                                       BLOCKS_PER_TILE, PTX, BF16_CODES)
-            up_sums = _dot_tile_sums(up_sums, up_words, up_absmax, word_in_row, mask_blocks, x_ptr, x_row_stride,
-                                     n_rows, code_ptr, tables, BLOCKSIZE, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, PTX,
-                                     BF16_CODES)
-        return tl.sum(gate_sums, axis=0), tl.sum(up_sums, axis=0)
     if PREFETCH:
         last_block = (blocks_per_row - 1) // BLOCKS_PER_TILE * BLOCKS_PER_TILE
         gate_words, gate_absmax, word_in_row, mask_blocks = _word_loads(
@@ -248,15 +222,14 @@ def _nf4_gated_matvec_kernel(
     GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr,
     PDL: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
     PREFETCH: tl.constexpr,
-    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr, DOT: tl.constexpr = False,
+    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) of both projections for all rows (module docstring).
     PDL as in `nf4_matvec`'s blocked kernel: only the frozen weights are read before `gdc_wait`. WORDS: the word
     kernel's walk (the packed weights as int32 words, x as `word_kernel_rows` gives it, `table_ptr` the code
     book, `tables_ptr` the lane tables), else the blocked kernel's (one stage). FIRST_PRODUCTS (the word walk):
     the adapters' first products t in the launch, by its first width · first_splits programs, as the word
-    kernel's FIRST_PRODUCTS; the feature blocks' programs come after them. DOT: the word walk with tensor-core
-    products (`nf4_matvec_words._dot_tile_sums`)."""
+    kernel's FIRST_PRODUCTS; the feature blocks' programs come after them."""
     if FIRST_PRODUCTS:
         writers = width * first_splits
         if tl.program_id(0) < writers:
@@ -273,7 +246,7 @@ def _nf4_gated_matvec_kernel(
                 gate_scale, up_b_ptr, up_b_row_stride, up_b_col_stride, up_scale, out_ptr, out_row_stride, n_rows,
                 n_out, n_in, flags_ptr, width, tl.num_programs(0) - writers,
                 BLOCKSIZE, GATE_BIAS, UP_BIAS, GATE_LORA, UP_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, GATE_BLOCK_R,
-                UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, True, DOT,
+                UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, True,
             )
     else:
         _gated_program(
@@ -283,7 +256,7 @@ def _nf4_gated_matvec_kernel(
             up_b_row_stride, up_b_col_stride, up_scale, out_ptr, out_row_stride, n_rows, n_out, n_in,
             flags_ptr, 0, 0,
             BLOCKSIZE, GATE_BIAS, UP_BIAS, GATE_LORA, UP_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, GATE_BLOCK_R,
-            UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False, DOT,
+            UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False,
         )
 
 
@@ -302,7 +275,7 @@ def _gated_program(
     GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr,
     PDL: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
     PREFETCH: tl.constexpr,
-    AWAIT_T: tl.constexpr, DOT: tl.constexpr = False,
+    AWAIT_T: tl.constexpr,
 ):
     """Feature block `block` of the gate-and-up launch (`_nf4_gated_matvec_kernel`). AWAIT_T: t comes from the
     launch's first programs (awaited before the epilogue, the program counted after it)."""
@@ -312,7 +285,7 @@ def _gated_program(
         acc_gate, acc_up = _gated_word_sums(
             x_ptr, x_row_stride, gate_packed_ptr, gate_absmax_ptr, up_packed_ptr, up_absmax_ptr, table_ptr,
             tables_ptr, features, n_rows, n_out, n_in, BLOCKSIZE, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP == 0,
-            BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, DOT,
+            BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH,
         )
     else:
         acc_gate, acc_up = _gated_blocked_sums(
@@ -378,9 +351,6 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     tables = lane_tables(x.device, bf16_codes) if matvec.WORD_KERNEL else None
     words = tables is not None  # the word kernel's walk, else the blocked one's
     block_n, tile_k, warps, _ = matvec.word_tile(n_out, n_in, "gated") if words else matvec.blocked_tile(n_out)
-    dot = words and matvec.uses_dot(n_rows, bf16_codes) and not matvec.FIRST_PRODUCTS_IN_LAUNCH
-    if dot:
-        block_n, tile_k, warps, _ = matvec.dot_tile((block_n, tile_k, warps, 0))
     feature_blocks = triton.cdiv(n_out, block_n)
     first = no_first_products(x2d)
     if any(lora is not None and lora[1] is None for lora in loras):
@@ -394,7 +364,7 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     code = launches[0].inputs[2]
     table = code_pairs(code) if matvec.LOOKUP == "pairs" and not words else code
     packed = [launch.inputs[0] for launch in launches]
-    x_rows, x_pairs = matvec.walk_rows(x2d, dot) if words else (x2d, False)
+    x_rows, x_pairs = word_kernel_rows(x2d) if words else (x2d, False)
     if words:
         packed = [packed_words(p) for p in packed]
     t_row_stride = next((lora[1].stride(0) for lora in loras if lora is not None), 0)
@@ -418,14 +388,13 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         out, out.stride(0),
         n_rows, n_out, n_in, *first,
         BLOCKSIZE=blocksize, GATE_BIAS=gate_bias is not None, UP_BIAS=up_bias is not None,
-        GATE_LORA=ranks[0] > 0, UP_LORA=ranks[1] > 0,
-        BLOCK_M=max(triton.next_power_of_2(n_rows), matvec.DOT_FEATURES if dot else 1), BLOCK_N=block_n,
+        GATE_LORA=ranks[0] > 0, UP_LORA=ranks[1] > 0, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n,
         BLOCKS_PER_TILE=tile_k // blocksize, GATE_BLOCK_R=max(2, triton.next_power_of_2(ranks[0])),
         UP_BLOCK_R=max(2, triton.next_power_of_2(ranks[1])),
         LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=bf16_codes, PDL=pdl, WORDS=words,
         STAGES=matvec.word_stages(n_out, n_in, "gated") if words else matvec.PIPELINE_STAGES,
         WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
-        PREFETCH=matvec.REGISTER_PREFETCH, FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K, DOT=dot,
+        PREFETCH=matvec.REGISTER_PREFETCH, FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return out.view(*x.shape[:-1], n_out)

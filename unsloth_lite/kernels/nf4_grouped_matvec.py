@@ -37,7 +37,7 @@ from unsloth_lite.kernels.lora_down import (
 )
 from unsloth_lite.kernels.matvec_epilogue import _finish_product
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
-from unsloth_lite.kernels.nf4_matvec import _blocked_sums, packed_words
+from unsloth_lite.kernels.nf4_matvec import _blocked_sums, packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_state import lane_tables
 from unsloth_lite.kernels.nf4_matvec_words import _word_walk
 from unsloth_lite.kernels.utils import INTERPRET, empty
@@ -59,7 +59,6 @@ def _nf4_grouped_matvec_kernel(
     BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr,
     BF16_CODES: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr,
     WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr,
-    DOT: tl.constexpr = False,
 ):
     """Program p: weight i, the first with p < end_i (the slots past the last weight repeat it and are never
     reached), features [(p - end_{i-1}) · BLOCK_N, ...) of it for all rows. WORDS: the word kernel's walk (the
@@ -85,7 +84,7 @@ def _nf4_grouped_matvec_kernel(
                 packed3, absmax3, bias3, b3, b3_row_stride, b3_col_stride, scale3, out3, n_out3, t_col3, rank3,
                 n_rows, n_in, flags_ptr, width, tl.num_programs(0) - writers,
                 BLOCKSIZE, HAS_BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, LOOKUP, BF16_CODES, PDL,
-                STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, True, DOT,
+                STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, True,
             )
     else:
         _grouped_program(
@@ -96,7 +95,7 @@ def _nf4_grouped_matvec_kernel(
             packed3, absmax3, bias3, b3, b3_row_stride, b3_col_stride, scale3, out3, n_out3, t_col3, rank3,
             n_rows, n_in, flags_ptr, 0, 0,
             BLOCKSIZE, HAS_BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, LOOKUP, BF16_CODES, PDL,
-            STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, False, DOT,
+            STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, False,
         )
 
 
@@ -112,7 +111,7 @@ def _grouped_program(
     BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr,
     BF16_CODES: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr,
-    WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, AWAIT_T: tl.constexpr, DOT: tl.constexpr = False,
+    WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, AWAIT_T: tl.constexpr,
 ):
     """The grouped launch's program `pid` among the weights' programs (`_nf4_grouped_matvec_kernel`). AWAIT_T: t
     comes from the launch's first programs (awaited before the epilogue, the program counted after it)."""
@@ -134,7 +133,7 @@ def _grouped_program(
         acc, partial = _word_walk(
             x_ptr, x_row_stride, packed, absmax, table_ptr, tables_ptr, absmax, absmax, absmax, 1, features, n_rows,
             n_out, n_in, 0, n_in // BLOCKSIZE, BLOCKSIZE, False, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP == 0,
-            BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, DOT,
+            BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH,
         )
     else:
         acc, partial = _blocked_sums(
@@ -199,13 +198,10 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     bf16_codes = matvec.uses_bf16_codes(weights[0].quant_state.dtype)
     tables = lane_tables(x.device, bf16_codes) if matvec.WORD_KERNEL else None
     words = tables is not None  # the word kernel's walk, else the blocked one's
-    dot = words and matvec.uses_dot(n_rows, bf16_codes) and not matvec.FIRST_PRODUCTS_IN_LAUNCH
-    block_m = max(triton.next_power_of_2(n_rows), matvec.DOT_FEATURES if dot else 1)
+    block_m = triton.next_power_of_2(n_rows)
     widths = [int(w.quant_state.shape[0]) for w in weights]
     widest = max(widths)
     block_n, tile_k, warps, _ = matvec.word_tile(widest, n_in, "grouped") if words else matvec.blocked_tile(widest)
-    if dot:
-        block_n, tile_k, warps, _ = matvec.dot_tile((block_n, tile_k, warps, 0))
     programs = [triton.cdiv(n, block_n) for n in widths]  # each weight's, side by side
     first = no_first_products(x2d)
     if sum(ranks) and lora_t is None and lora_as is not None:
@@ -239,7 +235,7 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     blocksize = int(weights[0].quant_state.blocksize)
     t = lora_t if lora_t is not None else slots[0][7]
     pdl = matvec.uses_pdl(x.device)
-    x_rows, x_pairs = matvec.walk_rows(x2d, dot) if words else (x2d, False)
+    x_rows, x_pairs = word_kernel_rows(x2d) if words else (x2d, False)
     table = code_pairs(code) if matvec.LOOKUP == "pairs" and not words else code
     _nf4_grouped_matvec_kernel[(first.programs + end,)](
         x_rows, x_rows.stride(0), x_rows.stride(1), table,
@@ -252,7 +248,7 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
         STAGES=matvec.word_stages(widest, n_in, "grouped") if words else matvec.PIPELINE_STAGES,
         PREFETCH=matvec.REGISTER_PREFETCH,
         WHOLE_TILES=all(n % block_n == 0 for n in widths) and n_in % tile_k == 0, X_PAIRS=x_pairs,
-        FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K, DOT=dot, num_warps=warps,
+        FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K, num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return outputs

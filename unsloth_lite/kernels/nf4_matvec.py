@@ -135,33 +135,6 @@ FIRST_PRODUCTS_IN_LAUNCH = False
 WORD_TILES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
 
 
-# Rows of x from which the word walk (its own kernel, the grouped and the gate-and-up launches) takes each
-# quantisation block's sums for all rows as one tensor-core product (`nf4_matvec_words._dot_tile_sums`: bf16
-# codes straight from the lookup, x as bf16, fp32 sums; bf16 weights) instead of one pass of fused multiply-adds
-# a row, whose instructions grow with the rows (offline for sm_90 at 12288 x 4096 and 8 rows, per eight weights:
-# 236 -> 90 instructions in the word kernel's loop, 188 -> 62 in the gate-and-up one's); 0: never. Such launches
-# take at least DOT_FEATURES features a program and x's rows padded to DOT_FEATURES (a tensor-core product's
-# least size). Off until timed on a GPU.
-DOT_ROWS = 0
-DOT_FEATURES = 16
-
-
-def uses_dot(n_rows: int, bf16_codes: bool) -> bool:
-    """Whether the word walk takes tensor-core products for `n_rows` rows of x (`DOT_ROWS`): with the bf16 code
-    book (`uses_bf16_codes`: bf16 weights, compiled; fp32 products of fp32 codes spill at every tile), and in the
-    interpreter, where its fp32 products check the walk."""
-    return bool(DOT_ROWS) and n_rows >= DOT_ROWS and (bf16_codes or INTERPRET)
-
-
-def dot_tile(tile: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-    """A word walk's tile (`word_tile`'s form) for its tensor-core products: at least `DOT_FEATURES` features and
-    at most 256 weights along K (four blocks: the products' operands pass through shared memory, and the
-    gate-and-up launch holds two weights' tiles; offline for sm_90 at 12288 x 4096 and 8 rows, 512 weights
-    took it to 237 registers)."""
-    features, tile_k, warps, tiles_a_split = tile
-    return max(features, DOT_FEATURES), min(tile_k, 256), warps, tiles_a_split
-
-
 def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
     """Whether the blocked kernel decodes a weight of `weight_dtype` (`quant_state.dtype`) with the code book
     rounded to bf16: only bf16 weights, only where the PTX lookup runs."""
@@ -365,14 +338,6 @@ def word_kernel_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (x_rows.view(torch.int32) if x_pairs else x_rows), x_pairs
 
 
-def walk_rows(x2d: torch.Tensor, dot: bool) -> tuple[torch.Tensor, bool]:
-    """(x's rows as the word walk reads them, whether as bf16 pairs): `word_kernel_rows`, or with `dot` (its
-    tensor-core products) x itself with contiguous columns."""
-    if dot:
-        return (x2d if x2d.stride(1) == 1 else x2d.contiguous()), False
-    return word_kernel_rows(x2d)
-
-
 def packed_words(packed: torch.Tensor) -> torch.Tensor:
     """An NF4 weight's packed bytes as the int32 words of eight codes the word kernel's walk reads."""
     return packed.reshape(-1).view(torch.int32)
@@ -426,16 +391,13 @@ def nf4_matvec(
     bf16_codes = uses_bf16_codes(launch.dtype)
     tables = lane_tables(x.device, bf16_codes) if WORD_KERNEL else None
     words = tables is not None  # the word kernel, else the blocked one
-    dot = words and uses_dot(n_rows, bf16_codes)  # tensor-core products in the word walk
     block_n, tile_k, warps, tiles_a_split = word_tile(n_out, n_in) if words else blocked_tile(n_out)
-    if dot:
-        block_n, tile_k, warps, tiles_a_split = dot_tile((block_n, tile_k, warps, tiles_a_split))
     blocked = n_in % blocksize == 0 and tile_k % blocksize == 0
     feature_blocks, splits = triton.cdiv(n_out, block_n), triton.cdiv(n_in, tile_k * max(int(tiles_a_split), 1))
     split_k = int(tiles_a_split) if blocked and splits > 1 else 0  # tiles a split, 0: K not split
     first_in_launch = (FIRST_PRODUCTS_IN_LAUNCH and lora_t is None and lora_a is not None and lora_a.shape[0] > 0
-                       and blocked and words and not split_k and not dot)
-    block_m = max(triton.next_power_of_2(n_rows), DOT_FEATURES if dot else 1)  # rows of the kernel: x's, padded
+                       and blocked and words and not split_k)
+    block_m = triton.next_power_of_2(n_rows)  # rows of the blocked kernel: x's, padded
     first = no_first_products(x2d)  # the word kernel's arguments for the first products in its launch
     if lora_t is not None:
         t, rank = lora_t, lora_t.shape[1]
@@ -471,7 +433,7 @@ def nf4_matvec(
     )
     if blocked and words:
         pdl = uses_pdl(x.device)
-        x_rows, x_pairs = walk_rows(x2d, dot)
+        x_rows, x_pairs = word_kernel_rows(x2d)
         _nf4_matvec_words_kernel[(first.programs + feature_blocks, splits if split_k else 1)](
             x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],
             *((partial, arrivals) if split_k else (out, out)), *sizes, *first,
@@ -480,7 +442,6 @@ def nf4_matvec(
             PTX=LOOKUP == "registers", BF16_CODES=bf16_codes,
             SPLIT_K=split_k, PDL=pdl, STAGES=word_stages(n_out, n_in), num_warps=warps,
             WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs, PREFETCH=REGISTER_PREFETCH,
-            DOT=dot,
             **({"launch_pdl": True} if pdl else {}), **meta,
         )
     elif blocked:

@@ -27,7 +27,7 @@ from triton.language.extra.cuda.gdc import gdc_wait
 from unsloth_lite.kernels.dequantize_nf4 import _block_absmax
 from unsloth_lite.kernels.lora_down import _await_first_products, _count_reader, _first_product_program
 from unsloth_lite.kernels.matvec_epilogue import _finish_product, _tile_range
-from unsloth_lite.kernels.nf4_codes import _nf4_word_bf16_codes, _nf4_word_codes
+from unsloth_lite.kernels.nf4_codes import _nf4_word_codes
 
 
 @triton.jit
@@ -158,35 +158,18 @@ def _word_walk(
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCKS_PER_TILE: tl.constexpr, PTX: tl.constexpr, BF16_CODES: tl.constexpr, PDL: tl.constexpr,
     STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
-    DOT: tl.constexpr = False,
 ):
     """(acc `[BLOCK_M, BLOCK_N]`, partial `[BLOCK_N, BLOCKS_PER_TILE, WORDS]`): the word kernel's walk over
     quantisation blocks [first_block, end_block) of the rows `features` of one weight, its sums for several rows
     in acc, for one row kept elementwise in partial (`_finish_product` reduces them). PREFETCH: each step issues
-    the next tile's loads into registers before it decodes its own (STAGES ignored). DOT (BLOCK_M and BLOCK_N
-    at least 16, x not as pairs): each block's sums for all rows as one tensor-core product (`_dot_tile_sums`)."""
+    the next tile's loads into registers before it decodes its own (STAGES ignored)."""
     WORDS: tl.constexpr = BLOCKSIZE // 8
     mask_features = (features < n_out) | WHOLE_TILES
     blocks_per_row = n_in // BLOCKSIZE
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)  # one row: reduced at the end
     tables = _lane_tables(tables_ptr, PTX, BF16_CODES)
-    if DOT:
-        block_sums = tl.zeros([BLOCKS_PER_TILE, BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if PDL and STAGES > 1:
-            gdc_wait()
-        for b0 in tl.range(first_block, end_block, BLOCKS_PER_TILE, num_stages=STAGES):
-            words, absmax, word_in_row, mask_blocks = _word_loads(
-                b0, words_ptr, absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
-                features, mask_features, blocks_per_row, BLOCKSIZE, NESTED, BLOCKS_PER_TILE, WHOLE_TILES,
-            )
-            if PDL and STAGES == 1:
-                gdc_wait()
-            block_sums = _dot_tile_sums(block_sums, words, absmax, word_in_row, mask_blocks, x_ptr, x_row_stride,
-                                        n_rows, code_ptr, tables, BLOCKSIZE, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, PTX,
-                                        BF16_CODES)
-        acc = tl.sum(block_sums, axis=0)
-    elif PREFETCH:
+    if PREFETCH:
         acc, partial = _prefetched_word_walk(
             acc, partial, x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables, nested_code_ptr,
             nested_absmax_ptr, offset_ptr, nested_blocksize, features, mask_features, blocks_per_row, n_rows,
@@ -208,35 +191,6 @@ def _word_walk(
                 X_PAIRS,
             )
     return acc, partial
-
-
-@triton.jit
-def _dot_tile_sums(block_sums, words, absmax, word_in_row, mask_blocks, x_ptr, x_row_stride, n_rows, code_ptr,
-                   tables, BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCKS_PER_TILE: tl.constexpr, PTX: tl.constexpr, BF16_CODES: tl.constexpr):
-    """block_sums `[B, BLOCK_M, N]` plus, for each quantisation block b of a tile (words `[N, B, W]`), the
-    products of x's rows with its decoded weights scaled by the block's absmax: one batched tensor-core product
-    over all rows of x, `[B, M, K_b] x [B, K_b, N]`. Compiled with the bf16 code book: bf16 codes straight from
-    the lookup (`_nf4_word_bf16_codes`) and bf16 x, fp32 sums; else fp32 codes and x with IEEE fp32 products (the
-    interpreter, fp32 and fp16 weights)."""
-    t0, t1, t2, t3, t4, t5, t6, t7 = tables
-    if PTX and BF16_CODES:
-        c0, c1, c2, c3, c4, c5, c6, c7 = _nf4_word_bf16_codes(words, t0, t1, t2, t3)
-    else:
-        c0, c1, c2, c3, c4, c5, c6, c7 = _nf4_word_codes(words, code_ptr, t0, t1, t2, t3, t4, t5, t6, t7, PTX,
-                                                         BF16_CODES)
-    # joined so that the flattened last axes are the word's weights in element order
-    codes = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
-    codes = tl.permute(tl.reshape(codes, (BLOCK_N, BLOCKS_PER_TILE, BLOCKSIZE)), (1, 2, 0))  # [B, K_b, N]
-    elements = tl.reshape(word_in_row[:, :, None] * 8 + tl.arange(0, 8)[None, None, :], (BLOCKS_PER_TILE, BLOCKSIZE))
-    rows = tl.arange(0, BLOCK_M)
-    x = tl.load(x_ptr + rows[None, :, None] * x_row_stride + elements[:, None, :],
-                mask=(rows < n_rows)[None, :, None] & mask_blocks[:, None, None], other=0)  # [B, M, K_b]
-    if PTX and BF16_CODES:
-        products = tl.dot(x.to(tl.bfloat16), codes)
-    else:
-        products = tl.dot(x.to(tl.float32), codes.to(tl.float32), input_precision="ieee")
-    return block_sums + products * tl.permute(absmax, (1, 2, 0))
 
 
 @triton.jit
@@ -315,7 +269,7 @@ def _nf4_matvec_words_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
-    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr, DOT: tl.constexpr = False,
+    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) for all rows, walking K BLOCKS_PER_TILE quantisation
     blocks at a time (with SPLIT_K, tiles a split, program (i, j) takes tiles [j · SPLIT_K, (j + 1) · SPLIT_K),
@@ -326,8 +280,7 @@ def _nf4_matvec_words_kernel(
     no masks. X_PAIRS: x is bf16, read as int32 pairs (`x_ptr` int32, its row stride in pairs).
     FIRST_PRODUCTS (no SPLIT_K): the adapter's first product t = x Aᵀ in the same launch, by its first
     width · first_splits programs (`lora_down._first_product_program`; x as `xv_ptr`, its elements), which every
-    other program awaits before its epilogue (`_await_first_products`). DOT: `_word_walk`'s tensor-core
-    products."""
+    other program awaits before its epilogue (`_await_first_products`)."""
     if FIRST_PRODUCTS:
         writers = width * first_splits
         if tl.program_id(0) < writers:
@@ -343,7 +296,7 @@ def _nf4_matvec_words_kernel(
                 lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr,
                 arrivals_ptr, n_rows, n_out, n_in, rank, flags_ptr, tl.num_programs(0) - writers, BLOCKSIZE, NESTED,
                 BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES,
-                WHOLE_TILES, X_PAIRS, PREFETCH, True, DOT,
+                WHOLE_TILES, X_PAIRS, PREFETCH, True,
             )
     else:
         _word_program(
@@ -351,7 +304,7 @@ def _nf4_matvec_words_kernel(
             nested_absmax_ptr, offset_ptr, nested_blocksize, bias_ptr, t_ptr, t_row_stride, lora_b_ptr,
             lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr, arrivals_ptr, n_rows,
             n_out, n_in, rank, flags_ptr, 0, BLOCKSIZE, NESTED, BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE,
-            BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False, DOT,
+            BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False,
         )
 
 
@@ -364,7 +317,6 @@ def _word_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
     WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, AWAIT_T: tl.constexpr,
-    DOT: tl.constexpr = False,
 ):
     """Feature block `block` of the word kernel: its walk and its epilogue. AWAIT_T: t comes from the launch's
     first programs (`_await_first_products` before the epilogue, `_count_reader` after it)."""
@@ -374,7 +326,7 @@ def _word_program(
     acc, partial = _word_walk(
         x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
         offset_ptr, nested_blocksize, features, n_rows, n_out, n_in, first_block, end_block, BLOCKSIZE, NESTED,
-        BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, PTX, BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, DOT,
+        BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, PTX, BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH,
     )
     if AWAIT_T:
         _await_first_products(flags_ptr, rank)
