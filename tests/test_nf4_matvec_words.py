@@ -108,7 +108,6 @@ def test_word_kernel_takes_the_first_product_in_its_launch(shape, rank, rows, de
     assert_first_products_in_the_launch(shape, rows, rank, device, word_kernel)
 
 
-
 @pytest.mark.parametrize("rows", [1, 3])
 def test_first_products_readers_counted_in_groups(rows, device, word_kernel, monkeypatch):
     """More programs await t than one reader group holds (`lora_down.READER_GROUP`; 4 features a program: 33
@@ -120,6 +119,7 @@ def test_first_products_readers_counted_in_groups(rows, device, word_kernel, mon
     for _ in range(2):
         word_kernel.clear()
         assert_first_products_in_the_launch((130, 64 * 5), rows, 4, device, word_kernel)
+
 
 def test_lane_tables_hold_the_lookup_tables_once_per_lane():
     tables = nf4_matvec_state.lane_tables(torch.device("cpu"), True)

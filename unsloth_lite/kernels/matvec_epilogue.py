@@ -33,22 +33,22 @@ def _arrival_counters(device: torch.device, blocks: int, use: str = "splits") ->
 
 @triton.jit
 def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, split, n_splits, counter,
-                   slot_rows):
+                   BLOCK_M: tl.constexpr):
     """(sum over the K splits of each program's sums, whether this program finishes the feature block): split
-    `split` of `n_splits` stores its sums `[rows, BLOCK_N]` in its slot of `partial_ptr` ([splits, slot_rows,
-    n_out] fp32, slot_rows >= n_rows) and counts itself in the block's arrival counter (`arrivals_ptr +
-    counter`); the last to arrive adds every slot in split order (the same bits whichever program comes last)
-    and sets the counter back to 0 for the next launch (no memset: a replayed CUDA graph finds it at 0)."""
+    `split` of `n_splits` stores its sums `[BLOCK_M, BLOCK_N]` in its slot of `partial_ptr` ([splits, BLOCK_M,
+    n_out] fp32) and counts itself in the block's arrival counter (`arrivals_ptr + counter`); the last to arrive
+    adds every slot in split order (the same bits whichever program comes last) and sets the counter back to 0
+    for the next launch (no memset: a replayed CUDA graph finds it at 0)."""
     mask = (rows < n_rows)[:, None] & (features < n_out)[None, :]
     slot = (rows[:, None] * n_out + features[None, :]).to(tl.int64)
-    tl.store(partial_ptr + split * slot_rows * n_out + slot, acc, mask=mask)
+    tl.store(partial_ptr + split * BLOCK_M * n_out + slot, acc, mask=mask)
     tl.debug_barrier()  # every thread's stores before the arrival (released at GPU scope by the atomic)
     arrived = tl.atomic_add(arrivals_ptr + counter, 1, sem="acq_rel", scope="gpu")
     last = arrived == n_splits - 1
     total = tl.zeros_like(acc)
     if last:
         for s in range(0, n_splits):  # .cg: from L2, where the other SMs' stores are
-            total += tl.load(partial_ptr + s * slot_rows * n_out + slot, mask=mask, other=0.0, cache_modifier=".cg")
+            total += tl.load(partial_ptr + s * BLOCK_M * n_out + slot, mask=mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(arrivals_ptr + counter, 0, sem="relaxed", scope="gpu")
     return total, last
 

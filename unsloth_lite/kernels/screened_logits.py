@@ -49,19 +49,18 @@ NORM_BOUND = True
 
 
 @triton.jit
-def _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, mask_features, n_in, k_start, k_end,
+def _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, mask_features, n_in,
                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
                         IEEE: tl.constexpr):
-    """(x W_fᵀ over columns [k_start, k_end) `[BLOCK_M, BLOCK_N]` in fp32 for the rows f of `w_ptr` (int8 or
-    float, `[N, K]` contiguous, rows that are masked off never read), Σ_k |x_k| and Σ_k x_k² `[BLOCK_M]` over
-    those columns)."""
+    """(x W_fᵀ `[BLOCK_M, BLOCK_N]` in fp32 for the rows f of `w_ptr` (int8 or float, `[N, K]` contiguous, rows
+    that are masked off never read), Σ_k |x_k| and Σ_k x_k² `[BLOCK_M]`)."""
     acc = tl.zeros([BLOCK_M, features.shape[0]], tl.float32)
     absolute = tl.zeros([BLOCK_M], tl.float32)
     squares = tl.zeros([BLOCK_M], tl.float32)
     mask_rows = rows < n_rows
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in range(0, n_in, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = k < k_end
+        mask_k = k < n_in
         x = tl.load(x_ptr + rows[:, None] * x_row_stride + k[None, :], mask=mask_rows[:, None] & mask_k[None, :],
                     other=0.0)
         w = tl.load(w_ptr + features[:, None].to(tl.int64) * n_in + k[None, :],
@@ -89,7 +88,7 @@ def _screen_kernel(
     rows = tl.arange(0, BLOCK_M)
     mask_rows = rows < n_rows
     acc, absolute, squares = _row_block_products(x_ptr, x_row_stride, q_ptr, rows, n_rows, features,
-                                                 mask_features, n_in, 0, n_in, BLOCK_M, BLOCK_K, DOT_F32, IEEE)
+                                                 mask_features, n_in, BLOCK_M, BLOCK_K, DOT_F32, IEEE)
     scale = tl.load(scale_ptr + features, mask=mask_features, other=0.0)
     approximate = acc * scale[None, :]
     bound = bound_factor * scale[None, :] * absolute[:, None]
@@ -124,9 +123,7 @@ def _exact_kernel(
     x_ptr, x_row_stride, w_ptr, upper_ptr, lower_ptr, out_ptr, n_rows, n_out, n_in,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Block `program_id(0)` of y."""
-    block = tl.program_id(0)
-    features = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_features = features < n_out
     rows = tl.arange(0, BLOCK_M)
     mask_rows = rows < n_rows
@@ -138,7 +135,7 @@ def _exact_kernel(
     wanted = tl.max(candidate.to(tl.int32), axis=0) != 0  # a row of W some row of x needs
     exact = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if tl.max(wanted.to(tl.int32), axis=0) != 0:
-        exact, _, _ = _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, wanted, n_in, 0, n_in,
+        exact, _, _ = _row_block_products(x_ptr, x_row_stride, w_ptr, rows, n_rows, features, wanted, n_in,
                                           BLOCK_M, BLOCK_K, DOT_F32, IEEE)
     tl.store(out_ptr + rows[:, None] * n_out + features[None, :], tl.where(candidate, exact, float("-inf")),
              mask=mask)
