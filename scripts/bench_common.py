@@ -40,9 +40,10 @@ def shape_run_parser(doc: str, shapes) -> argparse.ArgumentParser:
     return parser
 
 
-KEPT_MLP_KEYS = {"keep": "keep_mlp_preactivations", "gpu": "mlp_preactivations_on_gpu", "sets": "kept_sets",
-                 "lead": "offload_lead", "gather": "device_gather"}
-KEPT_MLP_SUFFIX = "'@keep=N/gpu=G/sets=S/lead=L/gather=0|1'"  # the keys' form, for errors
+KEPT_MLP_KEYS = {"keep": "keep_mlp_preactivations", "gpu": "mlp_preactivations_on_gpu",
+                 "proj": "keep_projection_outputs", "sets": "kept_sets", "lead": "offload_lead",
+                 "gather": "device_gather"}
+KEPT_MLP_SUFFIX = "'@keep=N/gpu=G/proj=P/sets=S/lead=L/gather=0|1'"  # the keys' form, for errors
 
 
 def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
@@ -55,7 +56,8 @@ def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
 def kept_mlp_options(variant: str) -> tuple[str, dict]:
     """A variant name and the checkpointing options of its `@` suffix: ("unsloth_lite_kept_mlp",
     {"keep_mlp_preactivations": 48, "mlp_preactivations_on_gpu": 8}) of "unsloth_lite_kept_mlp@keep=48/gpu=8"
-    (48 layers keep their MLP pre-activations, 8 of them on the GPU; `sets`, `lead`, `gather`:
+    (48 layers keep their MLP pre-activations, 8 of them on the GPU; `proj=P`: P layers keep their projections'
+    outputs, `keep_projection_outputs`; `sets`, `lead`, `gather`:
     module settings, see `apply_module_settings`); a kept_mlp variant without a suffix keeps them in every
     checkpointed layer, offloaded ({"keep_mlp_preactivations": True}); others keep none ({}).
     Raises ValueError for a suffix on another variant or an unknown key."""

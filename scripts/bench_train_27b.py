@@ -28,13 +28,16 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
 - `unsloth_lite_nf4_embeddings`: the same with the embedding and lm_head in NF4 too (`quantize_embeddings_nf4`:
   rows dequantised on lookup, lm_head tiles inside the fused loss).
 - `unsloth_lite_host_embeddings`: the same with the bf16 input embedding in host memory
-  (`offload_embeddings_to_host`: the GPU reads a batch's rows from the pinned table).
+  (`offload_embeddings_to_host`: the GPU reads a batch's rows from the pinned table); with `nf4_head` in the name
+  also the lm_head in NF4.
 - `unsloth_lite_graphs`: the same with `cuda_graphs=True`.
 - `unsloth_lite_kept_mlp`, `unsloth_lite_graphs_kept_mlp`, `unsloth_lite_host_embeddings_graphs_kept_mlp`,
-  `unsloth_lite_nf4_embeddings_graphs_kept_mlp`: with `keep_mlp_preactivations=True` (each checkpoint keeps its
-  MLP's gate and up outputs, offloaded with its input: the recomputation skips their products). A suffix
-  `@keep=N/gpu=G` keeps them in N of the checkpointed layers only, spread evenly, G of those in GPU memory
-  (`keep_mlp_preactivations=N`, `mlp_preactivations_on_gpu=G`), so one run compares several placements; `sets=S`
+  `unsloth_lite_nf4_embeddings_graphs_kept_mlp`, `unsloth_lite_host_embeddings_nf4_head_graphs_kept_mlp`: with
+  `keep_mlp_preactivations=True` (each checkpoint keeps its MLP's gate and up outputs, offloaded with its input:
+  the recomputation skips their products). A suffix `@keep=N/gpu=G` keeps them in N of the checkpointed layers
+  only, spread evenly, G of those in GPU memory (`keep_mlp_preactivations=N`, `mlp_preactivations_on_gpu=G`), so
+  one run compares several placements; `proj=P`: P of the checkpointed layers keep their token mixers' input
+  projections' outputs in GPU memory (`keep_projection_outputs=P`); `sets=S`
   (with graphs) gives the graphed layers S sets of kept-tensor buffers (`layer_graphs.KEPT_SETS`, default 2),
   `lead=L` lets the host queue L offloads ahead (`checkpointing.MAX_PENDING_OFFLOADS`, default 2), `gather=0`
   has the host gather the host table's rows, not the GPU (`host_embeddings.DEVICE_GATHER`, default on).
@@ -96,6 +99,7 @@ VARIANTS = (
     "hf_fla", "hf", "unsloth", "unsloth_lite", "unsloth_lite_nf4_embeddings", "unsloth_lite_host_embeddings",
     "unsloth_lite_graphs", "unsloth_lite_kept_mlp", "unsloth_lite_graphs_kept_mlp",
     "unsloth_lite_host_embeddings_graphs_kept_mlp", "unsloth_lite_nf4_embeddings_graphs_kept_mlp",
+    "unsloth_lite_host_embeddings_nf4_head_graphs_kept_mlp",
 )
 TINY_VARIANTS = ("hf", "unsloth_lite")
 ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -184,10 +188,10 @@ def load(variant: str, c: dict, device: torch.device, dtype: torch.dtype, all_li
     import unsloth_lite
     from unsloth_lite.training.checkpointing import enable_gradient_checkpointing
 
-    if "nf4_embeddings" in variant:
-        unsloth_lite.quantize_embeddings_nf4(model)
     if "host_embeddings" in variant:
         unsloth_lite.offload_embeddings_to_host(model)
+    if "nf4_embeddings" in variant or "nf4_head" in variant:  # after the offload: the host table stays bf16
+        unsloth_lite.quantize_embeddings_nf4(model)
     model = unsloth_lite.add_lora(unsloth_lite.patch_model(model), r=LORA_R, lora_alpha=LORA_ALPHA,
                                   target_modules=targets)
     enable_gradient_checkpointing(model, offload_to_cpu=device.type == "cuda", cuda_graphs="graphs" in variant,

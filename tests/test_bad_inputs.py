@@ -102,6 +102,10 @@ CASES = {
         lambda t: ["training.gradient_checkpointing=true", "checkpointing.keep_mlp_preactivations=99"],
         ["checkpointing.keep_mlp_preactivations", "99", "checkpointed decoder layers", "at most"],
     ),
+    "kept projection layers beyond the model's": (
+        lambda t: ["training.gradient_checkpointing=true", "checkpointing.keep_projection_outputs=99"],
+        ["checkpointing.keep_projection_outputs", "99", "checkpointed decoder layers", "at most"],
+    ),
     "MLP pre-activations on the GPU that nothing keeps": (
         lambda t: ["training.gradient_checkpointing=true", "checkpointing.mlp_preactivations_on_gpu=1"],
         ["checkpointing.mlp_preactivations_on_gpu", "needs checkpointing.keep_mlp_preactivations"],

@@ -40,7 +40,8 @@ def _assert_same_step(step, got, expected, tol, loss_tol=None):
 
 
 def _compare(model, device, offload_to_cpu=False, cuda_graphs=False, tol=1e-5, steps=3, keep_residual=None,
-             uncheckpointed_layers=0, keep_mlp_preactivations=False, mlp_preactivations_on_gpu=0):
+             uncheckpointed_layers=0, keep_mlp_preactivations=False, mlp_preactivations_on_gpu=0,
+             keep_projection_outputs=False):
     reference = copy.deepcopy(model)
     hf_checkpointed = copy.deepcopy(model)
     hf_checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -48,7 +49,7 @@ def _compare(model, device, offload_to_cpu=False, cuda_graphs=False, tol=1e-5, s
     enable_gradient_checkpointing(
         model, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, keep_residual=keep_residual,
         uncheckpointed_layers=uncheckpointed_layers, keep_mlp_preactivations=keep_mlp_preactivations,
-        mlp_preactivations_on_gpu=mlp_preactivations_on_gpu,
+        mlp_preactivations_on_gpu=mlp_preactivations_on_gpu, keep_projection_outputs=keep_projection_outputs,
     )
     # Several steps on fresh batches: state left by one (offloaded buffers, a graph's static inputs) must not
     # leak into the next; with cuda_graphs the first step runs eagerly, the second captures, the third replays.
@@ -327,6 +328,8 @@ def test_uncheckpointed_layers_out_of_range(count, device):
     (dict(keep_mlp_preactivations=-1), r"keep_mlp_preactivations: .* got -1"),
     (dict(mlp_preactivations_on_gpu=1), r"mlp_preactivations_on_gpu: expected a whole number from 0 to 0 \(the "),
     (dict(keep_mlp_preactivations=1, mlp_preactivations_on_gpu=2), r"mlp_preactivations_on_gpu: .* to 1 .* got 2"),
+    (dict(keep_projection_outputs=3), r"keep_projection_outputs: expected a whole number from 0 to 2 \(the "),
+    (dict(keep_projection_outputs=2, uncheckpointed_layers=1), r"keep_projection_outputs: .* from 0 to 1 .* got 2"),
 ])
 def test_kept_mlp_layer_counts_out_of_range(options, message, device):
     with pytest.raises(ValueError, match=message):
@@ -509,4 +512,103 @@ def test_kept_mlp_preactivations_offloaded_with_graphs_on_gpu():
     for model in (_lora_model("cuda"), _qwen3_5_lora_model("cuda")):
         _compare(model, "cuda", cuda_graphs=True, offload_to_cpu=True, tol=1e-4, steps=4,
                  keep_mlp_preactivations=True)
+        assert _graphed_layer_count(model) == model.config.num_hidden_layers
+
+
+def _counting_projections(monkeypatch):
+    """A list that records, for each product of a token mixer's input projections (three or four of one input:
+    q, k, v; the Gated DeltaNet's qkv, z, b, a) that `lora_projections` computes, whether it was computed in given
+    buffers."""
+    import unsloth_lite.kernels.lora as lora_module
+
+    products = []
+    project_all = lora_module._project_all
+
+    def counting(x2d, projections, adapters, output_needed=True, out=None):
+        if output_needed and len(projections) >= 3:
+            products.append(out is not None)
+        return project_all(x2d, projections, adapters, output_needed, out)
+
+    monkeypatch.setattr(lora_module, "_project_all", counting)
+    return products
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_kept_projection_outputs(cuda_graphs, device, monkeypatch):
+    """Each checkpoint keeps its attention's q, k, v outputs (on the device, with the inputs offloaded and the MLP
+    pre-activations kept): the same losses and gradients, and the recomputations run no q/k/v product."""
+    import unsloth_lite.training.checkpointing as checkpointing
+
+    monkeypatch.setattr(checkpointing, "_OffloadedTensors", _HostGroup)
+    monkeypatch.setattr(checkpointing, "_offloadable", lambda t: True)  # what a GPU would offload
+    _HostGroup.fetches, _HostGroup.sizes = [], []
+    model = _lora_model(device)
+    layers = model.config.num_hidden_layers
+    products = _counting_projections(monkeypatch)
+    _compare(model, device, offload_to_cpu=True, cuda_graphs=cuda_graphs, tol=1e-4, keep_mlp_preactivations=True,
+             keep_projection_outputs=True)
+    # 3 steps: one product a layer a forward of the model and of the reference, two of Hugging Face's
+    # checkpointed copy (step 1); none in the model's recomputations
+    assert len(products) == 3 * layers + 3 * layers + 2 * layers, products
+    # graphs: step 1 eager, step 2 records and sets up the static buffers, step 3 computes in them
+    assert sum(products) == (layers if cuda_graphs else 0)
+    assert set(_HostGroup.sizes) == {4}  # input, residual, gate, up: the outputs stay on the device
+
+
+def test_kept_projection_outputs_are_what_the_recomputation_reads(device, monkeypatch):
+    """The recomputation's projections return the kept outputs: changed ones change the gradients (through
+    the attention), though each projection's own backward never reads its output."""
+    import unsloth_lite.models.layers as layers_module
+
+    model = _lora_model(device)
+    enable_gradient_checkpointing(model, keep_projection_outputs=True)
+    input_ids, labels = batch(device)
+    _, expected = _loss_and_grads(model, _language_model_loss(input_ids, labels))
+    real = layers_module.lora_projections
+    kept_shapes = []
+
+    def doubling(x, projections, kept=None, **kwargs):
+        if kept is not None:
+            kept_shapes.append(tuple(t.shape[-1] for t in kept))
+            kept = tuple(2 * t for t in kept)
+        return real(x, projections, kept=kept, **kwargs)
+
+    monkeypatch.setattr(layers_module, "lora_projections", doubling)
+    _, grads = _loss_and_grads(model, _language_model_loss(input_ids, labels))
+    config = model.config
+    widths = (config.num_attention_heads * config.head_dim,) + (config.num_key_value_heads * config.head_dim,) * 2
+    assert kept_shapes == [widths] * config.num_hidden_layers
+    changed = [name for name, grad in grads.items() if not torch.allclose(grad, expected[name])]
+    assert any("q_proj" in name for name in changed) and any("v_proj" in name for name in changed)
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_projection_outputs_kept_in_some_layers(cuda_graphs, device, monkeypatch):
+    """keep_projection_outputs=2 of 3 layers (the last two: spread evenly): the same losses and gradients; only
+    the first layer's recomputation runs its q/k/v product."""
+    model = _with_lora(patch_model(tiny_model("qwen3", device, num_hidden_layers=3)), ["q_proj", "v_proj"])
+    products = _counting_projections(monkeypatch)
+    steps = 3 if cuda_graphs else 1  # graphs: eager, capture, replay
+    _compare(model, device, cuda_graphs=cuda_graphs, tol=1e-4, keep_projection_outputs=2, steps=steps)
+    # forwards of the model and the reference (3 layers a step), Hugging Face's checkpointed copy (step 1,
+    # forward and recomputation); then the model's recomputations of the first layer only
+    assert len(products) == 3 * steps + 3 * steps + 2 * 3 + steps, products
+
+
+def test_kept_projection_outputs_of_qwen3_5(device, monkeypatch):
+    """Qwen3.5's Gated DeltaNet (qkv, z, b, a) and gated attention (q with its gate, k, v) layers keep their
+    projections' outputs: the same losses and gradients, no recomputed input projection."""
+    model = _qwen3_5_lora_model(device)
+    products = _counting_projections(monkeypatch)
+    _compare(model, device, tol=1e-4, keep_mlp_preactivations=True, keep_projection_outputs=True, steps=1)
+    # a product a layer in the model's and the reference's forwards, in Hugging Face's forward and
+    # recomputation; none in our recomputations
+    assert len(products) == 4 * model.config.num_hidden_layers, products
+
+
+@pytest.mark.gpu
+def test_kept_projection_outputs_with_graphs_and_offload_on_gpu():
+    for model in (_lora_model("cuda"), _qwen3_5_lora_model("cuda")):
+        _compare(model, "cuda", cuda_graphs=True, offload_to_cpu=True, tol=1e-4, steps=4,
+                 keep_mlp_preactivations=True, keep_projection_outputs=True)
         assert _graphed_layer_count(model) == model.config.num_hidden_layers

@@ -166,6 +166,10 @@ def test_checkpointing_section(tmp_path):
     assert (counted.keep_mlp_preactivations, counted.mlp_preactivations_on_gpu) == (24, 8)
     with pytest.raises(RecipeError, match=r"^checkpointing\.keep_mlp_preactivations: must be >= 0, got -2"):
         load_recipe(write(tmp_path, raw), ["checkpointing.keep_mlp_preactivations=-2"])
+    projections = load_recipe(write(tmp_path, raw), ["checkpointing.keep_projection_outputs=36"]).checkpointing
+    assert projections.keep_projection_outputs == 36
+    with pytest.raises(RecipeError, match=r"^checkpointing\.keep_projection_outputs: must be >= 0, got -1"):
+        load_recipe(write(tmp_path, raw), ["checkpointing.keep_projection_outputs=-1"])
 
 
 def test_resume_from_checkpoint_bool_or_path(tmp_path):

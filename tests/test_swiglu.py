@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unsloth_lite.kernels import swiglu
-from unsloth_lite.kernels.swiglu import sigmoid_gate, sigmoid_gate_reference, swiglu_reference
+from unsloth_lite.kernels.swiglu import (
+    _swiglu_backward,
+    _swiglu_forward,
+    sigmoid_gate,
+    sigmoid_gate_reference,
+    swiglu_reference,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # 1025 and 2100 are wider than the kernel's 1024-column block: several column blocks per row, last one masked.
@@ -27,6 +33,23 @@ def test_swiglu_matches_reference(dtype, shape, device):
     gate = (2 * torch.randn(shape)).requires_grad_()  # wide range of gate values: both sigmoid tails
     up = torch.randn(shape).requires_grad_()
     _check(gate, up, dtype, device)
+
+
+@pytest.mark.parametrize("sigmoid", [False, True], ids=["swiglu", "sigmoid_gate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_backward_writes_h_over_dh(dtype, sigmoid, device):
+    """The backward kernel's `h_out`, given dh itself and dg, du written over g and u (as the LoRA MLP calls it):
+    dg and du as without it, and h the forward's, every element read before it is overwritten."""
+    g = (2 * torch.randn(37, 2100, device=device)).to(dtype)
+    u, dh = (torch.randn(37, 2100, device=device).to(dtype) for _ in range(2))
+    expected_dg, expected_du = _swiglu_backward(dh, g, u, sigmoid=sigmoid)
+    expected_h = _swiglu_forward(g, u, sigmoid=sigmoid)
+    g_buffer, u_buffer, dh_buffer = g.clone(), u.clone(), dh.clone()
+    dg, du = _swiglu_backward(dh_buffer, g_buffer, u_buffer, out=(g_buffer, u_buffer), sigmoid=sigmoid,
+                              h_out=dh_buffer)
+    assert dg.data_ptr() == g_buffer.data_ptr() and du.data_ptr() == u_buffer.data_ptr()
+    for got, expected in ((dg, expected_dg), (du, expected_du), (dh_buffer, expected_h)):
+        assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)

@@ -161,8 +161,9 @@ def check_checkpointing(checkpointing) -> None:
     keep = checkpointing.keep_mlp_preactivations
     counts = dict(uncheckpointed_layers=checkpointing.uncheckpointed_layers,
                   mlp_preactivations_on_gpu=checkpointing.mlp_preactivations_on_gpu)
-    if not isinstance(keep, bool):
-        counts["keep_mlp_preactivations"] = keep
+    for name in ("keep_mlp_preactivations", "keep_projection_outputs"):
+        if not isinstance(getattr(checkpointing, name), bool):
+            counts[name] = getattr(checkpointing, name)
     for name, value in counts.items():
         if value < 0:
             raise RecipeError(f"checkpointing.{name}: must be >= 0, got {value}")
@@ -180,11 +181,14 @@ def check_checkpointed_layers(checkpointing, layers: Any, source: str) -> None:
         raise RecipeError(f"checkpointing.uncheckpointed_layers: {uncheckpointed} is more than the {layers} decoder "
                           f"layers of {source}; expected at most {layers}")
     checkpointed = layers - uncheckpointed
+    for name in ("keep_mlp_preactivations", "keep_projection_outputs"):
+        keep = getattr(checkpointing, name)
+        count = (checkpointed if keep else 0) if isinstance(keep, bool) else keep
+        if count > checkpointed:
+            raise RecipeError(f"checkpointing.{name}: {count} layers, more than the {checkpointed} checkpointed "
+                              f"decoder layers of {source}; expected at most {checkpointed} (or true)")
     keep = checkpointing.keep_mlp_preactivations
     keeping = (checkpointed if keep else 0) if isinstance(keep, bool) else keep
-    if keeping > checkpointed:
-        raise RecipeError(f"checkpointing.keep_mlp_preactivations: {keeping} layers, more than the {checkpointed} "
-                          f"checkpointed decoder layers of {source}; expected at most {checkpointed} (or true)")
     if checkpointing.mlp_preactivations_on_gpu > keeping:
         raise RecipeError(f"checkpointing.mlp_preactivations_on_gpu: {checkpointing.mlp_preactivations_on_gpu} "
                           f"layers, more than the {keeping} that keep their MLP pre-activations")

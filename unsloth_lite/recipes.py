@@ -103,13 +103,16 @@ class CheckpointingSection:
     (`keep_mlp_preactivations`, in CPU memory with `offload_to_cpu`: the recomputation skips their products; a
     number N instead of true: N of the checkpointed layers, spread evenly); of those, `mlp_preactivations_on_gpu`
     layers keeping them in GPU memory even with `offload_to_cpu` (no copies over the host link, for their
-    memory)."""
+    memory); each checkpoint keeping the outputs of its token mixer's input projections in GPU memory
+    (`keep_projection_outputs`: the recomputation skips those products; true, or a number of the checkpointed
+    layers, spread evenly)."""
 
     offload_to_cpu: bool = False
     cuda_graphs: bool = False
     uncheckpointed_layers: int = 0
     keep_mlp_preactivations: bool | int = False
     mlp_preactivations_on_gpu: int = 0
+    keep_projection_outputs: bool | int = False
 
 
 @dataclass

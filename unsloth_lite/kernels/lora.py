@@ -25,9 +25,10 @@ are kept between the recomputation and the backward nor does any [tokens, interm
 sequence beyond a block; the adapters' gradients are summed over the blocks. No product is computed twice.
 
 Saved: the layer input, the pre-activations g and u, and the rank-r products t. h (the largest activation
-after g and u) is not saved: the backward recomputes it from g and u. dg and du are written over g and u,
-which the backward no longer needs, so beyond the recomputed h the MLP backward allocates one
-[tokens, intermediate] buffer (dh), not three. The base weight is never saved: a 4-bit weight is
+after g and u) is not saved: dh needs neither h nor t_d, and the SwiGLU backward kernel, reading g and u for
+dg and du, writes h over dh for the down adapter's gradients. dg and du are written over g and u, which the
+backward no longer needs, so the MLP backward allocates one [tokens, intermediate] buffer (dh, then h), not
+four. The base weight is never saved: a 4-bit weight is
 dequantised (`dequantize_nf4`) into one scratch buffer reused by every layer, forward and backward, and a
 frozen base gets no gradient. The matrix products run on cuBLAS.
 """
@@ -57,8 +58,15 @@ def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return _swiglu_forward(g, u) if _use_kernels(g) else swiglu_reference(g, u)
 
 
-def _swiglu_grads(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, out):
-    return (_swiglu_backward if _use_kernels(g) else swiglu_backward_reference)(dh, g, u, out=out)
+def _swiglu_grads(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, out, h_out: torch.Tensor | None = None):
+    """(dg, du) into `out`, and h = silu(g) u into `h_out` where given (which may be dh)."""
+    if _use_kernels(g):
+        return _swiglu_backward(dh, g, u, out=out, h_out=h_out)
+    h = None if h_out is None else swiglu_reference(g, u)
+    grads = swiglu_backward_reference(dh, g, u, out=out)
+    if h_out is not None:
+        h_out.copy_(h)
+    return grads
 
 
 @dataclasses.dataclass
@@ -170,28 +178,43 @@ def _project_all(x2d: torch.Tensor, projections, adapters: _Adapters, output_nee
 
 def _project_all_backward(grads, x2d: torch.Tensor, t: torch.Tensor, projections, adapters: _Adapters, dx=None):
     """(dx, adapter gradients as [dA, dB] per projection); dx accumulated into `dx` (created when None)."""
+    dx, u_t = _input_grad(grads, projections, adapters, dx)
+    return dx, _adapter_grads(grads, x2d, t, u_t, projections, adapters)
+
+
+def _input_grad(grads, projections, adapters: _Adapters, dx=None):
+    """(dx, uᵀ), dx = Σ dy W + s · u A accumulated into `dx` (created when None): neither x nor t is read."""
+    dy0 = grads[0]
     # uᵀ of every projection stacked `[Σr, N]`: contiguous row blocks, so each is written by its own product and
     # dA and the adapters' share of dx take one product each.
-    u_t = torch.empty((adapters.a.shape[0], x2d.shape[0]), dtype=x2d.dtype, device=x2d.device)
-    zero = x2d.new_zeros(())
-    d_lora_b = []
+    u_t = torch.empty((adapters.a.shape[0], dy0.shape[0]), dtype=dy0.dtype, device=dy0.device)
+    zero = dy0.new_zeros(())
     for dy, p, rows, b in zip(grads, projections, adapters.slices, adapters.b, strict=True):
         if p.rank:
             torch.addmm(zero, b.t(), dy.t(), beta=0, alpha=p.scale, out=u_t[rows])  # s · (dy B)ᵀ
-        d_lora_b.append(torch.addmm(zero, dy.t(), t[:, rows], beta=0, alpha=p.scale) if p.rank else None)
         weight = base_weight(p, dy.dtype)
         if dx is None:
             dx = torch.matmul(dy, weight)
         else:
             dx.addmm_(dy, weight)
+    if u_t.shape[0]:
+        dx.addmm_(u_t.t(), adapters.a)
+    return dx, u_t
+
+
+def _adapter_grads(grads, x2d: torch.Tensor, t: torch.Tensor, u_t: torch.Tensor, projections, adapters: _Adapters):
+    """[dA, dB] per projection (None for one without adapter): dA = uᵀ x, dB = s · dyᵀ t."""
     if not u_t.shape[0]:  # no projection has an adapter
-        return dx, [None] * (2 * len(projections))
+        return [None] * (2 * len(projections))
     d_lora_a = torch.matmul(u_t, x2d)
-    dx.addmm_(u_t.t(), adapters.a)
-    grads = []
-    for rows, d_b in zip(adapters.slices, d_lora_b, strict=True):
-        grads += [d_lora_a[rows] if d_b is not None else None, d_b]
-    return dx, grads
+    zero = x2d.new_zeros(())
+    adapter_grads = []
+    for dy, p, rows in zip(grads, projections, adapters.slices, strict=True):
+        if p.rank:
+            adapter_grads += [d_lora_a[rows], torch.addmm(zero, dy.t(), t[:, rows], beta=0, alpha=p.scale)]
+        else:
+            adapter_grads += [None, None]
+    return adapter_grads
 
 
 def _adapter_args(projections):
@@ -202,10 +225,15 @@ class LoRAProjectionsFunction(torch.autograd.Function):
     """Several projections of one input (q, k, v; or o alone): one saved input, one dx accumulation."""
 
     @staticmethod
-    def forward(ctx, x, projections, output_needed, *adapter_weights):
+    def forward(ctx, x, projections, output_needed, kept, record_into, *adapter_weights):
         x2d = x.reshape(-1, x.shape[-1])
         adapters = _Adapters(projections, x2d.dtype)
-        outputs, t = _project_all(x2d, projections, adapters, output_needed)
+        if kept is not None:  # the values of an earlier call on the same x: only t is formed
+            outputs = [y.reshape(x2d.shape[0], p.out_features) for y, p in zip(kept, projections, strict=True)]
+            t = adapters.rank_products(x2d)
+        else:
+            into = _buffers_for(record_into, x2d, projections)
+            outputs, t = _project_all(x2d, projections, adapters, output_needed, out=into)
         ctx.projections, ctx.adapters = projections, adapters
         ctx.input_shape = x.shape
         ctx.save_for_backward(x2d, t)
@@ -216,7 +244,18 @@ class LoRAProjectionsFunction(torch.autograd.Function):
         x2d, t = ctx.saved_tensors
         grads = [dy.reshape(-1, p.out_features) for dy, p in zip(grads, ctx.projections, strict=True)]
         dx, adapter_grads = _project_all_backward(grads, x2d, t, ctx.projections, ctx.adapters)
-        return (dx.view(ctx.input_shape), None, None, *adapter_grads)
+        return (dx.view(ctx.input_shape), None, None, None, None, *adapter_grads)
+
+
+def _buffers_for(buffers, x2d: torch.Tensor, projections):
+    """`buffers` (one per projection) as `[N, out_features]` views where each is contiguous and of the products'
+    own dtype and row count (under autocast an fp32 x computes in bf16), else None."""
+    if buffers is None or not all(
+        b.dtype == x2d.dtype and b.is_contiguous() and b.numel() == x2d.shape[0] * p.out_features
+        for b, p in zip(buffers, projections, strict=True)
+    ):
+        return None
+    return [b.view(x2d.shape[0], p.out_features) for b, p in zip(buffers, projections, strict=True)]
 
 
 # Elements of one [rows, intermediate] buffer of the row-blocked MLP backward (2^27: 256 MiB in bf16). One
@@ -238,12 +277,14 @@ def _mlp_backward(dout2d, x2d, g, u, t_gate_up, t_down, projections, adapters, d
     pre-activations g and u (overwritten) and rank-r products (t_down formed here from h where None)."""
     gate, up, down = projections
     gate_up, down_adapters = adapters
-    h = _swiglu(g, u)
+    # dh = dout W_d + s (dout B_d) A_d reads neither h nor t_d; the SwiGLU backward then writes h over dh (dead
+    # once read), which the down adapter's gradients read: no pass of its own over g and u to form h
+    dh, u_down = _input_grad([dout2d], (down,), down_adapters)
+    dg, du = _swiglu_grads(dh, g, u, out=(g, u), h_out=dh)  # g and u are dead from here on
+    h = dh
     if t_down is None:
         t_down = down_adapters.rank_products(h)
-    dh, down_grads = _project_all_backward([dout2d], h, t_down, (down,), down_adapters)
-    del h
-    dg, du = _swiglu_grads(dh, g, u, out=(g, u))  # g and u are dead from here on
+    down_grads = _adapter_grads([dout2d], h, t_down, u_down, (down,), down_adapters)
     dx, gate_up_grads = _project_all_backward([dg, du], x2d, t_gate_up, (gate, up), gate_up, dx=dx)
     return dx, gate_up_grads + down_grads
 
@@ -255,8 +296,7 @@ def _mlp_backward_by_row_blocks(dout2d, x2d, projections, adapters):
 
     def block_backward(rows, dx=None):
         (g, u), t_gate_up = _project_all(x2d[rows], (gate, up), gate_up)
-        (_,), t_down = _project_all(_swiglu(g, u), (down,), down_adapters, output_needed=False)
-        return _mlp_backward(dout2d[rows], x2d[rows], g, u, t_gate_up, t_down, projections, adapters, dx=dx)
+        return _mlp_backward(dout2d[rows], x2d[rows], g, u, t_gate_up, None, projections, adapters, dx=dx)
 
     blocks = mlp_row_blocks(x2d.shape[0], gate.out_features)
     if len(blocks) == 1:
@@ -289,10 +329,7 @@ class LoRAMLPFunction(torch.autograd.Function):
             g, u = preactivations
             t_gate_up = adapters[0].rank_products(x2d)
         else:
-            # buffers of the products' own dtype and shape only (under autocast an fp32 x computes in bf16)
-            into = record_into if recorded and record_into is not None and all(
-                b.dtype == x2d.dtype and b.shape == (x2d.shape[0], p.out_features)
-                for b, p in zip(record_into, (gate, up), strict=True)) else None
+            into = _buffers_for(record_into if recorded else None, x2d, (gate, up))
             (g, u), t_gate_up = _project_all(x2d, (gate, up), adapters[0], out=into)
         if output_needed:
             (out,), t_down = _project_all(_swiglu(g, u), (down,), adapters[1])
@@ -358,12 +395,16 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def lora_projections(
-    x: torch.Tensor, projections: tuple[LoRAProjection, ...], output_needed: bool = True
+    x: torch.Tensor, projections: tuple[LoRAProjection, ...], output_needed: bool = True,
+    kept: tuple[torch.Tensor, ...] | None = None, record_into: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """`x Wᵢᵀ + bᵢ + sᵢ (x Aᵢᵀ) Bᵢᵀ` for each projection; gradients for x and every A, B.
     `output_needed=False` skips the products and returns uninitialised memory of the outputs' shapes (as
-    `lora_mlp`'s)."""
-    return LoRAProjectionsFunction.apply(x, projections, output_needed, *_adapter_args(projections))
+    `lora_mlp`'s). A checkpoint may keep the outputs instead of recomputing them: a later call on the same x
+    with them as `kept` returns their values (the backward reads x and the rank-r products, which it forms, never
+    the outputs) without the products or their dequantisation. `record_into`: a buffer per projection that its
+    output is computed in (a CUDA-graphed checkpoint's static ones)."""
+    return LoRAProjectionsFunction.apply(x, projections, output_needed, kept, record_into, *_adapter_args(projections))
 
 
 def lora_mlp(

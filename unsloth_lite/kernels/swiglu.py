@@ -12,7 +12,9 @@ Backward, using σ'(g) = σ(g)(1 - σ(g)):
     sigmoid gate:  du = dh · σ(g)          dg = dh · u · σ(g) · (1 - σ(g))
 
 Saved for the backward: g and u, the inputs. σ(g) is recomputed, so the backward moves the fewest bytes
-possible: read dh, g, u; write dg, du.
+possible: read dh, g, u; write dg, du. Where a caller also needs h in the backward (the LoRA MLP's down
+projection's adapter gradients, `lora.py`), the backward writes it too (`h_out`, which may be dh itself: each
+element is read before it is overwritten), so h costs one write instead of a forward pass's reads of g and u.
 
 Gate and up may be views into one fused projection output (`gate_up.chunk(2, -1)`, or Qwen3.5's q_proj output
 holding each head's query and gate side by side): each tensor is read as rows with its own row stride, so
@@ -63,9 +65,9 @@ def _swiglu_backward_kernel(
     dh_ptr, dh_row_stride, dh_col_stride,
     g_ptr, g_row_stride, g_col_stride,
     u_ptr, u_row_stride, u_col_stride,
-    dg_ptr, du_ptr,
+    dg_ptr, du_ptr, h_ptr,
     n_cols, n_col_blocks,
-    BLOCK: tl.constexpr, ACC: tl.constexpr, SIGMOID: tl.constexpr,
+    BLOCK: tl.constexpr, ACC: tl.constexpr, SIGMOID: tl.constexpr, H_OUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = (pid // n_col_blocks).to(tl.int64)
@@ -84,6 +86,9 @@ def _swiglu_backward_kernel(
     out = row * n_cols + cols
     tl.store(dg_ptr + out, dg.to(dg_ptr.dtype.element_ty), mask=mask_cols)
     tl.store(du_ptr + out, du.to(du_ptr.dtype.element_ty), mask=mask_cols)
+    if H_OUT:
+        h = sig * u if SIGMOID else g * sig * u
+        tl.store(h_ptr + out, h.to(h_ptr.dtype.element_ty), mask=mask_cols)
 
 
 def _grid(n_rows: int, n_cols: int):
@@ -106,9 +111,10 @@ def _swiglu_forward(g2d: torch.Tensor, u2d: torch.Tensor, sigmoid: bool = False)
     return h
 
 
-def _swiglu_backward(dh2d, g2d, u2d, out=None, sigmoid: bool = False):
+def _swiglu_backward(dh2d, g2d, u2d, out=None, sigmoid: bool = False, h_out=None):
     """(dg, du); `out` = two contiguous `[rows, cols]` tensors to write them into, which may be g and u
-    themselves: each element is read before it is overwritten, by the same program."""
+    themselves: each element is read before it is overwritten, by the same program. `h_out`: a contiguous
+    `[rows, cols]` tensor (dh itself, if contiguous, as well) that the forward's h is written into."""
     n_rows, n_cols = g2d.shape
     block, n_col_blocks, grid = _grid(n_rows, n_cols)
     if out is None:
@@ -120,9 +126,9 @@ def _swiglu_backward(dh2d, g2d, u2d, out=None, sigmoid: bool = False):
         dh2d, dh2d.stride(0), dh2d.stride(1),
         g2d, g2d.stride(0), g2d.stride(1),
         u2d, u2d.stride(0), u2d.stride(1),
-        dg, du,
+        dg, du, dg if h_out is None else h_out,
         n_cols, n_col_blocks,
-        BLOCK=block, ACC=accumulator_dtype(g2d.dtype), SIGMOID=sigmoid, num_warps=4,
+        BLOCK=block, ACC=accumulator_dtype(g2d.dtype), SIGMOID=sigmoid, H_OUT=h_out is not None, num_warps=4,
     )
     return dg, du
 

@@ -70,29 +70,44 @@ def recomputation_for_backward(attention_output_unused: bool = False):
         _RECOMPUTATION.active, _RECOMPUTATION.attention_output_unused = previous
 
 
-# `sink`: the forward records into it; `into`: the buffers it records in; `kept`: the recomputation takes these
-_MLP_PREACTIVATIONS = threading.local()
+class KeptOutputs:
+    """Outputs of one kind of fused module that a checkpoint keeps rather than recomputes (in this thread).
+
+    Under `channel(record=True)` each such module that runs inside appends its outputs (a tuple) to the yielded
+    list, computed in the buffers of `into` (one tuple per module, in order) where given; under
+    `channel(kept=...)` (such a list, of the same layer's forward) the modules that run inside take those in
+    order instead of computing them, so the recomputation leaves their products out."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def __call__(self, record: bool = False, kept: list | None = None, into: list | None = None):
+        sink = [] if record else None
+        current = {"sink": sink, "kept": list(kept) if kept else None, "into": list(into) if record and into else None}
+        previous = {name: getattr(self._local, name, None) for name in current}
+        self._local.__dict__.update(current)
+        try:
+            yield sink if record else []
+        finally:
+            self._local.__dict__.update(previous)
+
+    def sink(self) -> list | None:
+        """The list the module records its outputs into, or None (not recording)."""
+        return getattr(self._local, "sink", None)
+
+    def take(self, name: str):
+        """The next kept outputs (`name` "kept") or recording buffers ("into"), or None where there are none."""
+        queue = getattr(self._local, name, None)
+        return queue.pop(0) if queue else None
 
 
-@contextlib.contextmanager
-def mlp_preactivations(record: bool = False, kept: list | None = None, into: list | None = None):
-    """Lets a checkpoint keep its MLPs' pre-activations rather than recompute them (in this thread). With
-    `record=True`, yields the list into which each fused SwiGLU MLP that runs inside appends (gate, up)
-    (`lora_mlp`'s `record`: where its backward runs as one row block), computed in the pairs of buffers of
-    `into`, in order, where given; with `kept` (such a list, of the same layer's forward), the MLPs that run
-    inside take those in order as their pre-activations, so the recomputation leaves the gate and up products
-    out."""
-    names = ("sink", "kept", "into")
-    previous = [getattr(_MLP_PREACTIVATIONS, name, None) for name in names]
-    sink = [] if record else None
-    current = (sink, list(kept) if kept else None, list(into) if record and into else None)
-    for name, value in zip(names, current, strict=True):
-        setattr(_MLP_PREACTIVATIONS, name, value)
-    try:
-        yield sink if record else []
-    finally:
-        for name, value in zip(names, previous, strict=True):
-            setattr(_MLP_PREACTIVATIONS, name, value)
+# The fused SwiGLU MLPs' (gate(x), up(x)) (`lora_mlp`'s `record`, where its backward runs as one row block): the
+# recomputation then skips the gate and up products and forms only the rank-r products.
+mlp_preactivations = KeptOutputs()
+# The token mixers' input projections' outputs (`project`: q, k, v; the Gated DeltaNet's qkv, z, b, a): the
+# recomputation then skips those products and their dequantisation, and forms only the rank-r products.
+projection_outputs = KeptOutputs()
 
 
 _WARNED: set[str] = set()
@@ -240,11 +255,10 @@ def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if projections is not None and is_decode_rows(x):
         return output_rows(projections[2], gated_rows(projections[:2], x))
     if projections is not None:
-        kept, into = getattr(_MLP_PREACTIVATIONS, "kept", None), getattr(_MLP_PREACTIVATIONS, "into", None)
         return lora_mlp(
             x, *projections, output_needed=not getattr(_RECOMPUTATION, "active", False),
-            record=getattr(_MLP_PREACTIVATIONS, "sink", None), preactivations=kept.pop(0) if kept else None,
-            record_into=into.pop(0) if into else None,
+            record=mlp_preactivations.sink(), preactivations=mlp_preactivations.take("kept"),
+            record_into=mlp_preactivations.take("into"),
         )
     gate, up = self.gate_proj(x), self.up_proj(x)
     return self.down_proj((swiglu if use_kernels(gate) else swiglu_reference)(gate, up))
@@ -257,12 +271,19 @@ def mlp_uses_silu(module) -> str | None:
 
 def project(self, names: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The projections `names` of one input: fused (one saved input, one dx) where each is a LoRA layer or a
-    frozen linear layer, else each through its own forward."""
+    frozen linear layer, else each through its own forward. Fused, they record their outputs or take kept ones
+    under `projection_outputs`."""
     projections = _lora_projections(self, names, x)
     if projections is not None and is_decode_rows(x):
         return project_rows(projections, x)
     if projections is not None:
-        return lora_projections(x, projections)
+        kept = projection_outputs.take("kept")
+        outputs = lora_projections(x, projections, kept=kept,
+                                   record_into=None if kept is not None else projection_outputs.take("into"))
+        sink = projection_outputs.sink()
+        if sink is not None:
+            sink.append(outputs)
+        return outputs
     return tuple(getattr(self, name)(x) for name in names)
 
 

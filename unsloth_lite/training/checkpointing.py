@@ -35,6 +35,16 @@ Qwen3.5-27B's 2,048 tokens 142 MB a layer each way, which the H200's 55 GB/s hos
 time of a layer's forward. So they can be kept in some of the layers only (`keep_mlp_preactivations=N`, spread
 evenly), and some of those can keep them on the GPU despite the offload (`mlp_preactivations_on_gpu=M`).
 
+`keep_projection_outputs=True` also keeps the outputs of each layer's token-mixer input projections (`project`: q,
+k and v; the Gated DeltaNet's qkv, z, b and a), always in GPU memory: the recomputation takes them and forms only
+the rank-r products, leaving out the products and their dequantisation. The backward reads x and the rank-r
+products of a projection, never its output; the recomputation's output is the input of what follows (the
+convolution, the attention). Their bytes buy the same time as the MLP pre-activations' (one product of the input's
+width for two bytes of output), so where the offload fills the host link they are worth the GPU memory a run has
+to spare: at Qwen3.5-27B's 2,048 tokens 67 MB a Gated DeltaNet layer and 59 MB a full-attention one, for about
+half a millisecond of an H200's products each. A number instead of true keeps them in that many of the
+checkpointed layers, spread evenly.
+
 `cuda_graphs=True` replays each layer's forward, and its recomputation with the backward, as CUDA graphs
 (`layer_graphs.py`), which removes the host's launch cost that bounds small batches.
 
@@ -57,7 +67,7 @@ import threading
 import torch
 import torch.utils.checkpoint
 
-from unsloth_lite.models.layers import mlp_preactivations, recomputation_for_backward
+from unsloth_lite.models.layers import mlp_preactivations, projection_outputs, recomputation_for_backward
 from unsloth_lite.training.layer_context import (
     _autocast,
     _autocast_states,
@@ -71,6 +81,7 @@ from unsloth_lite.training.layer_graphs import _KeptSet, _LayerGraphs
 # The keyword options of `enable_gradient_checkpointing` that a Trainer and a recipe pass on.
 CHECKPOINTING_OPTIONS = (
     "offload_to_cpu", "cuda_graphs", "uncheckpointed_layers", "keep_mlp_preactivations", "mlp_preactivations_on_gpu",
+    "keep_projection_outputs",
 )
 
 # Offloaded checkpoints whose copies may still be running (to the host in the forward, back in the backward)
@@ -188,15 +199,17 @@ def _saved_inputs(ctx) -> list[torch.Tensor]:
     return [next(fetched) if flag else next(kept) for flag in ctx.offloaded]
 
 
-def _offload_flags(inputs, kept, mlp_pairs: int, offload: tuple[bool, bool]) -> list[bool]:
+def _offload_flags(inputs, kept, mlp_pairs: int, offload: tuple[bool, bool], on_device: int = 0) -> list[bool]:
     """Which of a checkpoint's saved tensors go to CPU memory, `offload` = (the inputs and residual's, the MLP
     pre-activations'): the inputs that need gradients (others, like masks, are small or shared), the residual,
-    the MLPs' pre-activations (the last `2 * mlp_pairs` of `kept`)."""
+    the MLPs' pre-activations (the `2 * mlp_pairs` of `kept` before its last `on_device`, the projections'
+    outputs, which stay on the device)."""
     offload_to_cpu, offload_preactivations = offload
-    others = len(kept) - 2 * mlp_pairs
+    others = len(kept) - on_device - 2 * mlp_pairs
     return [offload_to_cpu and _offloadable(t) and t.requires_grad for t in inputs] + [
-        (offload_to_cpu if i < others else offload_preactivations) and _offloadable(t) for i, t in enumerate(kept)
-    ]
+        (offload_to_cpu if i < others else offload_preactivations) and _offloadable(t)
+        for i, t in enumerate(kept[: len(kept) - on_device])
+    ] + [False] * on_device
 
 
 def _offloadable(t: torch.Tensor) -> bool:
@@ -204,23 +217,31 @@ def _offloadable(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def _kept_tensors(residual, preactivations) -> list[torch.Tensor]:
-    """What a checkpoint keeps beside its inputs: the residual (or nothing), then the MLPs' (gate, up) pairs."""
-    return ([] if residual is None else [residual]) + [t for pair in preactivations for t in pair]
+def _kept_tensors(residual, preactivations, projections=()) -> list[torch.Tensor]:
+    """What a checkpoint keeps beside its inputs: the residual (or nothing), the MLPs' (gate, up) pairs, then the
+    projections' outputs (a tuple per `project` call)."""
+    groups = [*preactivations, *projections]
+    return ([] if residual is None else [residual]) + [t for group in groups for t in group]
 
 
-def _split_kept(saved: list[torch.Tensor], has_residual: bool, mlp_pairs: int):
-    """(inputs, residual or None, [(gate, up), ...]) from `_saved_inputs` of what `_kept_tensors` appended."""
-    flat = saved[len(saved) - 2 * mlp_pairs:]
-    inputs = saved[: len(saved) - 2 * mlp_pairs - has_residual]
+def _split_kept(saved: list[torch.Tensor], has_residual: bool, mlp_pairs: int, projection_sizes=()):
+    """(inputs, residual or None, [(gate, up), ...], [projections' outputs, ...]) from `_saved_inputs` of what
+    `_kept_tensors` appended; `projection_sizes`: the number of outputs of each projection call."""
+    sizes = [2] * mlp_pairs + list(projection_sizes)
+    end = len(saved) - sum(sizes)
+    inputs = saved[: end - has_residual]
     residual = saved[len(inputs)] if has_residual else None
-    return inputs, residual, list(zip(flat[0::2], flat[1::2], strict=True))
+    groups = []
+    for size in sizes:
+        groups.append(tuple(saved[end: end + size]))
+        end += size
+    return inputs, residual, groups[:mlp_pairs], groups[mlp_pairs:]
 
 
 class _CheckpointedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, options, *args):
-        offload, preserve_rng_state, keep_residual, keep_mlp = options
+        offload, preserve_rng_state, keep_residual, keep_mlp, keep_projections = options
         ctx.run = run
         ctx.rng = None
         if preserve_rng_state:
@@ -230,6 +251,7 @@ class _CheckpointedLayer(torch.autograd.Function):
             torch.no_grad(),
             _recording_residual(keep_residual) as residuals,
             mlp_preactivations(record=keep_mlp) as preactivations,
+            projection_outputs(record=keep_projections) as projections,
         ):
             outputs = run(*args)
         ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
@@ -237,20 +259,24 @@ class _CheckpointedLayer(torch.autograd.Function):
         inputs = [args[i] for i in ctx.tensor_positions]
         residual = residuals[0] if len(residuals) == 1 else None
         ctx.has_residual, ctx.mlp_pairs = residual is not None, len(preactivations)
-        kept = _kept_tensors(residual, preactivations)
-        _save_inputs(ctx, inputs + kept, _offload_flags(inputs, kept, ctx.mlp_pairs, offload))
+        ctx.projection_sizes = [len(group) for group in projections]
+        kept = _kept_tensors(residual, preactivations, projections)
+        flags = _offload_flags(inputs, kept, ctx.mlp_pairs, offload, sum(ctx.projection_sizes))
+        _save_inputs(ctx, inputs + kept, flags)
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         args = list(ctx.others)
-        saved, residual, preactivations = _split_kept(_saved_inputs(ctx), ctx.has_residual, ctx.mlp_pairs)
+        saved, residual, preactivations, projections = _split_kept(
+            _saved_inputs(ctx), ctx.has_residual, ctx.mlp_pairs, ctx.projection_sizes)
         for i, tensor in zip(ctx.tensor_positions, saved, strict=True):
             args[i] = tensor.detach().requires_grad_(ctx.needs_input_grad[2 + i])
         with contextlib.ExitStack() as stack:
             stack.enter_context(recomputation_for_backward(attention_output_unused=ctx.has_residual))
             stack.enter_context(_substituting_residual(residual))
             stack.enter_context(mlp_preactivations(kept=preactivations))
+            stack.enter_context(projection_outputs(kept=projections))
             stack.enter_context(torch.enable_grad())
             stack.enter_context(_autocast(ctx.autocast))  # the backward runs outside autocast
             if ctx.rng is not None:
@@ -278,21 +304,23 @@ def _cuda_devices(args) -> list[int]:
 def checkpoint_layer(
     run, *args, offload_to_cpu: bool = False, cuda_graphs: bool = False, preserve_rng_state: bool = True,
     keep_residual: bool = False, keep_mlp_preactivations: bool = False, offload_mlp_preactivations: bool | None = None,
+    keep_projection_outputs: bool = False,
 ):
     """`run(*args)` checkpointed (module docstring): the signature of Hugging Face's
     `_gradient_checkpointing_func(function, *args)`. `preserve_rng_state=False` skips saving and restoring
     the random states, for layers that draw no random numbers. `keep_residual=True` also keeps what the
     layer's post-attention norm receives, where `enable_gradient_checkpointing` hooked it;
     `keep_mlp_preactivations=True` the layer's MLP pre-activations (module docstring), in CPU memory where
-    `offload_mlp_preactivations` (default: `offload_to_cpu`)."""
+    `offload_mlp_preactivations` (default: `offload_to_cpu`); `keep_projection_outputs=True` the outputs of its
+    token mixer's input projections, on the device (module docstring)."""
     if not any(torch.is_tensor(a) and a.requires_grad for a in args):
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
     offload = (offload_to_cpu, offload_to_cpu if offload_mlp_preactivations is None else offload_mlp_preactivations)
     if cuda_graphs:
-        graphs = _LayerGraphs.for_call(run, args, keep_residual, keep_mlp_preactivations)
+        graphs = _LayerGraphs.for_call(run, args, keep_residual, keep_mlp_preactivations, keep_projection_outputs)
         if graphs is not None:
             return _GraphedLayer.apply(graphs, run, offload, args[0], *graphs.params)
-    options = (offload, preserve_rng_state, keep_residual, keep_mlp_preactivations)
+    options = (offload, preserve_rng_state, keep_residual, keep_mlp_preactivations, keep_projection_outputs)
     return _CheckpointedLayer.apply(run, options, *args)
 
 
@@ -302,10 +330,11 @@ class _GraphedLayer(torch.autograd.Function):
         ctx.graphs = graphs
         # offloaded kept tensors are copied to the host straight from the graphs' buffers
         in_place = tuple(moved and _offloadable(hidden) for moved in offload)
-        output, residual, preactivations = graphs.forward(run, hidden, in_place)
+        output, residual, preactivations, projections = graphs.forward(run, hidden, in_place)
         ctx.has_residual, ctx.mlp_pairs = residual is not None, len(preactivations)
-        kept = _kept_tensors(residual, preactivations)
-        flags = _offload_flags([hidden], kept, ctx.mlp_pairs, offload)
+        ctx.projection_sizes = [len(group) for group in projections]
+        kept = _kept_tensors(residual, preactivations, projections)
+        flags = _offload_flags([hidden], kept, ctx.mlp_pairs, offload, sum(ctx.projection_sizes))
         # a buffer of the set kept on the GPU would be overwritten by the next layers
         assert all(moved or not graphs.kept.holds(t) for t, moved in zip(kept, flags[1:], strict=True))
         _save_inputs(ctx, [hidden] + kept, flags, graphs.kept)
@@ -313,8 +342,9 @@ class _GraphedLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        (hidden,), residual, preactivations = _split_kept(_saved_inputs(ctx), ctx.has_residual, ctx.mlp_pairs)
-        grad_hidden, *grad_params = ctx.graphs.backward(hidden, residual, preactivations, grad_output)
+        (hidden,), residual, preactivations, projections = _split_kept(
+            _saved_inputs(ctx), ctx.has_residual, ctx.mlp_pairs, ctx.projection_sizes)
+        grad_hidden, *grad_params = ctx.graphs.backward(hidden, residual, preactivations, projections, grad_output)
         return (None, None, None, grad_hidden, *grad_params)
 
 
@@ -343,22 +373,23 @@ def checkpointing_layers(model) -> list[torch.nn.Module]:
 
 def check_checkpointing_options(
     model, cuda_graphs: bool = False, uncheckpointed_layers: int = 0, keep_mlp_preactivations: bool | int = False,
-    mlp_preactivations_on_gpu: int = 0, **_,
+    mlp_preactivations_on_gpu: int = 0, keep_projection_outputs: bool | int = False, **_,
 ) -> list[str]:
     """Raises ValueError for options the model can't take (offloading suits every model; CUDA graphs don't
-    suit dropout; no more uncheckpointed layers than it has, no more layers keeping their MLP pre-activations
-    than it checkpoints, no more of those on the GPU than keep them); returns the names of its modules with
-    dropout. Other options (`offload_to_cpu`) suit every model."""
+    suit dropout; no more uncheckpointed layers than it has, no more layers keeping their MLP pre-activations or
+    their projections' outputs than it checkpoints, no more of those on the GPU than keep them); returns the
+    names of its modules with dropout. Other options (`offload_to_cpu`) suit every model."""
     base = _base_model(model)
     layers = checkpointing_layers(model)
     if not layers:
         raise ValueError(f"{type(base).__name__} has no decoder layers that support gradient checkpointing")
     _check_count("uncheckpointed_layers", uncheckpointed_layers, len(layers), "the model's decoder layers")
     checkpointed = len(layers) - uncheckpointed_layers
-    if not isinstance(keep_mlp_preactivations, bool):
-        _check_count("keep_mlp_preactivations", keep_mlp_preactivations, checkpointed,
-                     "the checkpointed decoder layers; or true, or false")
-    keeping = _kept_mlp_layer_count(keep_mlp_preactivations, checkpointed)
+    for name, value in (("keep_mlp_preactivations", keep_mlp_preactivations),
+                        ("keep_projection_outputs", keep_projection_outputs)):
+        if not isinstance(value, bool):
+            _check_count(name, value, checkpointed, "the checkpointed decoder layers; or true, or false")
+    keeping = _kept_layer_count(keep_mlp_preactivations, checkpointed)
     _check_count("mlp_preactivations_on_gpu", mlp_preactivations_on_gpu, keeping,
                  "the layers that keep their MLP pre-activations")
     random = [name for name, m in base.named_modules() if _draws_random_numbers(m)]
@@ -372,10 +403,11 @@ def _check_count(name: str, value, most: int, of_what: str) -> None:
         raise ValueError(f"{name}: expected a whole number from 0 to {most} ({of_what}), got {value!r}")
 
 
-def _kept_mlp_layer_count(keep_mlp_preactivations: bool | int, checkpointed: int) -> int:
-    if isinstance(keep_mlp_preactivations, bool):
-        return checkpointed if keep_mlp_preactivations else 0
-    return keep_mlp_preactivations
+def _kept_layer_count(keep: bool | int, checkpointed: int) -> int:
+    """How many of the checkpointed layers a `keep_...` option (true, false or a number) names."""
+    if isinstance(keep, bool):
+        return checkpointed if keep else 0
+    return keep
 
 
 def spread(count: int, total: int) -> list[bool]:
@@ -386,6 +418,7 @@ def spread(count: int, total: int) -> list[bool]:
 def enable_gradient_checkpointing(
     model, offload_to_cpu: bool = False, cuda_graphs: bool = False, keep_residual: bool | None = None,
     uncheckpointed_layers: int = 0, keep_mlp_preactivations: bool | int = False, mlp_preactivations_on_gpu: int = 0,
+    keep_projection_outputs: bool | int = False,
 ):
     """Turns on gradient checkpointing of the decoder layers of a Hugging Face model (PEFT-wrapped or not)
     through `checkpoint_layer`; returns the model. Frozen embeddings get an output that requires grad, so
@@ -401,17 +434,22 @@ def enable_gradient_checkpointing(
     spread evenly (with the offload, the host link carries a layer's pre-activations in about the time of
     its forward: fewer layers keeping them leave the forward less bound by the copies).
     `mlp_preactivations_on_gpu`: with `offload_to_cpu`, that many of the layers that keep them (spread evenly)
-    keep them in GPU memory instead: no copies, for their memory."""
+    keep them in GPU memory instead: no copies, for their memory. `keep_projection_outputs` (true, or a number
+    of the checkpointed layers, spread evenly): those checkpoints also keep the outputs of their token mixer's
+    input projections (q, k, v; the Gated DeltaNet's qkv, z, b, a), always in GPU memory (the offload's host link
+    is what the MLP pre-activations fill), and the recomputation skips those products (module docstring)."""
     random = check_checkpointing_options(
         model, cuda_graphs=cuda_graphs, uncheckpointed_layers=uncheckpointed_layers,
         keep_mlp_preactivations=keep_mlp_preactivations, mlp_preactivations_on_gpu=mlp_preactivations_on_gpu,
+        keep_projection_outputs=keep_projection_outputs,
     )
     layers = checkpointing_layers(model)
     keep_residual = offload_to_cpu if keep_residual is None else keep_residual
     base = _base_model(model)
     checkpointed_count = len(layers) - uncheckpointed_layers
-    keeping_count = _kept_mlp_layer_count(keep_mlp_preactivations, checkpointed_count)
+    keeping_count = _kept_layer_count(keep_mlp_preactivations, checkpointed_count)
     keeps = spread(keeping_count, checkpointed_count) + [False] * uncheckpointed_layers
+    keeps_projections = spread(_kept_layer_count(keep_projection_outputs, checkpointed_count), checkpointed_count)
     on_gpu = iter(spread(mlp_preactivations_on_gpu, keeping_count))
     for index, layer in enumerate(layers):
         checkpointed = index < checkpointed_count
@@ -420,6 +458,7 @@ def enable_gradient_checkpointing(
             checkpoint_layer, offload_to_cpu=offload_to_cpu, cuda_graphs=cuda_graphs, preserve_rng_state=bool(random),
             keep_residual=keep_residual, keep_mlp_preactivations=keeps[index],
             offload_mlp_preactivations=offload_to_cpu and not (keeps[index] and next(on_gpu)),
+            keep_projection_outputs=checkpointed and keeps_projections[index],
         )
         handle = layer.__dict__.pop("_unsloth_lite_residual_hook", None)
         if handle is not None:

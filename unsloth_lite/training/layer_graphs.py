@@ -10,7 +10,9 @@ them) live in one of KEPT_SETS sets of buffers, which consecutive layers take in
 kept on the GPU they are cloned out after the forward's replay and copied back in before the backward's; where
 they are offloaded, the host copies read them straight from the set and the backward's fetch writes them straight
 back into it, with no device copy, while the next layer computes in the other set. Events order the two: a
-replay or a fetch that writes a set waits for the last copy or replay that read it. Tensors among the layer's
+replay or a fetch that writes a set waits for the last copy or replay that read it. Kept projection outputs
+(always on the GPU) are computed in buffers of the layer's own, which its backward's replay reads where the forward's
+wrote them: no copies, for memory held as long as the layer's graphs. Tensors among the layer's
 keyword arguments (cos/sin, position ids) are copied into the layer's static buffers before each forward replay.
 Graphs of all layers share one memory pool: each graph's temporaries are dead once it has run, and what a graph
 returns is copied out before the next replay, so any order of replays is safe. It needs layers without dropout
@@ -26,7 +28,7 @@ import functools
 
 import torch
 
-from unsloth_lite.models.layers import mlp_preactivations, recomputation_for_backward
+from unsloth_lite.models.layers import mlp_preactivations, projection_outputs, recomputation_for_backward
 from unsloth_lite.training.layer_context import (
     _autocast,
     _autocast_states,
@@ -126,7 +128,8 @@ class _LayerGraphs:
     _KEPT_SETS: dict = {}  # shape -> (the sets, how many layers took one)
 
     @classmethod
-    def for_call(cls, run, args, keep_residual: bool, keep_mlp: bool = False) -> _LayerGraphs | None:
+    def for_call(cls, run, args, keep_residual: bool, keep_mlp: bool = False,
+                 keep_projections: bool = False) -> _LayerGraphs | None:
         """The graphs of this call's layer and signature; None where the call must run eagerly (the first
         call of a signature, an unsupported argument, or a backward still pending)."""
         layer = _layer_of(run)
@@ -139,7 +142,7 @@ class _LayerGraphs:
                 return None
         signature = (
             _describe(args[0]), tuple(sorted((k, _describe(v)) for k, v in kwargs.items())), keep_residual,
-            keep_mlp, tuple(_autocast_states()),
+            keep_mlp, keep_projections, tuple(_autocast_states()),
         )
         store = layer.__dict__.setdefault("_unsloth_lite_graphs", {})
         graphs = store.get(signature)
@@ -149,13 +152,15 @@ class _LayerGraphs:
         if graphs == "seen":
             if sum(isinstance(g, _LayerGraphs) for g in store.values()) >= MAX_GRAPHED_SHAPES:
                 return None
-            graphs = store[signature] = cls(layer, run, args[0], keep_residual, keep_mlp)
+            graphs = store[signature] = cls(layer, run, args[0], keep_residual, keep_mlp, keep_projections)
         return None if graphs.pending_backward else graphs
 
-    def __init__(self, layer, run, hidden, keep_residual: bool, keep_mlp: bool = False):
+    def __init__(self, layer, run, hidden, keep_residual: bool, keep_mlp: bool = False, keep_projections: bool = False):
         self.device = hidden.device
-        self.keep_residual, self.keep_mlp = keep_residual, keep_mlp
+        self.keep_residual, self.keep_mlp, self.keep_projections = keep_residual, keep_mlp, keep_projections
         self.preactivations = []  # static (gate, up) buffers of the MLPs whose pre-activations the forward kept
+        self.projections = []  # the layer's own buffers of the projection calls whose outputs the forward kept
+        self.own_buffers: dict = {}
         self.autocast = _autocast_states()  # the forward's, part of the signature: both graphs run under it
         self.has_residual = False  # whether the layer's forward recorded the residual (known at capture)
         # (module, name) of each trainable parameter, in `layer.parameters()` order
@@ -188,7 +193,8 @@ class _LayerGraphs:
         return kept
 
     def forward(self, run, hidden, in_place: tuple[bool, bool] = (False, False)):
-        """(output, the residual the layer's post-attention norm received or None, the MLPs' kept (gate, up)).
+        """(output, the residual the layer's post-attention norm received or None, the MLPs' kept (gate, up), the
+        kept projection outputs (clones)).
         `in_place` (residual, pre-activations): return those as the kept set's buffers instead of clones, for a
         caller that copies them to the host at once and marks the set read until then (`_KeptSet.read_until`)."""
         self.hidden.copy_(hidden)
@@ -206,9 +212,9 @@ class _LayerGraphs:
         preactivations = [
             pair if preactivations_in_place else tuple(t.clone() for t in pair) for pair in self.preactivations
         ]
-        return self.output.clone(), residual, preactivations
+        return self.output.clone(), residual, preactivations, list(self.projections)
 
-    def backward(self, hidden, residual, preactivations, grad_output):
+    def backward(self, hidden, residual, preactivations, projections, grad_output):
         """The input's and the parameters' gradients. The kept tensors may be the kept set's own buffers (fetched
         straight back into them); others are copied in."""
         self.hidden.copy_(hidden)
@@ -217,7 +223,10 @@ class _LayerGraphs:
             self.kept.residual.copy_(residual)
         for static, kept in zip(self.preactivations, preactivations, strict=True):
             if static[0] is not kept[0]:
-                _copy_static(static, kept)
+                _copy_group(static, kept)
+        for static, kept in zip(self.projections, projections, strict=True):
+            if static[0] is not kept[0]:
+                _copy_group(static, kept)
         self.grad_output.copy_(grad_output)
         grad_params = self.backward_graph()
         self.kept.read_on(self._stream())
@@ -240,16 +249,20 @@ class _LayerGraphs:
                 _recording_residual(self.keep_residual) as residuals,
                 # the MLPs compute their pre-activations in the static buffers (known after the warm-up call)
                 mlp_preactivations(record=self.keep_mlp, into=self.preactivations) as preactivations,
+                projection_outputs(record=self.keep_projections, into=self.projections) as projections,
             ):
                 self.output.copy_(self.function(self.hidden))
                 self.has_residual = len(residuals) == 1
                 if self.has_residual:
                     self.kept.residual.copy_(residuals[0])
                 if len(self.preactivations) != len(preactivations):  # the warm-up call, before the capture
-                    self.preactivations = _static_preactivations(preactivations, self.kept)
-                for static, pair in zip(self.preactivations, preactivations, strict=True):
-                    if static[0].data_ptr() != pair[0].data_ptr():  # the warm-up call's, computed elsewhere
-                        _copy_static(static, pair)
+                    self.preactivations = _static_groups(preactivations, self.kept.preactivations)
+                if len(self.projections) != len(projections):
+                    self.projections = _static_groups(projections, self.own_buffers)
+                for static, group in zip(self.preactivations + self.projections, preactivations + projections,
+                                         strict=True):
+                    if static[0].data_ptr() != group[0].data_ptr():  # the warm-up call's, computed elsewhere
+                        _copy_group(static, group)
 
         def recompute_and_backward():
             # The recomputation differentiates with respect to fresh leaves that alias the parameters: the
@@ -263,6 +276,7 @@ class _LayerGraphs:
                 recomputation_for_backward(attention_output_unused=self.has_residual),
                 _substituting_residual(residual),
                 mlp_preactivations(kept=self.preactivations),
+                projection_outputs(kept=self.projections),
                 torch.enable_grad(),
                 _autocast(self.autocast, cache_enabled=False),
             ):
@@ -277,18 +291,16 @@ class _LayerGraphs:
         self.backward_graph = _Replayable(recompute_and_backward, self.device, self.pool, self.stream)
 
 
-def _static_preactivations(pairs, kept: _KeptSet) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The kept set's buffers for MLP pre-activations shaped as `pairs` (made on first use): the forward writes
-    them, the backward reads them."""
+def _static_groups(groups, buffers: dict) -> list[tuple[torch.Tensor, ...]]:
+    """Buffers from `buffers` (a kept set's or a layer's own, made on first use) for kept outputs shaped as
+    `groups`: the forward writes them, the backward reads them."""
     static = []
-    for i, pair in enumerate(pairs):
-        buffers = []
-        for j, like in enumerate(pair):
+    for i, group in enumerate(groups):
+        for j, like in enumerate(group):
             key = (i, j, tuple(like.shape), like.dtype)
-            if key not in kept.preactivations:
-                kept.preactivations[key] = torch.empty_like(like)
-            buffers.append(kept.preactivations[key])
-        static.append(tuple(buffers))
+            if key not in buffers:
+                buffers[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        static.append(tuple(buffers[(i, j, tuple(like.shape), like.dtype)] for j, like in enumerate(group)))
     return static
 
 
@@ -323,6 +335,11 @@ def _static_copy(value):
     if _is_tensor_pair(value):
         return tuple(t.detach().clone() for t in value)
     return value
+
+
+def _copy_group(buffers, tensors) -> None:
+    for buffer, tensor in zip(buffers, tensors, strict=True):
+        buffer.copy_(tensor)
 
 
 def _copy_static(static, value) -> None:
