@@ -453,14 +453,19 @@ def test_spread_places_count_evenly():
     assert spread(3, 8) == [False, False, True, False, False, True, False, True]
 
 
+def _checkpointed_step(device, **options):
+    """(a LoRA model checkpointed with `options`, a batch's loss function, its gradients without changes)."""
+    model = _lora_model(device)
+    enable_gradient_checkpointing(model, **options)
+    loss_of = _language_model_loss(*batch(device))
+    return model, loss_of, _loss_and_grads(model, loss_of)[1]
+
+
 def test_kept_mlp_preactivations_are_what_the_recomputation_reads(device, monkeypatch):
     """The recomputation's MLP takes the kept (gate, up): changed ones change the gradients."""
     import unsloth_lite.models.layers as layers_module
 
-    model = _lora_model(device)
-    enable_gradient_checkpointing(model, keep_mlp_preactivations=True)
-    input_ids, labels = batch(device)
-    _, expected = _loss_and_grads(model, _language_model_loss(input_ids, labels))
+    model, loss_of, expected = _checkpointed_step(device, keep_mlp_preactivations=True)
     real = layers_module.lora_mlp
     kept = []
 
@@ -471,7 +476,7 @@ def test_kept_mlp_preactivations_are_what_the_recomputation_reads(device, monkey
         return real(x, *projections, preactivations=preactivations, **kwargs)
 
     monkeypatch.setattr(layers_module, "lora_mlp", doubling)
-    _, grads = _loss_and_grads(model, _language_model_loss(input_ids, labels))
+    _, grads = _loss_and_grads(model, loss_of)
     assert kept == [(22, model.config.intermediate_size)] * model.config.num_hidden_layers
     changed = [name for name, grad in grads.items() if not torch.allclose(grad, expected[name])]
     assert any("gate_proj" in name for name in changed) and any("down_proj" in name for name in changed)
@@ -560,10 +565,7 @@ def test_kept_projection_outputs_are_what_the_recomputation_reads(device, monkey
     the attention), though each projection's own backward never reads its output."""
     import unsloth_lite.models.layers as layers_module
 
-    model = _lora_model(device)
-    enable_gradient_checkpointing(model, keep_projection_outputs=True)
-    input_ids, labels = batch(device)
-    _, expected = _loss_and_grads(model, _language_model_loss(input_ids, labels))
+    model, loss_of, expected = _checkpointed_step(device, keep_projection_outputs=True)
     real = layers_module.lora_projections
     kept_shapes = []
 
@@ -574,7 +576,7 @@ def test_kept_projection_outputs_are_what_the_recomputation_reads(device, monkey
         return real(x, projections, kept=kept, **kwargs)
 
     monkeypatch.setattr(layers_module, "lora_projections", doubling)
-    _, grads = _loss_and_grads(model, _language_model_loss(input_ids, labels))
+    _, grads = _loss_and_grads(model, loss_of)
     config = model.config
     widths = (config.num_attention_heads * config.head_dim,) + (config.num_key_value_heads * config.head_dim,) * 2
     assert kept_shapes == [widths] * config.num_hidden_layers

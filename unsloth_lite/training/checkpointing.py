@@ -42,8 +42,10 @@ products of a projection, never its output; the recomputation's output is the in
 convolution, the attention). Their bytes buy the same time as the MLP pre-activations' (one product of the input's
 width for two bytes of output), so where the offload fills the host link they are worth the GPU memory a run has
 to spare: at Qwen3.5-27B's 2,048 tokens 67 MB a Gated DeltaNet layer and 59 MB a full-attention one, for about
-half a millisecond of an H200's products each. A number instead of true keeps them in that many of the
-checkpointed layers, spread evenly.
+half a millisecond of an H100's products each. A number instead of true keeps them in that many of the
+checkpointed layers, spread evenly. With `cuda_graphs` they live in buffers of the layer's own for each graphed
+input shape (no copies; `layer_graphs.py`), held as long as the graphs: a run of several shapes holds them once
+per shape.
 
 `cuda_graphs=True` replays each layer's forward, and its recomputation with the backward, as CUDA graphs
 (`layer_graphs.py`), which removes the host's launch cost that bounds small batches.
