@@ -181,14 +181,14 @@ def check_checkpointed_layers(checkpointing, layers: Any, source: str) -> None:
         raise RecipeError(f"checkpointing.uncheckpointed_layers: {uncheckpointed} is more than the {layers} decoder "
                           f"layers of {source}; expected at most {layers}")
     checkpointed = layers - uncheckpointed
+    counts = {}
     for name in ("keep_mlp_preactivations", "keep_projection_outputs"):
         keep = getattr(checkpointing, name)
-        count = (checkpointed if keep else 0) if isinstance(keep, bool) else keep
+        counts[name] = count = (checkpointed if keep else 0) if isinstance(keep, bool) else keep
         if count > checkpointed:
             raise RecipeError(f"checkpointing.{name}: {count} layers, more than the {checkpointed} checkpointed "
                               f"decoder layers of {source}; expected at most {checkpointed} (or true)")
-    keep = checkpointing.keep_mlp_preactivations
-    keeping = (checkpointed if keep else 0) if isinstance(keep, bool) else keep
+    keeping = counts["keep_mlp_preactivations"]
     if checkpointing.mlp_preactivations_on_gpu > keeping:
         raise RecipeError(f"checkpointing.mlp_preactivations_on_gpu: {checkpointing.mlp_preactivations_on_gpu} "
                           f"layers, more than the {keeping} that keep their MLP pre-activations")

@@ -182,16 +182,20 @@ def _project_all_backward(grads, x2d: torch.Tensor, t: torch.Tensor, projections
     return dx, _adapter_grads(grads, x2d, t, u_t, projections, adapters)
 
 
+def _unread(like: torch.Tensor) -> torch.Tensor:
+    """The addend of an `addmm` with beta=0, which never reads it: allocated, not filled (no kernel)."""
+    return like.new_empty(())
+
+
 def _input_grad(grads, projections, adapters: _Adapters, dx=None):
     """(dx, uᵀ), dx = Σ dy W + s · u A accumulated into `dx` (created when None): neither x nor t is read."""
     dy0 = grads[0]
     # uᵀ of every projection stacked `[Σr, N]`: contiguous row blocks, so each is written by its own product and
     # dA and the adapters' share of dx take one product each.
     u_t = torch.empty((adapters.a.shape[0], dy0.shape[0]), dtype=dy0.dtype, device=dy0.device)
-    zero = dy0.new_zeros(())
     for dy, p, rows, b in zip(grads, projections, adapters.slices, adapters.b, strict=True):
         if p.rank:
-            torch.addmm(zero, b.t(), dy.t(), beta=0, alpha=p.scale, out=u_t[rows])  # s · (dy B)ᵀ
+            torch.addmm(_unread(dy), b.t(), dy.t(), beta=0, alpha=p.scale, out=u_t[rows])  # s · (dy B)ᵀ
         weight = base_weight(p, dy.dtype)
         if dx is None:
             dx = torch.matmul(dy, weight)
@@ -207,11 +211,10 @@ def _adapter_grads(grads, x2d: torch.Tensor, t: torch.Tensor, u_t: torch.Tensor,
     if not u_t.shape[0]:  # no projection has an adapter
         return [None] * (2 * len(projections))
     d_lora_a = torch.matmul(u_t, x2d)
-    zero = x2d.new_zeros(())
     adapter_grads = []
     for dy, p, rows in zip(grads, projections, adapters.slices, strict=True):
         if p.rank:
-            adapter_grads += [d_lora_a[rows], torch.addmm(zero, dy.t(), t[:, rows], beta=0, alpha=p.scale)]
+            adapter_grads += [d_lora_a[rows], torch.addmm(_unread(dy), dy.t(), t[:, rows], beta=0, alpha=p.scale)]
         else:
             adapter_grads += [None, None]
     return adapter_grads

@@ -160,7 +160,6 @@ class _LayerGraphs:
         self.keep_residual, self.keep_mlp, self.keep_projections = keep_residual, keep_mlp, keep_projections
         self.preactivations = []  # static (gate, up) buffers of the MLPs whose pre-activations the forward kept
         self.projections = []  # the layer's own buffers of the projection calls whose outputs the forward kept
-        self.own_buffers: dict = {}
         self.autocast = _autocast_states()  # the forward's, part of the signature: both graphs run under it
         self.has_residual = False  # whether the layer's forward recorded the residual (known at capture)
         # (module, name) of each trainable parameter, in `layer.parameters()` order
@@ -194,7 +193,7 @@ class _LayerGraphs:
 
     def forward(self, run, hidden, in_place: tuple[bool, bool] = (False, False)):
         """(output, the residual the layer's post-attention norm received or None, the MLPs' kept (gate, up), the
-        kept projection outputs (clones)).
+        kept projection outputs (the layer's own buffers)).
         `in_place` (residual, pre-activations): return those as the kept set's buffers instead of clones, for a
         caller that copies them to the host at once and marks the set read until then (`_KeptSet.read_until`)."""
         self.hidden.copy_(hidden)
@@ -258,7 +257,7 @@ class _LayerGraphs:
                 if len(self.preactivations) != len(preactivations):  # the warm-up call, before the capture
                     self.preactivations = _static_groups(preactivations, self.kept.preactivations)
                 if len(self.projections) != len(projections):
-                    self.projections = _static_groups(projections, self.own_buffers)
+                    self.projections = _static_groups(projections, {})
                 for static, group in zip(self.preactivations + self.projections, preactivations + projections,
                                          strict=True):
                     if static[0].data_ptr() != group[0].data_ptr():  # the warm-up call's, computed elsewhere
@@ -296,11 +295,13 @@ def _static_groups(groups, buffers: dict) -> list[tuple[torch.Tensor, ...]]:
     `groups`: the forward writes them, the backward reads them."""
     static = []
     for i, group in enumerate(groups):
+        taken = []
         for j, like in enumerate(group):
             key = (i, j, tuple(like.shape), like.dtype)
             if key not in buffers:
                 buffers[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        static.append(tuple(buffers[(i, j, tuple(like.shape), like.dtype)] for j, like in enumerate(group)))
+            taken.append(buffers[key])
+        static.append(tuple(taken))
     return static
 
 
