@@ -354,18 +354,21 @@ def test_variant_suffixes_name_checkpointing_options(monkeypatch):
     assert kept_mlp_options("unsloth_lite_kept_mlp@gpu=4") == (
         "unsloth_lite_kept_mlp", {"keep_mlp_preactivations": True, "mlp_preactivations_on_gpu": 4})
     assert kept_mlp_options("unsloth") == ("unsloth", {})
-    name, options = kept_mlp_options("unsloth_lite_graphs_kept_mlp@sets=3/lead=4/gather=1")
-    assert options == {"keep_mlp_preactivations": True, "kept_sets": 3, "offload_lead": 4, "device_gather": 1}
+    name, options = kept_mlp_options("unsloth_lite_graphs_kept_mlp@sets=3/lead=4/gather=1/res=0")
+    assert options == {"keep_mlp_preactivations": True, "kept_sets": 3, "offload_lead": 4, "device_gather": 1,
+                       "fused_residuals": 0}
     from bench_common import apply_module_settings
 
-    from unsloth_lite.models import host_embeddings
+    from unsloth_lite.models import decoder_layer, host_embeddings
     from unsloth_lite.training import checkpointing, layer_graphs
 
     monkeypatch.setattr(layer_graphs, "KEPT_SETS", layer_graphs.KEPT_SETS)  # restored after the test
     monkeypatch.setattr(checkpointing, "MAX_PENDING_OFFLOADS", checkpointing.MAX_PENDING_OFFLOADS)
     monkeypatch.setattr(host_embeddings, "DEVICE_GATHER", host_embeddings.DEVICE_GATHER)
+    monkeypatch.setattr(decoder_layer, "FUSED_RESIDUALS", decoder_layer.FUSED_RESIDUALS)
     assert apply_module_settings(options) == {"keep_mlp_preactivations": True}
     assert (layer_graphs.KEPT_SETS, checkpointing.MAX_PENDING_OFFLOADS, host_embeddings.DEVICE_GATHER) == (3, 4, True)
+    assert decoder_layer.FUSED_RESIDUALS is False
     with pytest.raises(ValueError, match="kept_sets=0"):
         apply_module_settings({"kept_sets": 0})
     for bad in ("unsloth_lite@keep=4", "unsloth_lite_kept_mlp@keep=four", "unsloth_lite_kept_mlp@layers=4"):

@@ -227,22 +227,27 @@ def test_kept_residual(cuda_graphs, device, torch_delta_rule):
         assert len(hooked) == model.config.num_hidden_layers
 
 
-def test_kept_residual_is_what_the_recomputation_reads(device, monkeypatch):
-    """Each layer's recomputation substitutes the kept residual (a changed one changes the gradients)."""
-    import unsloth_lite.training.layer_context as layer_context
+@pytest.mark.parametrize("patched", [True, False], ids=["fused_layer", "hooked_norm"])
+def test_kept_residual_is_what_the_recomputation_reads(patched, device, monkeypatch):
+    """Each layer's recomputation takes the kept residual (a changed one changes the gradients): in the fused
+    decoder layer's norm (patched) and through the post-attention norm's hook (Hugging Face's layer)."""
+    from unsloth_lite.models.layers import residual_streams
 
-    model = _lora_model(device)
+    model = tiny_model("qwen3", device)
+    model = _with_lora(patch_model(model) if patched else model, ["q_proj", "o_proj", "gate_proj", "down_proj"])
     enable_gradient_checkpointing(model, keep_residual=True)
     input_ids, labels = batch(device)
     _, expected = _loss_and_grads(model, _language_model_loss(input_ids, labels))
-    substituted = layer_context._Substituted.apply
-    calls = []
+    take, calls = residual_streams.take, []
 
-    def doubled(computed, saved):
-        calls.append(saved.shape)
-        return substituted(computed, 2 * saved)
+    def doubled(name):
+        value = take(name)
+        if name == "kept" and value is not None:
+            calls.append(value.shape)
+            return 2 * value
+        return value
 
-    monkeypatch.setattr(layer_context._Substituted, "apply", doubled)
+    monkeypatch.setattr(residual_streams, "take", doubled)
     _, grads = _loss_and_grads(model, _language_model_loss(input_ids, labels))
     assert len(calls) == model.config.num_hidden_layers
     changed = [name for name, grad in grads.items() if not torch.allclose(grad, expected[name])]

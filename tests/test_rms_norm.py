@@ -2,6 +2,7 @@ import pytest
 import torch
 from helpers import (
     TOLERANCE,
+    assert_close,
     check_op,
     dtype_id,
     expanded_randn_grad,
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unsloth_lite.kernels import rms_norm
-from unsloth_lite.kernels.rms_norm import rms_norm_reference
+from unsloth_lite.kernels.rms_norm import add_rms_norm, rms_norm_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1, 47), (7, 123), (47, 515), (3, 1000), (2, 3, 123), (123,)]
@@ -172,3 +173,116 @@ def test_rms_norm_cpu_without_interpreter(monkeypatch):
 def test_rms_norm_empty_input(device):
     x = torch.randn(0, 10, device=device)
     assert rms_norm(x, torch.randn(10, device=device)).shape == (0, 10)
+
+
+def _add_rms_norm_reference(x, delta, weight, eps=1e-6, offset=0.0):
+    total = x if delta is None else x + delta
+    return total, rms_norm_reference(total, weight, eps, offset)
+
+
+@pytest.mark.parametrize("train_weight", [True, False], ids=["trained_w", "frozen_w"])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("shape", [(7, 123), (2, 3, 515), (1, 47)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_add_rms_norm_matches_reference(dtype, shape, offset, train_weight, device):
+    """The sum and its norm, with random gradients into both (the residual stream's and the norm's), against
+    float64: x and delta each get the sum of the two."""
+    x, delta = torch.randn(shape).requires_grad_(), torch.randn(shape).requires_grad_()
+    weight = torch.randn(shape[-1]).requires_grad_(train_weight)
+    check_op(
+        lambda a, d, w: add_rms_norm(a, d, w, 1e-6, offset),
+        lambda a, d, w: _add_rms_norm_reference(a, d, w, 1e-6, offset),
+        [x, delta, weight], dtype, device, names=["x", "delta", "weight"],
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_add_rms_norm_without_delta(dtype, device):
+    """Without delta the sum is x itself, whose gradient along the stream is added to the norm's."""
+    x, weight = torch.randn(5, 123).requires_grad_(), torch.randn(123).requires_grad_()
+    result = check_op(
+        lambda a, w: add_rms_norm(a, None, w, 1e-6, 1.0),
+        lambda a, w: _add_rms_norm_reference(a, None, w, 1e-6, 1.0),
+        [x, weight], dtype, device, names=["x", "weight"],
+    )
+    assert result.outputs[0].data_ptr() == result.inputs[0].data_ptr()
+
+
+@pytest.mark.parametrize("make_grad", [transposed_randn_grad, expanded_randn_grad], ids=["transposed", "expanded"])
+def test_add_rms_norm_non_contiguous_grads_and_inputs(make_grad, device):
+    x = torch.randn(9, 300)[:, 10:133].requires_grad_()
+    delta = torch.randn(123, 9).t().requires_grad_()
+    weight = torch.randn(123).requires_grad_()
+    check_op(
+        lambda a, d, w: add_rms_norm(a, d, w), lambda a, d, w: _add_rms_norm_reference(a, d, w),
+        [x, delta, weight], torch.float32, device, names=["x", "delta", "weight"], make_grad=make_grad,
+    )
+
+
+def test_add_rms_norm_sum_rounded_as_a_separate_add(device):
+    """In bf16 the sum is rounded before the norm reads it, as Hugging Face's add then norm compute it."""
+    x, delta = (torch.randn(6, 257, device=device, dtype=torch.bfloat16) for _ in range(2))
+    weight = torch.randn(257, device=device)
+    total, normed = add_rms_norm(x, delta, weight)
+    assert torch.equal(total, x + delta)
+    assert torch.equal(normed, rms_norm(x + delta, weight))
+
+
+def test_add_rms_norm_kept_sum_and_buffer(device):
+    """`kept_sum` is taken as the sum (what the norm reads; gradients still reach x and delta); `sum_into`
+    receives the computed sum."""
+    x, delta = (torch.randn(4, 96, device=device, requires_grad=True) for _ in range(2))
+    weight = torch.randn(96, device=device)
+    grads = [torch.randn(4, 96, device=device) for _ in range(2)]
+    kept = 2 * (x + delta).detach()  # a different value shows which one the norm read
+    total, normed = add_rms_norm(x, delta, weight, kept_sum=kept)
+    assert total.data_ptr() == kept.data_ptr()
+    torch.autograd.backward([total, normed], grads)
+    reference = kept.clone().requires_grad_()
+    torch.autograd.backward(list(_add_rms_norm_reference(reference, None, weight)), grads)
+    for got in (x.grad, delta.grad):
+        assert_close(got, reference.grad, 1e-5, "gradient through the kept sum")
+    buffer = torch.full((4, 96), float("nan"), device=device)
+    total, _ = add_rms_norm(x.detach(), delta.detach(), weight, sum_into=buffer)
+    assert total.data_ptr() == buffer.data_ptr()
+    assert_close(buffer, x + delta, 1e-6, "sum written into the buffer")
+
+
+def test_add_rms_norm_sum_unused(device):
+    """No gradient along the stream (the sum unused): x and delta get the norm's alone."""
+    x, delta = (torch.randn(3, 64, device=device, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    weight = torch.randn(64, device=device, dtype=torch.float64)
+    dy = torch.randn(3, 64, device=device, dtype=torch.float64)
+    add_rms_norm(x, delta, weight)[1].backward(dy)
+    total = (x + delta).detach().requires_grad_()
+    rms_norm_reference(total, weight).backward(dy)
+    assert_close(x.grad, total.grad, 1e-10, "x.grad")
+    assert_close(delta.grad, total.grad, 1e-10, "delta.grad")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("delta", lambda x: x[:, :-1], r"delta has shape \(4, 31\); expected \(4, 32\), the shape of x"),
+    ("delta", lambda x: x.double(), r"delta has dtype torch.float64; expected torch.float32"),
+    ("kept_sum", lambda x: x[:2], r"kept_sum has shape \(2, 32\); expected \(4, 32\)"),
+    ("sum_into", lambda x: x.t().contiguous().t(), r"sum_into must be a contiguous torch.float32 tensor"),
+])
+def test_add_rms_norm_bad_inputs(field, value, message, device):
+    x = torch.randn(4, 32, device=device)
+    arguments = {"delta": torch.randn(4, 32, device=device)}
+    arguments[field] = value(x)
+    delta = arguments.pop("delta")
+    with pytest.raises(ValueError, match=message):
+        add_rms_norm(x, delta, torch.randn(32, device=device), **arguments)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [5120, 4096])
+def test_add_rms_norm_residual_stream_shapes_on_gpu(hidden):
+    """Compiled, at the residual streams of the W1 and W2 shapes, bf16, against float64."""
+    x, delta = torch.randn(2048, hidden).requires_grad_(), torch.randn(2048, hidden).requires_grad_()
+    weight = torch.randn(hidden).requires_grad_()
+    check_op(
+        lambda a, d, w: add_rms_norm(a, d, w, 1e-6, 1.0),
+        lambda a, d, w: _add_rms_norm_reference(a, d, w, 1e-6, 1.0),
+        [x, delta, weight], torch.bfloat16, "cuda", names=["x", "delta", "weight"],
+    )

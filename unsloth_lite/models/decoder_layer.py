@@ -1,5 +1,12 @@
-"""The decoder layer of Qwen2, Qwen3 and Qwen3.5 at a decoding step: Hugging Face's order of norms, token mixer
-and MLP, with fewer launches around them.
+"""The decoder layer of Qwen2, Qwen3 and Qwen3.5: Hugging Face's order of norms, token mixer and MLP, with fewer
+launches and passes over the residual stream around them.
+
+Without a cache (training, and a checkpoint's recomputation through `checkpoint_layer`), on the kernels'
+device, `residual_fused_forward` folds the residual stream's adds into the norms (`add_rms_norm`): the add
+before the post-attention norm runs in the norm's pass, and in the backward each norm adds the gradient its
+input receives along the residual stream, so neither gradient sum is a launch of its own. A recomputation that
+takes the kept residual stream (`residual_streams`) computes no add, and its layer output, whose value nothing
+reads, is not computed either (`UnreadSum`).
 
 Hugging Face's layer runs, around its token mixer and MLP, two RMSNorms and two adds of the residual stream; with
 adapters, the projections after each norm start with a launch of their first products x Aᵀ. At one token a step
@@ -11,8 +18,8 @@ each of those is a launch of almost no work. Over a cache, with decoding rows:
   its output are one launch (`rms_norm_lora_down_rows`), handed on to those projections
   (`decode.first_products_of`).
 
-Anything else (training, a prompt, a module off the fused path) runs Hugging Face's forward, or the step's own
-adds and launches where a part cannot take the fused form.
+Anything else (a prompt over a cache, a module off the fused path, Hugging Face's own gradient checkpointing) runs
+Hugging Face's forward, or the step's own adds and launches where a part cannot take the fused form.
 """
 
 from __future__ import annotations
@@ -25,8 +32,17 @@ import torch
 
 from unsloth_lite.kernels import nf4_matvec
 from unsloth_lite.kernels.lora_down import MAX_ADAPTERS_PER_LAUNCH, rms_norm_lora_down_rows
+from unsloth_lite.kernels.rms_norm import add_rms_norm
 from unsloth_lite.models import decode
-from unsloth_lite.models.layers import _lora_projections, rms_norm_forward, use_kernels, zero_centred_rms_norm_forward
+from unsloth_lite.models.layers import (
+    UnreadSum,
+    _lora_projections,
+    in_recomputation,
+    residual_streams,
+    rms_norm_forward,
+    use_kernels,
+    zero_centred_rms_norm_forward,
+)
 from unsloth_lite.models.qwen3_5_layers import DELTANET_PROJECTIONS
 
 # The projections that read a norm's output, by the module that holds them.
@@ -35,6 +51,9 @@ INPUT_PROJECTIONS = {
     "linear_attn": DELTANET_PROJECTIONS,
     "mlp": ("gate_proj", "up_proj"),
 }
+# Whether decoder layers without a cache fold the residual stream's adds into their norms
+# (`residual_fused_forward`); off, they run Hugging Face's forward.
+FUSED_RESIDUALS = True
 # The fused norms' offsets (`rms_norm`'s `offset`): Qwen3.5's weights are stored around 0.
 NORM_OFFSETS = {rms_norm_forward: 0.0, zero_centred_rms_norm_forward: 1.0}
 
@@ -42,15 +61,14 @@ NORM_OFFSETS = {rms_norm_forward: 0.0, zero_centred_rms_norm_forward: 1.0}
 def decoder_layer_forward(self, hidden_states, *args, **kwargs):
     """Hugging Face's decoder layer; over a cache with decoding rows and `decode.RESIDUAL_IN_PRODUCTS` or
     `decode.NORM_FIRST_PRODUCTS` on, the same computation in fewer launches (module docstring)."""
-    cache = next((kwargs[name] for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
+    cache = _cache_of(kwargs)
     fused = decode.RESIDUAL_IN_PRODUCTS or decode.NORM_FIRST_PRODUCTS
+    checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+    if not checkpointed and takes_fused_residuals(self, hidden_states, args, kwargs):
+        return residual_fused_forward(self, hidden_states, **kwargs)
     if args or cache is None or not fused or not decode.is_decode_rows(hidden_states):
         return type(self).forward(self, hidden_states, *args, **kwargs)
-    if getattr(self, "block_type", None) == "linear_attention":
-        mixer_name = "linear_attn"
-        mixer_kwargs = _linear_attention_kwargs(self.linear_attn, kwargs, cache)
-    else:
-        mixer_name, mixer_kwargs = "self_attn", kwargs
+    mixer_name, mixer_kwargs = _mixer_call(self, kwargs, cache)
     mixer = getattr(self, mixer_name)
     normed, products = _normed(self.input_layernorm, hidden_states, mixer, INPUT_PROJECTIONS[mixer_name])
     with products, _residual(hidden_states) as pending:
@@ -61,6 +79,55 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
     with products, _residual(hidden_states) as pending:
         out = self.mlp(normed)
     return out if pending["taken"] else hidden_states + out
+
+
+def takes_fused_residuals(layer, hidden_states, args, kwargs) -> bool:
+    """Whether `residual_fused_forward` computes this call of a decoder layer: patched, no cache, no positional
+    arguments beyond the hidden states, both norms on the fused path, the kernels' device."""
+    if not FUSED_RESIDUALS or getattr(getattr(layer, "forward", None), "__func__", None) is not decoder_layer_forward:
+        return False
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return (
+        not args and _cache_of(kwargs) is None and use_kernels(hidden_states)
+        and all(getattr(norm.forward, "__func__", None) in NORM_OFFSETS for norm in norms)
+    )
+
+
+def residual_fused_forward(self, hidden_states, **kwargs):
+    """Hugging Face's decoder layer without a cache, the residual stream's adds folded into the norms (module
+    docstring). The residual stream after the token mixer is recorded into or taken from `residual_streams`."""
+    mixer_name, mixer_kwargs = _mixer_call(self, kwargs, None)
+    residual, normed = _add_norm(self.input_layernorm, hidden_states, None)
+    mixed = getattr(self, mixer_name)(hidden_states=normed, **mixer_kwargs)
+    mixed = mixed[0] if isinstance(mixed, tuple) else mixed
+    kept, into = residual_streams.take("kept"), residual_streams.take("into")
+    if mixed.dtype != residual.dtype:  # a mixer under autocast: the add promotes, as Hugging Face's does
+        residual, mixed = residual + mixed, None
+    residual, normed = _add_norm(self.post_attention_layernorm, residual, mixed, kept, into)
+    sink = residual_streams.sink()
+    if sink is not None:
+        sink.append(residual)
+    out = self.mlp(normed)
+    return UnreadSum.apply(residual, out) if in_recomputation() else residual + out
+
+
+def _add_norm(norm, x, delta, kept_sum=None, sum_into=None):
+    """`add_rms_norm` with a fused norm module's weight, epsilon and offset."""
+    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+    offset = NORM_OFFSETS[norm.forward.__func__]
+    into = sum_into if delta is not None and sum_into is not None and sum_into.dtype == x.dtype else None
+    return add_rms_norm(x, delta, norm.weight, eps, offset, kept_sum=kept_sum, sum_into=into)
+
+
+def _cache_of(kwargs: dict):
+    return next((kwargs[name] for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
+
+
+def _mixer_call(layer, kwargs: dict, cache) -> tuple[str, dict]:
+    """(the token mixer's attribute name, its keywords), as Hugging Face's layer calls it."""
+    if getattr(layer, "block_type", None) == "linear_attention":
+        return "linear_attn", _linear_attention_kwargs(layer.linear_attn, kwargs, cache)
+    return "self_attn", kwargs
 
 
 _CACHE_NAMES = ("cache", "cache_params", "past_key_values")

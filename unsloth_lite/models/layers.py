@@ -70,6 +70,11 @@ def recomputation_for_backward(attention_output_unused: bool = False):
         _RECOMPUTATION.active, _RECOMPUTATION.attention_output_unused = previous
 
 
+def in_recomputation() -> bool:
+    """Whether a checkpoint's recomputation is running in this thread (`recomputation_for_backward`)."""
+    return getattr(_RECOMPUTATION, "active", False)
+
+
 class KeptOutputs:
     """Outputs of one kind of fused module that a checkpoint keeps rather than recomputes (in this thread).
 
@@ -105,12 +110,29 @@ class KeptOutputs:
 # The fused SwiGLU MLPs' (gate(x), up(x)) (`lora_mlp`'s `record`, where its backward runs as one row block): the
 # recomputation then skips the gate and up products and forms only the rank-r products.
 mlp_preactivations = KeptOutputs()
+# The residual stream after a decoder layer's token mixer (the input of its post-attention norm): recorded in the
+# checkpoint's forward, taken by the recomputation in place of residual + mixer output (which it then leaves
+# uncomputed). The fused decoder layer (`decoder_layer.py`) computes it in the buffer of `into`, where given.
+residual_streams = KeptOutputs()
 # The token mixers' input projections' outputs (`project`: q, k, v; the Gated DeltaNet's qkv, z, b, a): the
 # recomputation then skips those products and their dequantisation, and forms only the rank-r products.
 projection_outputs = KeptOutputs()
 
 
 _WARNED: set[str] = set()
+
+
+class UnreadSum(torch.autograd.Function):
+    """a + b where only the sum's gradient is needed, never its value (a recomputation's layer output, the root
+    of its backward): uninitialised memory of the sum's shape, gradient g to both."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return a.new_empty(a.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad
 
 
 def _warn_once(message: str) -> None:
@@ -256,7 +278,7 @@ def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
         return output_rows(projections[2], gated_rows(projections[:2], x))
     if projections is not None:
         return lora_mlp(
-            x, *projections, output_needed=not getattr(_RECOMPUTATION, "active", False),
+            x, *projections, output_needed=not in_recomputation(),
             record=mlp_preactivations.sink(), preactivations=mlp_preactivations.take("kept"),
             record_into=mlp_preactivations.take("into"),
         )

@@ -69,6 +69,7 @@ import threading
 import torch
 import torch.utils.checkpoint
 
+from unsloth_lite.models.decoder_layer import residual_fused_forward, takes_fused_residuals
 from unsloth_lite.models.layers import mlp_preactivations, projection_outputs, recomputation_for_backward
 from unsloth_lite.training.layer_context import (
     _autocast,
@@ -78,7 +79,7 @@ from unsloth_lite.training.layer_context import (
     _side_stream,
     _substituting_residual,
 )
-from unsloth_lite.training.layer_graphs import _KeptSet, _LayerGraphs
+from unsloth_lite.training.layer_graphs import _KeptSet, _layer_of, _LayerGraphs
 
 # The keyword options of `enable_gradient_checkpointing` that a Trainer and a recipe pass on.
 CHECKPOINTING_OPTIONS = (
@@ -317,6 +318,7 @@ def checkpoint_layer(
     token mixer's input projections, on the device (module docstring)."""
     if not any(torch.is_tensor(a) and a.requires_grad for a in args):
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+    run = _fused_run(run, args)
     offload = (offload_to_cpu, offload_to_cpu if offload_mlp_preactivations is None else offload_mlp_preactivations)
     if cuda_graphs:
         graphs = _LayerGraphs.for_call(run, args, keep_residual, keep_mlp_preactivations, keep_projection_outputs)
@@ -324,6 +326,16 @@ def checkpoint_layer(
             return _GraphedLayer.apply(graphs, run, offload, args[0], *graphs.params)
     options = (offload, preserve_rng_state, keep_residual, keep_mlp_preactivations, keep_projection_outputs)
     return _CheckpointedLayer.apply(run, options, *args)
+
+
+def _fused_run(run, args):
+    """`run`, a decoder layer's forward with its keywords bound, as the layer's `residual_fused_forward` where the
+    call takes that form (`decoder_layer.py`): whichever forward Hugging Face hands over (transformers 5.2x and
+    later checkpoint the class's own forward, which the patched instance's does not replace)."""
+    layer = _layer_of(run) if isinstance(run, functools.partial) else None
+    if layer is None or not args or not takes_fused_residuals(layer, args[0], args[1:], run.keywords):
+        return run
+    return functools.partial(residual_fused_forward, layer, **run.keywords)
 
 
 class _GraphedLayer(torch.autograd.Function):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 
 import torch
+
+from unsloth_lite.models.layers import residual_streams
 
 
 @functools.cache
@@ -35,28 +36,15 @@ def _autocast(states: list[tuple], cache_enabled: bool | None = None):
         yield
 
 
-_RESIDUAL = threading.local()  # the residual stream after attention: `sink` records it, `value` replaces it
+def _recording_residual(enabled: bool, into: torch.Tensor | None = None):
+    """Collects the residual streams after the token mixers of the decoder layers that run inside (one each);
+    a fused decoder layer computes its own in `into`, where given."""
+    return residual_streams(record=enabled, into=None if into is None else [into])
 
 
-@contextlib.contextmanager
-def _recording_residual(enabled: bool):
-    """Collects the inputs of the post-attention norms that run inside (one per decoder layer)."""
-    previous = getattr(_RESIDUAL, "sink", None)
-    _RESIDUAL.sink = sink = [] if enabled else None
-    try:
-        yield sink if enabled else []
-    finally:
-        _RESIDUAL.sink = previous
-
-
-@contextlib.contextmanager
 def _substituting_residual(value: torch.Tensor | None):
-    previous = getattr(_RESIDUAL, "value", None)
-    _RESIDUAL.value = value
-    try:
-        yield
-    finally:
-        _RESIDUAL.value = previous
+    """The next decoder layer that runs inside takes `value` as its residual stream after the token mixer."""
+    return residual_streams(kept=None if value is None else [value])
 
 
 class _Substituted(torch.autograd.Function):
@@ -75,11 +63,11 @@ def _residual_hook(module, args):
     """Forward pre-hook of a decoder layer's post-attention norm (see `enable_gradient_checkpointing`)."""
     if not args:  # called with keywords only: nothing recorded, so nothing is substituted either
         return None
-    sink = getattr(_RESIDUAL, "sink", None)
+    sink = residual_streams.sink()
     if sink is not None:
         sink.append(args[0])
         return None
-    saved = getattr(_RESIDUAL, "value", None)
+    saved = residual_streams.take("kept")
     if saved is not None:
         return (_Substituted.apply(args[0], saved), *args[1:])
     return None

@@ -15,7 +15,9 @@ replay or a fetch that writes a set waits for the last copy or replay that read 
 wrote them: no copies, for memory held as long as the layer's graphs. Tensors among the layer's
 keyword arguments (cos/sin, position ids) are copied into the layer's static buffers before each forward replay.
 Graphs of all layers share one memory pool: each graph's temporaries are dead once it has run, and what a graph
-returns is copied out before the next replay, so any order of replays is safe. It needs layers without dropout
+returns is copied out before the next replay, so any order of replays is safe. The parameters' gradients too
+are copied, within the graph, into buffers that the layers of one parameter layout share, so that the pool does
+not hold a layer's gradients for every layer. It needs layers without dropout
 (a replayed recomputation could not repeat the forward's masks), shapes that repeat (a pair of graphs per shape
 is kept, for the first MAX_GRAPHED_SHAPES shapes seen twice), and each forward's backward before the layer's
 next forward (otherwise that call runs eagerly). Off CUDA the same code runs the functions eagerly.
@@ -38,8 +40,7 @@ from unsloth_lite.training.layer_context import (
 )
 
 # Input shapes a layer keeps graphs for: each costs the static buffers of that shape (four `[batch, seq,
-# hidden]` tensors shared by the layers, and the kept sets) and the layers' parameter gradients in the pool;
-# other shapes run eagerly.
+# hidden]` tensors shared by the layers, and the kept sets); other shapes run eagerly.
 MAX_GRAPHED_SHAPES = 4
 # Sets of kept-tensor buffers per shape, taken in turn by consecutive graphed layers. Two suffice: a fetch for the
 # backward writes the set of the layer before the one back-propagating, and in the forward a layer's replay waits
@@ -126,6 +127,7 @@ class _LayerGraphs:
     # and the output gradient they read (copied in right before): one of each instead of one a layer.
     _SHARED: dict = {}
     _KEPT_SETS: dict = {}  # shape -> (the sets, how many layers took one)
+    _GRADIENTS: dict = {}  # the parameters' (shape, dtype, device)s -> the gradient buffers of that layout
 
     @classmethod
     def for_call(cls, run, args, keep_residual: bool, keep_mlp: bool = False,
@@ -175,6 +177,10 @@ class _LayerGraphs:
             self._SHARED[shared_key] = tuple(torch.empty_like(hidden) for _ in range(4))
         self.hidden, self.output, self.grad_hidden, self.grad_output = self._SHARED[shared_key]
         self.kept = self._take_kept_set(shared_key, hidden)
+        layout = tuple((tuple(p.shape), p.dtype, p.device) for p in self.params)
+        if layout not in self._GRADIENTS:
+            self._GRADIENTS[layout] = [torch.empty_like(p) for p in self.params]
+        self.gradients = self._GRADIENTS[layout]
         self.forward_graph = self.backward_graph = None
         self.pending_backward = False
         self.pool = self.stream = None
@@ -245,14 +251,15 @@ class _LayerGraphs:
             with (
                 torch.no_grad(),
                 _autocast(self.autocast, cache_enabled=False),
-                _recording_residual(self.keep_residual) as residuals,
+                # a fused layer computes the residual in the set's buffer
+                _recording_residual(self.keep_residual, into=self.kept.residual) as residuals,
                 # the MLPs compute their pre-activations in the static buffers (known after the warm-up call)
                 mlp_preactivations(record=self.keep_mlp, into=self.preactivations) as preactivations,
                 projection_outputs(record=self.keep_projections, into=self.projections) as projections,
             ):
                 self.output.copy_(self.function(self.hidden))
                 self.has_residual = len(residuals) == 1
-                if self.has_residual:
+                if self.has_residual and residuals[0].data_ptr() != self.kept.residual.data_ptr():
                     self.kept.residual.copy_(residuals[0])
                 if len(self.preactivations) != len(preactivations):  # the warm-up call, before the capture
                     self.preactivations = _static_groups(preactivations, self.kept.preactivations)
@@ -283,7 +290,8 @@ class _LayerGraphs:
                 output = self.function(hidden)
                 grads = torch.autograd.grad(output, [hidden, *aliases], self.grad_output, allow_unused=True)
             self.grad_hidden.copy_(grads[0])
-            return grads[1:]  # the parameters' gradients: small, kept in the pool
+            return [None if grad is None else buffer.copy_(grad) for buffer, grad in zip(self.gradients, grads[1:],
+                                                                                       strict=True)]
 
         self.forward_graph = _Replayable(layer_forward, self.device, self.pool, self.stream)
         self.grad_output.zero_()  # what the capture's warm-up back-propagates; its results are discarded
