@@ -42,8 +42,8 @@ def shape_run_parser(doc: str, shapes) -> argparse.ArgumentParser:
 
 KEPT_MLP_KEYS = {"keep": "keep_mlp_preactivations", "gpu": "mlp_preactivations_on_gpu",
                  "proj": "keep_projection_outputs", "sets": "kept_sets", "lead": "offload_lead",
-                 "gather": "device_gather", "res": "fused_residuals"}
-KEPT_MLP_SUFFIX = "'@keep=N/gpu=G/proj=P/sets=S/lead=L/gather=0|1/res=0|1'"  # the keys' form, for errors
+                 "gather": "device_gather", "res": "fused_residuals", "join": "adapters_in_products"}
+KEPT_MLP_SUFFIX = "'@keep=N/gpu=G/proj=P/sets=S/lead=L/gather=0|1/res=0|1/join=0|1'"  # the keys' form, for errors
 
 
 def uncheckpointed_suffix(variant: str) -> tuple[str, int | None]:
@@ -57,7 +57,7 @@ def kept_mlp_options(variant: str) -> tuple[str, dict]:
     """A variant name and the checkpointing options of its `@` suffix: ("unsloth_lite_kept_mlp",
     {"keep_mlp_preactivations": 48, "mlp_preactivations_on_gpu": 8}) of "unsloth_lite_kept_mlp@keep=48/gpu=8"
     (48 layers keep their MLP pre-activations, 8 of them on the GPU; `proj=P`: P layers keep their projections'
-    outputs, `keep_projection_outputs`; `sets`, `lead`, `gather`, `res`:
+    outputs, `keep_projection_outputs`; `sets`, `lead`, `gather`, `res`, `join`:
     module settings, see `apply_module_settings`); a kept_mlp variant without a suffix keeps them in every
     checkpointed layer, offloaded ({"keep_mlp_preactivations": True}); others keep none ({}).
     Raises ValueError for a suffix on another variant or an unknown key."""
@@ -81,6 +81,7 @@ MODULE_SETTINGS = {
     "offload_lead": ("unsloth_lite.training.checkpointing", "MAX_PENDING_OFFLOADS", 1),
     "device_gather": ("unsloth_lite.models.host_embeddings", "DEVICE_GATHER", 0),
     "fused_residuals": ("unsloth_lite.models.decoder_layer", "FUSED_RESIDUALS", 0),
+    "adapters_in_products": ("unsloth_lite.kernels.lora", "ADAPTERS_IN_PRODUCTS", 0),
 }
 
 

@@ -41,7 +41,9 @@ Variants, each in its own process (flash-linear-attention is picked up by transf
   (with graphs) gives the graphed layers S sets of kept-tensor buffers (`layer_graphs.KEPT_SETS`, default 2),
   `lead=L` lets the host queue L offloads ahead (`checkpointing.MAX_PENDING_OFFLOADS`, default 2), `gather=0`
   has the host gather the host table's rows, not the GPU (`host_embeddings.DEVICE_GATHER`, default on), `res=0`
-  runs the decoder layers' residual adds apart from their norms (`decoder_layer.FUSED_RESIDUALS`, default on).
+  runs the decoder layers' residual adds apart from their norms (`decoder_layer.FUSED_RESIDUALS`, default on),
+  `join=0` adds the adapters' updates to the products' outputs instead of forming them in the products
+  (`lora.ADAPTERS_IN_PRODUCTS`, default on).
 - Any unsloth_lite variant with a suffix `:N` (after any `@...`): its last N decoder layers not checkpointed
   (`--uncheckpointed-layers N` for the unsuffixed ones), so one run compares several N.
 - `unsloth`: Unsloth's `FastLanguageModel.from_pretrained(load_in_4bit=True)` + `get_peft_model` (the same

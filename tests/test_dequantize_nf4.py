@@ -202,6 +202,28 @@ def test_dequantize_nf4_missing_quant_state(device):
         dequantize_nf4(packed, object())
 
 
+def _into_rows_with_gaps(p, dtype, gap, device):
+    """`dequantize_nf4` into a row-strided view of a NaN-filled `[rows, cols + gap]` buffer: the buffer."""
+    rows, cols = p.quant_state.shape
+    wide = torch.full((rows, cols + gap), float("nan"), dtype=dtype, device=device)
+    assert dequantize_nf4(p, out=wide[:, :cols]).data_ptr() == wide.data_ptr()
+    return wide
+
+
+def _assert_rows_with_gaps(wide, p, gap):
+    cols = p.quant_state.shape[1]
+    assert_bit_identical(wide[:, :cols], bnb_dequantize(p.data, p.quant_state), "rows")
+    assert bool(wide[:, cols:].isnan().all()), "the gaps between rows were written"
+
+
+@pytest.mark.parametrize("gap", [2, 16, 48])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_dequantize_nf4_into_rows_with_gaps(dtype, gap, device):
+    """A row-strided `out` (rows of whole blocks, an even gap): each row where it belongs, the gaps untouched."""
+    p = quantize((37, 192), dtype, True, 64, device)
+    _assert_rows_with_gaps(_into_rows_with_gaps(p, dtype, gap, device), p, gap)
+
+
 def test_dequantize_nf4_bad_out(device):
     p = quantize((16, 64), torch.bfloat16, False, 64, device)
     with pytest.raises(ValueError, match=r"^out has shape \(64, 16\) but quant_state.shape is \(16, 64\)"):
@@ -212,6 +234,11 @@ def test_dequantize_nf4_bad_out(device):
         dequantize_nf4(p, out=torch.empty(16, 64, dtype=torch.bfloat16, device="meta"))
     with pytest.raises(ValueError, match=r"^out must be contiguous"):
         dequantize_nf4(p, out=torch.empty(64, 16, dtype=torch.bfloat16, device=device).t())
+    with pytest.raises(ValueError, match=r"^out must be contiguous, or rows of whole blocks an even count apart"):
+        dequantize_nf4(p, out=torch.empty(16, 67, dtype=torch.bfloat16, device=device)[:, :64])  # odd gap
+    q = quantize((16, 96), torch.bfloat16, False, 64, device)
+    with pytest.raises(ValueError, match=r"^out must be contiguous, or rows of whole blocks"):
+        dequantize_nf4(q, out=torch.empty(16, 98, dtype=torch.bfloat16, device=device)[:, :96])  # partial blocks
     with pytest.raises(ValueError, match=r"^out must be a torch.Tensor"):
         dequantize_nf4(p, out="buffer")
 
@@ -264,6 +291,15 @@ def test_dequantize_nf4_settings_cuda(settings, dtype, shape):
     out = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
     expected = bnb.functional.dequantize_4bit(p.data, p.quant_state)
     assert_bit_identical(dequantize_nf4(p.data, p.quant_state, out=out), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, gap", [((17408, 5120), 32), ((10240, 5120), 64), ((4096, 4096), 16)],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_dequantize_nf4_into_rows_with_gaps_cuda(settings, shape, gap):
+    """Compiled, every setting, at the projections whose adapters sit beside the weight (`lora.py`)."""
+    p = quantize(shape, torch.bfloat16, True, 64, "cuda")
+    _assert_rows_with_gaps(_into_rows_with_gaps(p, torch.bfloat16, gap, "cuda"), p, gap)
 
 
 @pytest.mark.gpu

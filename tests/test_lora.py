@@ -35,12 +35,17 @@ def leaf64(t):
     return t.detach().double().requires_grad_()
 
 
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "added"])
 @pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-def test_lora_projections(nf4, dtype, device):
+def test_lora_projections(nf4, dtype, joined, device, monkeypatch):
+    """q/k/v-shaped (outputs twice the input's width): over NF4 bases the adapters' updates are formed in the
+    products (`joined`) or added after them, with the same results."""
+    monkeypatch.setattr(lora, "ADAPTERS_IN_PRODUCTS", joined)
     x = torch.randn(3, 5, 64, device=device, dtype=dtype, requires_grad=True)
     made = [make_projection(64, n_out, 4, device, dtype, nf4=nf4, bias=True) for n_out in (64, 32, 32)]
     projections = tuple(p for p, _ in made)
+    assert lora._joins_adapters(x.view(-1, 64), projections) == (joined and nf4)
     outputs = lora_projections(x, projections)
     grads = [torch.randn_like(y) for y in outputs]
     torch.autograd.backward(outputs, grads)

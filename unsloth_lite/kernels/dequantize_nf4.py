@@ -24,6 +24,8 @@ Parts of a 2-D weight `[V, H]`, never the whole dense matrix:
 * `dequantize_nf4_row_range`: rows [r0, r1) into a given buffer (the NF4 lm_head's vocabulary blocks). When H
   is a multiple of B, those rows are the whole quantization blocks [r0·H/B, r1·H/B) and their bytes
   [r0·H/2, r1·H/2): the kernel above, started at block r0·H/B (nested absmax blocks indexed globally).
+* `dequantize_nf4(out=...)` into a row-strided view (rows of whole blocks): the rows of a wider matrix whose last
+  columns hold something else (`lora.py`'s adapters beside the weight).
 * `dequantize_nf4_rows`: a gather of arbitrary rows (an embedding lookup). Element e = row·H + c is decoded
   on its own from byte e // 2 (high nibble when e is even) and absmax[e // B], so any H works.
 """
@@ -105,13 +107,15 @@ def _dequantize_nf4(
     packed_ptr, absmax_ptr, code_ptr,
     nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize: tl.constexpr,
     out_ptr,
-    n_elements, n_bytes, n_blocks, first_block,
+    n_elements, n_bytes, n_blocks, first_block, row_blocks, row_gap,
     HALF_BLOCK: tl.constexpr, ROWS: tl.constexpr, NESTED: tl.constexpr, LOOKUP: tl.constexpr, PAIRED: tl.constexpr,
-    CONVERT: tl.constexpr,
+    CONVERT: tl.constexpr, GAPS: tl.constexpr = False,
 ):
     """LOOKUP: how codes become values (the index of `nf4_codes.LOOKUPS`: pairs or code book). PAIRED
     (16-bit outputs, an even element count): each byte's two weights are stored as one 32-bit word, so the tile
-    is written in the packed bytes' own layout, with no interleaving of the two nibbles' values."""
+    is written in the packed bytes' own layout, with no interleaving of the two nibbles' values. GAPS: the
+    output's rows (of `row_blocks` whole blocks each) lie `row_gap` elements (an even count) apart beyond their
+    length: a row-strided view."""
     # Quantization blocks of this program, counted from `first_block` (0 for the whole weight; a range of
     # whole blocks writes its first block at out_ptr). n_elements, n_bytes and n_blocks end the range.
     local_blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -125,9 +129,12 @@ def _dequantize_nf4(
     high, low = _nf4_codes(packed, code_ptr, LOOKUP, False)
     high = high * absmax[:, None]
     low = low * absmax[:, None]
+    gap = tl.zeros_like(local_blocks)
+    if GAPS:
+        gap = (local_blocks // row_blocks) * row_gap
     if PAIRED:  # one 32-bit word a byte: element 2i (high nibble) in its low half, as little-endian memory holds it
         word = _output_pairs(high, low, out_ptr, CONVERT)
-        local_byte = local_blocks[:, None] * HALF_BLOCK + tl.arange(0, HALF_BLOCK)[None, :]
+        local_byte = (local_blocks * HALF_BLOCK + gap // 2)[:, None] + tl.arange(0, HALF_BLOCK)[None, :]
         tl.store(out_ptr.to(tl.pointer_type(tl.uint32)) + local_byte, word, mask=byte < n_bytes)
         return
     values = tl.interleave(high, low)  # [ROWS, 2 * HALF_BLOCK]: element 2i from byte i's high nibble
@@ -135,7 +142,7 @@ def _dequantize_nf4(
 
     in_block = tl.arange(0, 2 * HALF_BLOCK)[None, :]
     element = blocks[:, None] * (2 * HALF_BLOCK) + in_block
-    local_element = local_blocks[:, None] * (2 * HALF_BLOCK) + in_block
+    local_element = (local_blocks * (2 * HALF_BLOCK) + gap)[:, None] + in_block
     tl.store(out_ptr + local_element, values, mask=element < n_elements)
 
 
@@ -252,7 +259,10 @@ def _packed_bytes(weight: torch.Tensor, n_elements: int) -> torch.Tensor:
     return packed
 
 
-def _check_out(out, shape, dtype: torch.dtype, device: torch.device) -> None:
+def _check_out(out, shape, dtype: torch.dtype, device: torch.device, half_block: int | None = None) -> int:
+    """Checks `out`; returns its rows' gap, the elements between one row's end and the next row's start: 0 for
+    a contiguous `out`. A row-strided 2-D `out` is taken (`half_block` given) where rows are whole quantization
+    blocks and the gap is even (16-bit outputs keep the bytes' word layout)."""
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if tuple(out.shape) != tuple(shape):
@@ -261,8 +271,13 @@ def _check_out(out, shape, dtype: torch.dtype, device: torch.device) -> None:
         raise ValueError(f"out has dtype {out.dtype} but quant_state.dtype is {dtype}")
     if out.device != device:
         raise ValueError(f"out is on {out.device} but weight is on {device}")
-    if not out.is_contiguous():
-        raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+    if out.is_contiguous():
+        return 0
+    if half_block is not None and out.dim() == 2 and out.stride(1) == 1 and out.stride(0) > out.shape[1]:
+        gap = out.stride(0) - out.shape[1]
+        if out.shape[1] % (2 * half_block) == 0 and gap % 2 == 0:
+            return gap
+    raise ValueError(f"out must be contiguous, or rows of whole blocks an even count apart; got strides {out.stride()}")
 
 
 @dataclasses.dataclass
@@ -356,10 +371,11 @@ def dequantize_nf4(weight, quant_state=None, out: torch.Tensor | None = None) ->
     device = launch.inputs[0].device
     if out is None:
         out = empty(launch.shape, launch.dtype, device)
-    else:
-        _check_out(out, launch.shape, launch.dtype, device)
+    row_gap = _check_out(out, launch.shape, launch.dtype, device, launch.meta["HALF_BLOCK"])
     if launch.n_elements:
-        launch.kernel[launch.grid](*launch.dequantize_inputs, out, *launch.sizes, 0, **launch.meta)
+        row_blocks = launch.shape[-1] // (2 * launch.meta["HALF_BLOCK"]) if row_gap else 1
+        launch.kernel[launch.grid](*launch.dequantize_inputs, out, *launch.sizes, 0, row_blocks, row_gap,
+                                   GAPS=bool(row_gap), **launch.meta)
     return out
 
 
@@ -391,7 +407,7 @@ def dequantize_nf4_row_range(weight, first_row: int, out: torch.Tensor, quant_st
         end_element = end_block * blocksize
         grid = (triton.cdiv(end_block - first_block, launch.meta["ROWS"]),)
         launch.kernel[grid](*launch.dequantize_inputs, out, end_element, end_element // 2, end_block, first_block,
-                            **launch.meta)
+                            1, 0, **launch.meta)
     return out
 
 

@@ -6,6 +6,12 @@ One projection, with W the frozen base `[out, in]`, b its frozen bias, A `[r, in
     t = x Aᵀ                     (rank r, saved)
     y = x Wᵀ + b + s · t Bᵀ
 
+Where a group's outputs are at least twice as wide as its input (gate and up; q, k, v; the Gated DeltaNet's
+input projections) and the bases are NF4, each output is one product y = [x | t] [W | s·B]ᵀ (+ b): W is
+dequantised into the rows of a wider matrix whose last Σr columns hold s·B (zeros under the other adapters' t),
+so the update is summed in the product's accumulator, not added over the finished output in a second pass that
+reads and writes it; the copy of x into [x | t] costs less than that pass.
+
 Backward, with u = dy B (rank r):
 
     dB = s · dyᵀ t        dA = s · uᵀ x        dx = dy W + s · u A
@@ -100,6 +106,10 @@ def frozen_projection(weight: torch.Tensor, bias: torch.Tensor | None) -> LoRAPr
     return LoRAProjection(weight, bias, lora_a, lora_b, 0.0)
 
 
+# Whether a group of projections whose outputs are at least twice as wide as their input forms each output in one
+# product of [x | t] and [W | s·B] (`_joined_products`) rather than x Wᵀ and then s · t Bᵀ added to it.
+ADAPTERS_IN_PRODUCTS = True
+
 _SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
@@ -164,6 +174,8 @@ def _project_all(x2d: torch.Tensor, projections, adapters: _Adapters, output_nee
     t = adapters.rank_products(x2d)
     if not output_needed:
         return [x2d.new_empty((x2d.shape[0], p.out_features)) for p in projections], t
+    if _joins_adapters(x2d, projections):
+        return _joined_products(x2d, t, projections, adapters, out), t
     outputs = []
     for i, (p, rows, b) in enumerate(zip(projections, adapters.slices, adapters.b, strict=True)):
         weight = base_weight(p, x2d.dtype)
@@ -174,6 +186,40 @@ def _project_all(x2d: torch.Tensor, projections, adapters: _Adapters, output_nee
             y = torch.addmm(p.bias.to(x2d.dtype), x2d, weight.t(), **into)
         outputs.append(y.addmm_(t[:, rows], b.t(), alpha=p.scale) if p.rank else y)
     return outputs, t
+
+
+def _joins_adapters(x2d: torch.Tensor, projections) -> bool:
+    """Whether `_joined_products` forms the group's outputs: NF4 bases of x's dtype whose rows are whole
+    quantisation blocks, dequantised by the kernel, and outputs at least twice as wide as x (the copy of x into
+    [x | t] then costs less than the passes over the outputs it saves)."""
+    if not ADAPTERS_IN_PRODUCTS or not _use_kernels(x2d) or not any(p.rank for p in projections):
+        return False
+    states = [getattr(p.base, "quant_state", None) for p in projections]
+    return all(
+        state is not None and state.dtype == x2d.dtype and x2d.shape[1] % state.blocksize == 0 for state in states
+    ) and sum(p.out_features for p in projections) >= 2 * x2d.shape[1]
+
+
+def _joined_products(x2d: torch.Tensor, t: torch.Tensor, projections, adapters: _Adapters, out=None):
+    """The outputs y = x Wᵀ + b + s · t Bᵀ of the group, each one product of [x | t] `[N, in + Σr]` and
+    [W | s·B] `[out, in + Σr]` (B in its adapter's columns of t, zeros in the others'): the adapter's update
+    is summed in the product's fp32 accumulator instead of read and written back over the output. W is
+    dequantised straight into the wide matrix's rows (a row-strided `dequantize_nf4`)."""
+    joined = torch.cat((x2d, t), dim=1)
+    n_in, width = x2d.shape[1], joined.shape[1]
+    outputs = []
+    for i, (p, rows, b) in enumerate(zip(projections, adapters.slices, adapters.b, strict=True)):
+        weight = _scratch(p.out_features * width, x2d.dtype, x2d.device).view(p.out_features, width)
+        dequantize_nf4(p.base, out=weight[:, :n_in])
+        if rows.stop - rows.start < width - n_in:
+            weight[:, n_in:].zero_()
+        torch.mul(b, p.scale, out=weight[:, n_in + rows.start: n_in + rows.stop])
+        into = {} if out is None else {"out": out[i]}
+        if p.bias is None:
+            outputs.append(torch.matmul(joined, weight.t(), **into))
+        else:
+            outputs.append(torch.addmm(p.bias.to(x2d.dtype), joined, weight.t(), **into))
+    return outputs
 
 
 def _project_all_backward(grads, x2d: torch.Tensor, t: torch.Tensor, projections, adapters: _Adapters, dx=None):
