@@ -65,12 +65,16 @@ def test_full_fine_tune_with_dropout(device):
     _compare(tiny_model("qwen3", device, attention_dropout=0.2), device)
 
 
+@pytest.mark.parametrize("patched", [False, True], ids=["hf_layers", "fused_layers"])
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
-def test_recomputation_under_the_forwards_autocast(cuda_graphs, device):
+def test_recomputation_under_the_forwards_autocast(cuda_graphs, patched, device):
     """Under autocast the recomputation (which runs in the backward, outside the autocast region) must compute
     in the forward's precision, or its activations would differ from the forward's at bf16 rounding. With
-    graphs: eager, captured and replayed steps under autocast, then steps without it (graphs of their own)."""
+    graphs: eager, captured and replayed steps under autocast, then steps without it (graphs of their own).
+    Patched, the fused decoder layers add bf16 mixer and MLP outputs to the fp32 residual stream."""
     model = tiny_model("qwen3", device)
+    if patched:
+        model = patch_model(model)
     device_type = torch.device(device).type
     reference = copy.deepcopy(model)
     enable_gradient_checkpointing(model, cuda_graphs=cuda_graphs)

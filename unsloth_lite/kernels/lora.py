@@ -208,12 +208,12 @@ def _joined_products(x2d: torch.Tensor, t: torch.Tensor, projections, adapters: 
     joined = torch.cat((x2d, t), dim=1)
     n_in, width = x2d.shape[1], joined.shape[1]
     outputs = []
-    for i, (p, rows, b) in enumerate(zip(projections, adapters.slices, adapters.b, strict=True)):
+    for i, (p, rows) in enumerate(zip(projections, adapters.slices, strict=True)):
         weight = _scratch(p.out_features * width, x2d.dtype, x2d.device).view(p.out_features, width)
         dequantize_nf4(p.base, out=weight[:, :n_in])
         if rows.stop - rows.start < width - n_in:
             weight[:, n_in:].zero_()
-        torch.mul(b, p.scale, out=weight[:, n_in + rows.start: n_in + rows.stop])
+        torch.mul(p.lora_b, p.scale, out=weight[:, n_in + rows.start: n_in + rows.stop])  # one rounding
         into = {} if out is None else {"out": out[i]}
         if p.bias is None:
             outputs.append(torch.matmul(joined, weight.t(), **into))

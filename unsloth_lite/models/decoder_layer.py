@@ -6,7 +6,8 @@ device, `residual_fused_forward` folds the residual stream's adds into the norms
 before the post-attention norm runs in the norm's pass, and in the backward each norm adds the gradient its
 input receives along the residual stream, so neither gradient sum is a launch of its own. A recomputation that
 takes the kept residual stream (`residual_streams`) computes no add, and its layer output, whose value nothing
-reads, is not computed either (`UnreadSum`).
+reads, is not computed either (`UnreadSum`). Where transformers checkpoints the class's forward,
+`checkpoint_layer` runs `residual_fused_forward` in its place (`CHECKPOINTS_CLASS_FORWARD`).
 
 Hugging Face's layer runs, around its token mixer and MLP, two RMSNorms and two adds of the residual stream; with
 adapters, the projections after each norm start with a launch of their first products x Aᵀ. At one token a step
@@ -29,6 +30,7 @@ import functools
 import inspect
 
 import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from unsloth_lite.kernels import nf4_matvec
 from unsloth_lite.kernels.lora_down import MAX_ADAPTERS_PER_LAUNCH, rms_norm_lora_down_rows
@@ -51,6 +53,10 @@ INPUT_PROJECTIONS = {
     "linear_attn": DELTANET_PROJECTIONS,
     "mlp": ("gate_proj", "up_proj"),
 }
+# Transformers 5.2x and later checkpoint a decoder layer by wrapping its class's forward, which a patched
+# instance's forward does not replace (the layer's module hooks stay outside the checkpoint); earlier releases by
+# overriding `__call__`, whose checkpoint calls the module, hooks and patched forward included.
+CHECKPOINTS_CLASS_FORWARD = "__call__" not in vars(GradientCheckpointingLayer)
 # Whether decoder layers without a cache fold the residual stream's adds into their norms
 # (`residual_fused_forward`); off, they run Hugging Face's forward.
 FUSED_RESIDUALS = True
@@ -63,7 +69,10 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
     `decode.NORM_FIRST_PRODUCTS` on, the same computation in fewer launches (module docstring)."""
     cache = _cache_of(kwargs)
     fused = decode.RESIDUAL_IN_PRODUCTS or decode.NORM_FIRST_PRODUCTS
+    # where the class's forward checkpoints, a checkpointed call goes through it (`checkpoint_layer` then runs
+    # `residual_fused_forward` itself)
     checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+    checkpointed = checkpointed and CHECKPOINTS_CLASS_FORWARD
     if not checkpointed and takes_fused_residuals(self, hidden_states, args, kwargs):
         return residual_fused_forward(self, hidden_states, **kwargs)
     if args or cache is None or not fused or not decode.is_decode_rows(hidden_states):

@@ -128,7 +128,7 @@ class UnreadSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b):
-        return a.new_empty(a.shape)
+        return a.new_empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype))
 
     @staticmethod
     def backward(ctx, grad):

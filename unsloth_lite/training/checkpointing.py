@@ -79,7 +79,7 @@ from unsloth_lite.training.layer_context import (
     _side_stream,
     _substituting_residual,
 )
-from unsloth_lite.training.layer_graphs import _KeptSet, _layer_of, _LayerGraphs
+from unsloth_lite.training.layer_graphs import _KeptSet, _LayerGraphs
 
 # The keyword options of `enable_gradient_checkpointing` that a Trainer and a recipe pass on.
 CHECKPOINTING_OPTIONS = (
@@ -329,11 +329,14 @@ def checkpoint_layer(
 
 
 def _fused_run(run, args):
-    """`run`, a decoder layer's forward with its keywords bound, as the layer's `residual_fused_forward` where the
-    call takes that form (`decoder_layer.py`): whichever forward Hugging Face hands over (transformers 5.2x and
-    later checkpoint the class's own forward, which the patched instance's does not replace)."""
-    layer = _layer_of(run) if isinstance(run, functools.partial) else None
-    if layer is None or not args or not takes_fused_residuals(layer, args[0], args[1:], run.keywords):
+    """`run` as the layer's `residual_fused_forward` (its keywords bound) where it is the layer class's own forward
+    (transformers 5.2x and later checkpoint that, which the patched instance's forward does not replace) and the
+    call takes the fused form (`decoder_layer.py`). Earlier releases hand over the module's `__call__`, which
+    reaches the patched forward itself, hooks included."""
+    layer = run.args[0] if isinstance(run, functools.partial) and len(run.args) == 1 else None
+    if not isinstance(layer, torch.nn.Module) or not args:
+        return run
+    if not takes_fused_residuals(layer, args[0], args[1:], run.keywords):
         return run
     return functools.partial(residual_fused_forward, layer, **run.keywords)
 
