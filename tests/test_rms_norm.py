@@ -275,6 +275,12 @@ def test_add_rms_norm_bad_inputs(field, value, message, device):
         add_rms_norm(x, delta, torch.randn(32, device=device), **arguments)
 
 
+def test_add_rms_norm_empty_input(device):
+    x = torch.randn(0, 10, device=device)
+    total, normed = add_rms_norm(x, torch.randn(0, 10, device=device), torch.randn(10, device=device))
+    assert total.shape == normed.shape == (0, 10)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden", [5120, 4096])
 def test_add_rms_norm_residual_stream_shapes_on_gpu(hidden):

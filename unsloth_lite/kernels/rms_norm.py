@@ -242,6 +242,8 @@ def add_rms_norm(
         raise ValueError(f"delta has dtype {delta.dtype}; expected {x.dtype}, the dtype of x")
     if sum_into is not None and (sum_into.dtype != x.dtype or not sum_into.is_contiguous()):
         raise ValueError(f"sum_into must be a contiguous {x.dtype} tensor")
+    if x.numel() == 0:
+        return (x if delta is None else x + delta), x.new_empty(x.shape)
     return AddRMSNormFunction.apply(x, delta, weight.contiguous(), float(eps), float(offset), kept_sum, sum_into)
 
 
