@@ -178,14 +178,17 @@ def _project_all(x2d: torch.Tensor, projections, adapters: _Adapters, output_nee
         return _joined_products(x2d, t, projections, adapters, out), t
     outputs = []
     for i, (p, rows, b) in enumerate(zip(projections, adapters.slices, adapters.b, strict=True)):
-        weight = base_weight(p, x2d.dtype)
-        into = {} if out is None else {"out": out[i]}
-        if p.bias is None:
-            y = torch.matmul(x2d, weight.t(), **into)
-        else:
-            y = torch.addmm(p.bias.to(x2d.dtype), x2d, weight.t(), **into)
+        y = _linear(x2d, base_weight(p, x2d.dtype), p.bias, None if out is None else out[i])
         outputs.append(y.addmm_(t[:, rows], b.t(), alpha=p.scale) if p.rank else y)
     return outputs, t
+
+
+def _linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out=None) -> torch.Tensor:
+    """x Wᵀ (+ b in x's dtype), into `out` where given."""
+    into = {} if out is None else {"out": out}
+    if bias is None:
+        return torch.matmul(x2d, weight.t(), **into)
+    return torch.addmm(bias.to(x2d.dtype), x2d, weight.t(), **into)
 
 
 def _joins_adapters(x2d: torch.Tensor, projections) -> bool:
@@ -214,11 +217,7 @@ def _joined_products(x2d: torch.Tensor, t: torch.Tensor, projections, adapters: 
         if rows.stop - rows.start < width - n_in:
             weight[:, n_in:].zero_()
         torch.mul(p.lora_b, p.scale, out=weight[:, n_in + rows.start: n_in + rows.stop])  # one rounding
-        into = {} if out is None else {"out": out[i]}
-        if p.bias is None:
-            outputs.append(torch.matmul(joined, weight.t(), **into))
-        else:
-            outputs.append(torch.addmm(p.bias.to(x2d.dtype), joined, weight.t(), **into))
+        outputs.append(_linear(joined, weight, p.bias, None if out is None else out[i]))
     return outputs
 
 
@@ -411,10 +410,7 @@ class FrozenLinearFunction(torch.autograd.Function):
     def forward(ctx, x, base, bias):
         x2d = x.reshape(-1, x.shape[-1])
         weight = dense_weight(base.weight, x2d.dtype)
-        if bias is None:
-            y = torch.matmul(x2d, weight.t())
-        else:
-            y = torch.addmm(bias.to(x2d.dtype), x2d, weight.t())
+        y = _linear(x2d, weight, bias)
         ctx.base, ctx.input_shape = base, x.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.view(*x.shape[:-1], weight.shape[0])

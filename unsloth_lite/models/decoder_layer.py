@@ -73,7 +73,7 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
     # `residual_fused_forward` itself)
     checkpointed = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
     checkpointed = checkpointed and CHECKPOINTS_CLASS_FORWARD
-    if not checkpointed and takes_fused_residuals(self, hidden_states, args, kwargs):
+    if cache is None and not checkpointed and takes_fused_residuals(self, hidden_states, args, kwargs):
         return residual_fused_forward(self, hidden_states, **kwargs)
     if args or cache is None or not fused or not decode.is_decode_rows(hidden_states):
         return type(self).forward(self, hidden_states, *args, **kwargs)
