@@ -16,8 +16,6 @@ a decoding step of that many sequences). Variants:
   decoded at once, 30% fewer instructions a weight);
 - `unsloth_lite_prefetch`: the word kernel with each step's next tile loaded into registers before it decodes its
   own (`nf4_matvec.REGISTER_PREFETCH`) instead of Triton's pipelining through shared memory;
-- `unsloth_lite_l2`: the word kernel with each program's share of the weight asked of L2 before its walk
-  (`nf4_matvec.L2_PREFETCH`);
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
@@ -69,15 +67,13 @@ from bench_common import (
 from decode_shapes import SHAPES, nf4_bytes, shape_config
 from random_checkpoint import weightless_model
 
-VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "unsloth_lite_prefetch",
-            "unsloth_lite_l2_1", "unsloth_lite_l2_4", "unsloth_lite_tiled", "bitsandbytes", "dequantize_matmul")
+VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "unsloth_lite_prefetch", "bitsandbytes",
+            "dequantize_matmul")
 NESTED_ABSMAX = "unsloth_lite_nested_absmax"  # the kernel reading the double-quantised absmax itself
 # `nf4_matvec` settings of the unsloth-lite variants
 KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False},
                    "unsloth_lite_words": {"WORD_KERNEL": True},
-                   "unsloth_lite_prefetch": {"WORD_KERNEL": True, "PIPELINE_STAGES": 1, "REGISTER_PREFETCH": True},
-                   "unsloth_lite_l2_1": {"L2_PREFETCH": 1}, "unsloth_lite_l2_4": {"L2_PREFETCH": 4},
-                   "unsloth_lite_tiled": {"TILE_MAJOR_WEIGHTS": True}}
+                   "unsloth_lite_prefetch": {"WORD_KERNEL": True, "PIPELINE_STAGES": 1, "REGISTER_PREFETCH": True}}
 # (features, weights along K, warps, tiles a split along K: False none, True one) a program
 SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (32, 512, 4, False),
                (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),

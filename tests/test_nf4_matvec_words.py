@@ -87,26 +87,6 @@ def test_word_kernel_with_register_prefetch(rows, split_k, device, word_kernel, 
     assert len(word_kernel) == 1
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-def test_word_kernel_reads_a_tile_major_copy(rows, dtype, device, word_kernel, monkeypatch):
-    """`TILE_MAJOR_WEIGHTS`: the walk reads a kept copy stored tile by tile (3 feature blocks, 5 tiles along K);
-    a part-filled shape keeps the weight as it lies."""
-    monkeypatch.setattr(nf4_matvec_module, "TILE_MAJOR_WEIGHTS", True)
-    monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda *_: (16, 128, 4, False))
-    copies = []
-
-    def tile_major_copy(*args):
-        copies.append(nf4_matvec_state.tile_major_copy(*args))
-        return copies[-1]
-
-    monkeypatch.setattr(nf4_matvec_module, "tile_major_copy", tile_major_copy)
-    check((48, 640), rows, dtype, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
-    assert len(copies) == 1 and copies[0][0].shape == (48 * 640 // 8,) and copies[0][1].shape == (48 * 10,)
-    check((40, 64 * 5), rows, dtype, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
-    assert len(copies) == 1 and len(word_kernel) == 2
-
-
 def assert_first_products_in_the_launch(shape, rows, rank, device, launches):
     """One word-kernel launch whose first rank x steps programs computed t = x Aᵀ (`FIRST_PRODUCTS_IN_LAUNCH`),
     y against float64, the launch's ready flags and column counters left at 0 for the next one."""
@@ -205,19 +185,14 @@ def test_word_kernel_exact_codes_cuda(shape, rows, word_kernel, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [1, 3, "prefetch", "l2", "tiled"],
-                         ids=lambda n: f"{n}stages" if isinstance(n, int) else n)
+@pytest.mark.parametrize("stages", [1, 3, "prefetch"], ids=lambda n: f"{n}stages" if n != "prefetch" else n)
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("shape", [(1024, 4096), (17408, 5120), (5120, 17408)], ids=str)
 def test_word_kernel_every_swept_tile_cuda(shape, rows, stages, word_kernel, monkeypatch):
-    """Every tile of the benchmark's sweep (split along K or not, 1 to 8 warps), looped, pipelined, with the
-    next tile loaded into registers (`REGISTER_PREFETCH`) and pipelined with each program's share asked of L2
-    first (`L2_PREFETCH`)."""
-    looped_stages = {"l2": 3, "tiled": 3, "prefetch": 1}.get(stages, stages)
-    monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", looped_stages)
+    """Every tile of the benchmark's sweep (split along K or not, 1 to 8 warps), looped, pipelined and with the
+    next tile loaded into registers (`REGISTER_PREFETCH`)."""
+    monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", 1 if stages == "prefetch" else stages)
     monkeypatch.setattr(nf4_matvec_module, "REGISTER_PREFETCH", stages == "prefetch")
-    monkeypatch.setattr(nf4_matvec_module, "L2_PREFETCH", stages == "l2")
-    monkeypatch.setattr(nf4_matvec_module, "TILE_MAJOR_WEIGHTS", stages == "tiled")
     for tile in sweep_word_tiles():
         monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda *_, tile=tile: tile)
         check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")

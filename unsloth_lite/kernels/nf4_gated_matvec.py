@@ -40,11 +40,8 @@ from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, _nf4_word_codes,
 from unsloth_lite.kernels.nf4_matvec import _blocked_tile_loads, packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_state import lane_tables
 from unsloth_lite.kernels.nf4_matvec_words import (
-    PREFETCH_L2,
-    PREFETCH_REGISTERS,
     _accumulate,
     _lane_tables,
-    _prefetch_to_l2,
     _word_loads,
     _word_sums,
     _word_tile,
@@ -127,11 +124,10 @@ def _gated_word_sums(
 ):
     """`_gated_blocked_sums` by the word kernel's walk (`nf4_matvec_words.py`): both weights read as words, each
     decoded word's sum with x's tile, loaded once for both, scaled by its block's absmax; the loads of STAGES
-    tiles in flight, or with PREFETCH's `PREFETCH_REGISTERS` the next tile's loaded into registers a step ahead
-    (`_prefetched_word_walk`: the last step reloads its own tile); with `PREFETCH_L2` both weights' shares asked of
-    L2 first."""
+    tiles in flight, or with PREFETCH the next tile's loaded into registers a step ahead (`_prefetched_word_walk`:
+    the last step reloads its own tile)."""
     WORDS: tl.constexpr = BLOCKSIZE // 8
-    mask_features = (features < n_out) | (WHOLE_TILES > 0)
+    mask_features = (features < n_out) | WHOLE_TILES
     blocks_per_row = n_in // BLOCKSIZE
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -139,12 +135,7 @@ def _gated_word_sums(
     partial_up = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)
     tables = _lane_tables(tables_ptr, PTX, BF16_CODES)
     t0, t1, t2, t3, t4, t5, t6, t7 = tables
-    if PREFETCH_L2 & PREFETCH:
-        lead_end = tl.minimum(blocks_per_row, (PREFETCH // PREFETCH_L2) * BLOCKS_PER_TILE)
-        _prefetch_to_l2(gate_words_ptr, gate_absmax_ptr, features, n_out, blocks_per_row, 0, lead_end, BLOCKSIZE,
-                        True)
-        _prefetch_to_l2(up_words_ptr, up_absmax_ptr, features, n_out, blocks_per_row, 0, lead_end, BLOCKSIZE, True)
-    if PREFETCH_REGISTERS & PREFETCH:
+    if PREFETCH:
         last_block = (blocks_per_row - 1) // BLOCKS_PER_TILE * BLOCKS_PER_TILE
         gate_words, gate_absmax, word_in_row, mask_blocks = _word_loads(
             0, gate_words_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, gate_absmax_ptr, 1, features,
@@ -403,7 +394,7 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=bf16_codes, PDL=pdl, WORDS=words,
         STAGES=matvec.word_stages(n_out, n_in, "gated") if words else matvec.PIPELINE_STAGES,
         WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
-        PREFETCH=matvec.prefetch_bits(x.device), FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K,
+        PREFETCH=matvec.REGISTER_PREFETCH, FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return out.view(*x.shape[:-1], n_out)

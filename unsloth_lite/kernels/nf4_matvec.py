@@ -72,8 +72,8 @@ from unsloth_lite.kernels.matvec_epilogue import (
 )
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
 from unsloth_lite.kernels.nf4_matvec_checks import _check_args
-from unsloth_lite.kernels.nf4_matvec_state import flat_absmax, lane_tables, tile_major_copy
-from unsloth_lite.kernels.nf4_matvec_words import PREFETCH_L2, PREFETCH_REGISTERS, TILE_MAJOR, _nf4_matvec_words_kernel
+from unsloth_lite.kernels.nf4_matvec_state import flat_absmax, lane_tables
+from unsloth_lite.kernels.nf4_matvec_words import _nf4_matvec_words_kernel
 from unsloth_lite.kernels.utils import INTERPRET, compute_capability, empty
 
 # Output features per program: N / BLOCK_N programs keep every SM busy at the hidden sizes of real models.
@@ -105,14 +105,6 @@ PIPELINE_STAGES = 3
 # (`_prefetched_word_walk`) instead of Triton's pipelining through shared memory: more bytes in flight a warp
 # without a barrier a step. Not yet measured on a GPU: off.
 REGISTER_PREFETCH = False
-# Each program of the word walk's launches asks L2 for its whole share of the weight before its walk (Hopper's bulk
-# prefetch, `nf4_matvec_words._prefetch_to_l2`; compiled only, compute capability 9.0 and later): the walk's loads
-# are bound by their latency, a few tiles in flight a program, while the prefetches put every resident program's
-# share in flight at once, and before the wait for the kernel before. Not yet measured on a GPU: off.
-L2_PREFETCH = False
-# The word kernel reads a kept copy of each weight stored tile by tile (`tile_major_copy`: a program's step reads
-# one contiguous run of words and of absmax instead of one run a feature, a row apart). Not yet measured: off.
-TILE_MAJOR_WEIGHTS = False
 # The kernels read a double-quantised weight's absmax as one fp32 value a block (`flat_absmax`: dequantised once
 # a weight, on its first product, and kept while the weight's absmax is unchanged) instead of the nested form,
 # whose scale is a chain of three dependent loads a tile (8-bit absmax, its second-level code, then the
@@ -147,13 +139,6 @@ def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
     """Whether the blocked kernel decodes a weight of `weight_dtype` (`quant_state.dtype`) with the code book
     rounded to bf16: only bf16 weights, only where the PTX lookup runs."""
     return BF16_CODES and LOOKUP == "registers" and weight_dtype == torch.bfloat16
-
-
-def prefetch_bits(device: torch.device) -> int:
-    """The word walk's PREFETCH bits (`nf4_matvec_words.PREFETCH_REGISTERS`, `PREFETCH_L2`) on `device`:
-    `REGISTER_PREFETCH`, and `L2_PREFETCH` where the bulk prefetch exists (compiled, compute capability >= 9)."""
-    l2 = L2_PREFETCH if not INTERPRET and compute_capability(device) >= 9 else 0
-    return (PREFETCH_REGISTERS.value if REGISTER_PREFETCH else 0) | PREFETCH_L2.value * l2
 
 
 def uses_pdl(device: torch.device) -> bool:
@@ -449,20 +434,14 @@ def nf4_matvec(
     if blocked and words:
         pdl = uses_pdl(x.device)
         x_rows, x_pairs = word_kernel_rows(x2d)
-        whole_tiles = int(n_out % block_n == 0 and n_in % tile_k == 0)
-        words_arg = packed_words(packed)
-        tiled = (TILE_MAJOR_WEIGHTS and whole_tiles and not split_k and not nested
-                 and tile_major_copy(words_arg, absmax, n_out, block_n, tile_k // blocksize))
-        if tiled:
-            (words_arg, absmax), whole_tiles = tiled, TILE_MAJOR.value
         _nf4_matvec_words_kernel[(first.programs + feature_blocks, splits if split_k else 1)](
-            x_rows, x_rows.stride(0), words_arg, absmax, code, tables, *args[6:],
+            x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],
             *((partial, arrivals) if split_k else (out, out)), *sizes, *first,
             FIRST_PRODUCTS=first_in_launch, FIRST_BLOCK_K=LORA_BLOCK_K,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             PTX=LOOKUP == "registers", BF16_CODES=bf16_codes,
             SPLIT_K=split_k, PDL=pdl, STAGES=word_stages(n_out, n_in), num_warps=warps,
-            WHOLE_TILES=whole_tiles, X_PAIRS=x_pairs, PREFETCH=prefetch_bits(x.device),
+            WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs, PREFETCH=REGISTER_PREFETCH,
             **({"launch_pdl": True} if pdl else {}), **meta,
         )
     elif blocked:

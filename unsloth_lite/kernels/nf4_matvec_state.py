@@ -63,33 +63,3 @@ def lane_tables(device: torch.device, bf16_codes: bool) -> torch.Tensor | None:
         row = word_lookup_tables(bf16_codes)
         _LANE_TABLES[key] = torch.tensor([row + [0] * (8 - len(row))] * 32, dtype=torch.int32, device=device)
     return _LANE_TABLES[key]
-
-
-
-_TILE_MAJOR: dict = {}  # (id(words), tile) -> (weak reference to the words, versions, tile-major words, absmax)
-
-
-def tile_major_copy(words: torch.Tensor, absmax: torch.Tensor, n_out: int, block_n: int, blocks_per_tile: int):
-    """(words, absmax) of an NF4 weight of `n_out` rows (its int32 words of eight codes and fp32 absmax a block,
-    flat) stored tile by tile for the word walk at `block_n` features by `blocks_per_tile` quantisation blocks:
-    each program's step reads one contiguous run instead of `block_n` runs a row apart. N must be a multiple of
-    block_n and the blocks a row of blocks_per_tile. Made on first use and kept (one copy a weight and tile);
-    None while a CUDA graph is being captured."""
-    key = (id(words), block_n, blocks_per_tile)
-    versions = (words._version, absmax._version)
-    kept = _TILE_MAJOR.get(key)
-    if kept is not None and kept[0]() is words and kept[1] == versions:
-        return kept[2], kept[3]
-    if words.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    blocks_per_row = absmax.numel() // n_out
-    tiles = blocks_per_row // blocks_per_tile
-
-    def tile_major(values: torch.Tensor) -> torch.Tensor:
-        return values.reshape(n_out // block_n, block_n, tiles, -1).transpose(1, 2).contiguous().reshape(-1)
-
-    copy = (tile_major(words), tile_major(absmax))
-    if kept is None:
-        weakref.finalize(words, _TILE_MAJOR.pop, key, None)
-    _TILE_MAJOR[key] = (weakref.ref(words), versions, *copy)
-    return copy

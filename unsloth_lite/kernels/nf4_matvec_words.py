@@ -29,53 +29,6 @@ from unsloth_lite.kernels.lora_down import _await_first_products, _count_reader,
 from unsloth_lite.kernels.matvec_epilogue import _finish_product, _tile_range
 from unsloth_lite.kernels.nf4_codes import _nf4_word_codes
 
-# `_word_walk`'s PREFETCH bits: the next tile loaded into registers a step ahead; the program's share of the weight
-# asked of L2 before the walk (`_prefetch_to_l2`).
-PREFETCH_REGISTERS, PREFETCH_L2 = tl.constexpr(1), tl.constexpr(2)
-# WHOLE_TILES' value where the weight's words and fp32 absmax are stored tile by tile (`tile_major_copy`).
-TILE_MAJOR = tl.constexpr(2)
-
-
-@triton.jit
-def _prefetch_to_l2(words_ptr, absmax_ptr, features, n_out, blocks_per_row, first_block, end_block,
-                    BLOCKSIZE: tl.constexpr, FLAT_ABSMAX: tl.constexpr):
-    """Asks L2 for the bytes a program's walk will read, without waiting for them (Hopper's bulk prefetch, compiled
-    only): thread i < rows the words of row i over blocks [first_block, end_block), the last thread the fp32 absmax
-    of the rows (FLAT_ABSMAX; its 16-byte-aligned interior). Why: the walk is bound by its loads' latency (a few
-    tiles in flight a program), not by bandwidth; the prefetches queue the whole share at once, so the walk's
-    loads find their bytes in L2 or on their way."""
-    first = tl.min(features, axis=0)
-    rows = tl.minimum(tl.max(features, axis=0) + 1, n_out) - first
-    row_bytes = blocks_per_row * (BLOCKSIZE // 2)
-    words = (words_ptr + (first.to(tl.int64) * blocks_per_row + first_block) * (BLOCKSIZE // 8)).to(tl.int64)
-    nbytes = (end_block - first_block) * (BLOCKSIZE // 2)
-    if FLAT_ABSMAX:
-        start = (absmax_ptr + first.to(tl.int64) * blocks_per_row + first_block).to(tl.int64)
-        end = (absmax_ptr + (first + rows - 1).to(tl.int64) * blocks_per_row + end_block).to(tl.int64)
-        start = (start + 15) & -16
-        absmax_bytes = tl.maximum((end & -16) - start, 0).to(tl.int32)
-    else:
-        start, absmax_bytes = words, 0
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred p, q;
-        .reg .u32 t, n;
-        .reg .u64 a;
-        mov.u32 t, %tid.x;
-        mov.u32 n, %ntid.x;
-        sub.u32 n, n, 1;
-        setp.lt.u32 p, t, $3;
-        mad.wide.u32 a, t, $4, $1;
-        @p cp.async.bulk.prefetch.L2.global [a], $2;
-        setp.eq.u32 q, t, n;
-        setp.ne.and.u32 q, $6, 0, q;
-        @q cp.async.bulk.prefetch.L2.global [$5], $6;
-        mov.u32 $0, 0;
-        }""",
-        "=r,l,r,r,r,l,r", [words, nbytes, rows, row_bytes, start, absmax_bytes], dtype=tl.int32, is_pure=False,
-        pack=1,
-    )
-
 
 @triton.jit
 def _x_elements(x, X_PAIRS: tl.constexpr):
@@ -150,28 +103,19 @@ def _word_loads(
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, WHOLE_TILES: tl.constexpr,
 ):
     """The loads of one weight's tile of quantisation blocks [b0, b0 + BLOCKS_PER_TILE): (its words `[N, B, W]`,
-    each block's absmax `[N, B, 1]`, each word's index in the row `[B, W]`, which blocks lie in the row `[B]`).
-    WHOLE_TILES == `TILE_MAJOR`: the words and the fp32 absmax stored tile by tile (`tile_major_copy`)."""
+    each block's absmax `[N, B, 1]`, each word's index in the row `[B, W]`, which blocks lie in the row `[B]`)."""
     WORDS: tl.constexpr = BLOCKSIZE // 8  # words of one quantisation block
     blocks = b0 + tl.arange(0, BLOCKS_PER_TILE)
-    mask_blocks = (blocks < blocks_per_row) | (WHOLE_TILES > 0)
+    mask_blocks = (blocks < blocks_per_row) | WHOLE_TILES
     mask_nb = mask_features[:, None] & mask_blocks[None, :]
-    word_in_row = blocks[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # [BLOCKS_PER_TILE, WORDS]
-    if WHOLE_TILES == TILE_MAJOR:
-        local = tl.arange(0, features.shape[0])
-        # block (row n, column b) of a feature block starting at row f, tile starting at column b0:
-        # f · blocks_per_row + b0 · BLOCK_N + (n - f) · BLOCKS_PER_TILE + (b - b0)
-        row_blocks = ((features - local).to(tl.int64) * blocks_per_row + b0 * features.shape[0]
-                      + local * BLOCKS_PER_TILE)
-        block_index = row_blocks[:, None] + (blocks - b0)[None, :]
-        word_index = block_index[:, :, None] * WORDS + tl.arange(0, WORDS)[None, None, :]
-    else:
-        block_index = features[:, None].to(tl.int64) * blocks_per_row + blocks[None, :]
-        word_index = features.to(tl.int64)[:, None, None] * (blocks_per_row * WORDS) + word_in_row[None, :, :]
     absmax = _block_absmax(
-        absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize, block_index, mask_nb, NESTED,
+        absmax_ptr, nested_code_ptr, nested_absmax_ptr, offset_ptr, nested_blocksize,
+        features[:, None].to(tl.int64) * blocks_per_row + blocks[None, :], mask_nb, NESTED,
     )[:, :, None]
-    words = tl.load(words_ptr + word_index, mask=mask_nb[:, :, None], other=0)
+    word_in_row = blocks[:, None] * WORDS + tl.arange(0, WORDS)[None, :]  # [BLOCKS_PER_TILE, WORDS]
+    row_words = features.to(tl.int64) * (blocks_per_row * WORDS)
+    words = tl.load(words_ptr + row_words[:, None, None] + word_in_row[None, :, :], mask=mask_nb[:, :, None],
+                    other=0)
     return words, absmax, word_in_row, mask_blocks
 
 
@@ -217,20 +161,15 @@ def _word_walk(
 ):
     """(acc `[BLOCK_M, BLOCK_N]`, partial `[BLOCK_N, BLOCKS_PER_TILE, WORDS]`): the word kernel's walk over
     quantisation blocks [first_block, end_block) of the rows `features` of one weight, its sums for several rows
-    in acc, for one row kept elementwise in partial (`_finish_product` reduces them). PREFETCH (bits):
-    `PREFETCH_REGISTERS`, each step issues the next tile's loads into registers before it decodes its own (STAGES
-    ignored); `PREFETCH_L2`, the program's share of the weight asked of L2 first (`_prefetch_to_l2`)."""
+    in acc, for one row kept elementwise in partial (`_finish_product` reduces them). PREFETCH: each step issues
+    the next tile's loads into registers before it decodes its own (STAGES ignored)."""
     WORDS: tl.constexpr = BLOCKSIZE // 8
-    mask_features = (features < n_out) | (WHOLE_TILES > 0)
+    mask_features = (features < n_out) | WHOLE_TILES
     blocks_per_row = n_in // BLOCKSIZE
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     partial = tl.zeros([BLOCK_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)  # one row: reduced at the end
     tables = _lane_tables(tables_ptr, PTX, BF16_CODES)
-    if PREFETCH_L2 & PREFETCH:
-        lead_end = tl.minimum(end_block, first_block + (PREFETCH // PREFETCH_L2) * BLOCKS_PER_TILE)
-        _prefetch_to_l2(words_ptr, absmax_ptr, features, n_out, blocks_per_row, first_block, lead_end, BLOCKSIZE,
-                        not NESTED)
-    if PREFETCH_REGISTERS & PREFETCH:
+    if PREFETCH:
         acc, partial = _prefetched_word_walk(
             acc, partial, x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables, nested_code_ptr,
             nested_absmax_ptr, offset_ptr, nested_blocksize, features, mask_features, blocks_per_row, n_rows,
