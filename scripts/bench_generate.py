@@ -37,7 +37,6 @@ Switches, 0 or 1, the default first: `lora_split=1` and `lora_pdl=0` (`lora_down
 ordinary launches instead of programmatic dependent ones, each of which starts loading its weight while the
 kernel before it finishes), `words=1` (`nf4_matvec.WORD_KERNEL`: the weight read as words of eight codes),
 `prefetch=0` (`nf4_matvec.REGISTER_PREFETCH`: the word kernel's next tile loaded into registers a step ahead),
-`b_l2=0` (`nf4_matvec.LORA_B_PREFETCH`: each program asks L2 for its rows of the adapter's B when it starts),
 `gated=1` (`decode.GATED_MATVEC`: each MLP's gate and up products and SwiGLU in one launch), `grouped=1`
 (`decode.GROUPED_MATVEC`: the projections of one input in one launch), `attention=1` (`decode.DECODE_ATTENTION`:
 each full-attention layer's cache update, attention and output gate in one launch), `deltanet=0`
@@ -130,7 +129,6 @@ DECODE_SETTINGS = {
     "pdl": ("unsloth_lite.kernels.nf4_matvec", "PDL", 0),
     "words": ("unsloth_lite.kernels.nf4_matvec", "WORD_KERNEL", 0),
     "prefetch": ("unsloth_lite.kernels.nf4_matvec", "REGISTER_PREFETCH", 0),
-    "b_l2": ("unsloth_lite.kernels.nf4_matvec", "LORA_B_PREFETCH", 0),
     "gated": ("unsloth_lite.models.decode", "GATED_MATVEC", 0),
     "grouped": ("unsloth_lite.models.decode", "GROUPED_MATVEC", 0),
     "attention": ("unsloth_lite.models.decode", "DECODE_ATTENTION", 0),

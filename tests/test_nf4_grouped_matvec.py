@@ -14,16 +14,12 @@ from unsloth_lite.kernels.nf4_grouped_matvec import grouped_matvec_supported, nf
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 
 
-@pytest.fixture(autouse=True, params=["blocked", "words", "words_prefetch", "words_b_l2"])
+@pytest.fixture(autouse=True, params=["blocked", "words", "words_prefetch"])
 def walk(request, monkeypatch):
     """The blocked kernel's walk, the word kernel's (`nf4_matvec.WORD_KERNEL`) and the word kernel's with the next
-    tile loaded a step ahead (`REGISTER_PREFETCH`), and the word kernel's with the adapters' B rows asked of L2
-    first (`LORA_B_PREFETCH`, compiled only): the fused launch and the separate products compared take it."""
-    if request.param == "words_b_l2" and not torch.cuda.is_available():
-        pytest.skip("the L2 prefetch runs compiled only")
+    tile loaded a step ahead (`REGISTER_PREFETCH`): the fused launch and the separate products compared take it."""
     monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", request.param != "blocked")
     monkeypatch.setattr(nf4_matvec_module, "REGISTER_PREFETCH", request.param == "words_prefetch")
-    monkeypatch.setattr(nf4_matvec_module, "LORA_B_PREFETCH", request.param == "words_b_l2")
     return request.param
 
 

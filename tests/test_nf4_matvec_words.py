@@ -185,16 +185,14 @@ def test_word_kernel_exact_codes_cuda(shape, rows, word_kernel, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [1, 3, "prefetch", "b_l2"], ids=lambda n: f"{n}stages" if isinstance(n, int) else n)
+@pytest.mark.parametrize("stages", [1, 3, "prefetch"], ids=lambda n: f"{n}stages" if n != "prefetch" else n)
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("shape", [(1024, 4096), (17408, 5120), (5120, 17408)], ids=str)
 def test_word_kernel_every_swept_tile_cuda(shape, rows, stages, word_kernel, monkeypatch):
-    """Every tile of the benchmark's sweep (split along K or not, 1 to 8 warps), looped, pipelined, with the
-    next tile loaded into registers (`REGISTER_PREFETCH`) and pipelined with the adapter's B rows asked of L2 first
-    (`LORA_B_PREFETCH`)."""
-    monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", {"b_l2": 3, "prefetch": 1}.get(stages, stages))
+    """Every tile of the benchmark's sweep (split along K or not, 1 to 8 warps), looped, pipelined and with the
+    next tile loaded into registers (`REGISTER_PREFETCH`)."""
+    monkeypatch.setattr(nf4_matvec_module, "PIPELINE_STAGES", 1 if stages == "prefetch" else stages)
     monkeypatch.setattr(nf4_matvec_module, "REGISTER_PREFETCH", stages == "prefetch")
-    monkeypatch.setattr(nf4_matvec_module, "LORA_B_PREFETCH", stages == "b_l2")
     for tile in sweep_word_tiles():
         monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda *_, tile=tile: tile)
         check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")

@@ -16,9 +16,6 @@ from triton.language.extra.cuda.gdc import gdc_launch_dependents
 
 # What the products' epilogue adds (`_output_values`' BIAS): nothing, a bias a feature, an addend a row and feature.
 BIAS_NONE, BIAS_FEATURES, BIAS_ROWS = 0, 1, 2
-# HAS_LORA's value for an adapter whose B rows a program asks of L2 when it starts (`_prefetch_b_rows`); 1: read
-# only in the epilogue.
-LORA_B_PREFETCHED = tl.constexpr(2)
 _ARRIVALS: dict = {}
 
 
@@ -54,40 +51,6 @@ def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr
             total += tl.load(partial_ptr + s * BLOCK_M * n_out + slot, mask=mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(arrivals_ptr + counter, 0, sem="relaxed", scope="gpu")
     return total, last
-
-
-@triton.jit
-def _prefetch_to_l2(start, end):
-    """Asks L2 for the bytes [start, end) (int64 addresses; their 16-byte-aligned interior), by one thread, without
-    waiting for them (Hopper's bulk prefetch: compiled only, compute capability 9.0 and later)."""
-    first = (start + 15) & -16
-    nbytes = tl.maximum((end & -16) - first, 0).to(tl.int32)
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        .reg .u32 t;
-        mov.u32 t, %tid.x;
-        setp.eq.u32 p, t, 0;
-        setp.ne.and.u32 p, $2, 0, p;
-        @p cp.async.bulk.prefetch.L2.global [$1], $2;
-        mov.u32 $0, 0;
-        }""",
-        "=r,l,r", [first, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
-@triton.jit
-def _prefetch_b_rows(lora_b_ptr, row_stride, col_stride, features, n_out, rank, HAS_LORA: tl.constexpr):
-    """With HAS_LORA == `LORA_B_PREFETCHED`: the adapter's B rows of the program's features asked of L2. Why: B
-    is read once a token, after the walk, so its bytes come from memory in the program's last step, one more
-    round trip at the end of every program; asked for first (B is frozen: before `gdc_wait` too), they are in L2
-    by then."""
-    if HAS_LORA == LORA_B_PREFETCHED:
-        first = tl.min(features, axis=0)
-        last = tl.minimum(tl.max(features, axis=0), n_out - 1)
-        start = (lora_b_ptr + first.to(tl.int64) * row_stride).to(tl.int64)
-        end = (lora_b_ptr + last.to(tl.int64) * row_stride + (rank - 1) * col_stride + 1).to(tl.int64)
-        _prefetch_to_l2(start, tl.where(rank > 0, end, start))
 
 
 @triton.jit

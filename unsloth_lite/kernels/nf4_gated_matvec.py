@@ -35,7 +35,7 @@ from unsloth_lite.kernels.lora_down import (
     lora_down_rows,
     no_first_products,
 )
-from unsloth_lite.kernels.matvec_epilogue import _output_values, _prefetch_b_rows
+from unsloth_lite.kernels.matvec_epilogue import _output_values
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, _nf4_word_codes, code_pairs
 from unsloth_lite.kernels.nf4_matvec import _blocked_tile_loads, packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_state import lane_tables
@@ -281,8 +281,6 @@ def _gated_program(
     launch's first programs (awaited before the epilogue, the program counted after it)."""
     features = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
-    _prefetch_b_rows(gate_b_ptr, gate_b_row_stride, gate_b_col_stride, features, n_out, gate_rank, GATE_LORA)
-    _prefetch_b_rows(up_b_ptr, up_b_row_stride, up_b_col_stride, features, n_out, up_rank, UP_LORA)
     if WORDS:
         acc_gate, acc_up = _gated_word_sums(
             x_ptr, x_row_stride, gate_packed_ptr, gate_absmax_ptr, up_packed_ptr, up_absmax_ptr, table_ptr,
@@ -390,8 +388,7 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         out, out.stride(0),
         n_rows, n_out, n_in, *first,
         BLOCKSIZE=blocksize, GATE_BIAS=gate_bias is not None, UP_BIAS=up_bias is not None,
-        GATE_LORA=matvec.lora_kind(ranks[0] > 0, x.device), UP_LORA=matvec.lora_kind(ranks[1] > 0, x.device),
-        BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n,
+        GATE_LORA=ranks[0] > 0, UP_LORA=ranks[1] > 0, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n,
         BLOCKS_PER_TILE=tile_k // blocksize, GATE_BLOCK_R=max(2, triton.next_power_of_2(ranks[0])),
         UP_BLOCK_R=max(2, triton.next_power_of_2(ranks[1])),
         LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=bf16_codes, PDL=pdl, WORDS=words,

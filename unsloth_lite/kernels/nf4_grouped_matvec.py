@@ -35,7 +35,7 @@ from unsloth_lite.kernels.lora_down import (
     lora_down_rows,
     no_first_products,
 )
-from unsloth_lite.kernels.matvec_epilogue import _finish_product, _prefetch_b_rows
+from unsloth_lite.kernels.matvec_epilogue import _finish_product
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
 from unsloth_lite.kernels.nf4_matvec import _blocked_sums, packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_state import lane_tables
@@ -129,7 +129,6 @@ def _grouped_program(
         b_row_stride, b_col_stride, t_col, rank, start = b3_row_stride, b3_col_stride, t_col3, rank3, end2
     features = (pid - start) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
-    _prefetch_b_rows(lora_b, b_row_stride, b_col_stride, features, n_out, rank, HAS_LORA)
     if WORDS:
         acc, partial = _word_walk(
             x_ptr, x_row_stride, packed, absmax, table_ptr, tables_ptr, absmax, absmax, absmax, 1, features, n_rows,
@@ -242,7 +241,7 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
         x_rows, x_rows.stride(0), x_rows.stride(1), table,
         tables if words else code, t, t.stride(0), *(arg for slot in slots[:-1] for arg in slot), *slots[-1][:-1],
         n_rows, n_in, *first,
-        BLOCKSIZE=blocksize, HAS_BIAS=biases[0] is not None, HAS_LORA=matvec.lora_kind(sum(ranks) > 0, x.device),
+        BLOCKSIZE=blocksize, HAS_BIAS=biases[0] is not None, HAS_LORA=sum(ranks) > 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
         BLOCK_R=max(2, triton.next_power_of_2(max(ranks))), LOOKUP=LOOKUPS.index(matvec.LOOKUP),
         BF16_CODES=bf16_codes, PDL=pdl, WORDS=words,

@@ -65,7 +65,6 @@ from unsloth_lite.kernels.matvec_epilogue import (
     BIAS_FEATURES,
     BIAS_NONE,
     BIAS_ROWS,
-    LORA_B_PREFETCHED,
     _arrival_counters,
     _finish_product,
     _store_rows,
@@ -106,10 +105,6 @@ PIPELINE_STAGES = 3
 # (`_prefetched_word_walk`) instead of Triton's pipelining through shared memory: more bytes in flight a warp
 # without a barrier a step. Not yet measured on a GPU: off.
 REGISTER_PREFETCH = False
-# Each program of the word walk's launches with an adapter asks L2 for its features' rows of B when it starts
-# (`matvec_epilogue._prefetch_b_rows`), so that the epilogue, which reads B after the walk, does not wait on
-# memory at the end of every program. Not yet measured: off.
-LORA_B_PREFETCH = False
 # The kernels read a double-quantised weight's absmax as one fp32 value a block (`flat_absmax`: dequantised once
 # a weight, on its first product, and kept while the weight's absmax is unchanged) instead of the nested form,
 # whose scale is a chain of three dependent loads a tile (8-bit absmax, its second-level code, then the
@@ -144,15 +139,6 @@ def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
     """Whether the blocked kernel decodes a weight of `weight_dtype` (`quant_state.dtype`) with the code book
     rounded to bf16: only bf16 weights, only where the PTX lookup runs."""
     return BF16_CODES and LOOKUP == "registers" and weight_dtype == torch.bfloat16
-
-
-def lora_kind(has_lora: bool, device: torch.device) -> int:
-    """The products' HAS_LORA for an adapter or none on `device`: `LORA_B_PREFETCHED` where `LORA_B_PREFETCH` is on
-    and the bulk prefetch exists (compiled, compute capability >= 9)."""
-    if not has_lora:
-        return 0
-    prefetched = LORA_B_PREFETCH and not INTERPRET and compute_capability(device) >= 9
-    return LORA_B_PREFETCHED.value if prefetched else 1
 
 
 def uses_pdl(device: torch.device) -> bool:
@@ -442,7 +428,7 @@ def nf4_matvec(
     )
     sizes = (n_rows, n_out, n_in, rank)
     meta = dict(
-        BLOCKSIZE=blocksize, NESTED=nested, BIAS=bias_kind, HAS_LORA=lora_kind(has_lora, x.device),
+        BLOCKSIZE=blocksize, NESTED=nested, BIAS=bias_kind, HAS_LORA=has_lora,
         BLOCK_R=max(2, triton.next_power_of_2(rank)),
     )
     if blocked and words:

@@ -26,7 +26,7 @@ from triton.language.extra.cuda.gdc import gdc_wait
 
 from unsloth_lite.kernels.dequantize_nf4 import _block_absmax
 from unsloth_lite.kernels.lora_down import _await_first_products, _count_reader, _first_product_program
-from unsloth_lite.kernels.matvec_epilogue import _finish_product, _prefetch_b_rows, _tile_range
+from unsloth_lite.kernels.matvec_epilogue import _finish_product, _tile_range
 from unsloth_lite.kernels.nf4_codes import _nf4_word_codes
 
 
@@ -322,7 +322,6 @@ def _word_program(
     first programs (`_await_first_products` before the epilogue, `_count_reader` after it)."""
     features = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
-    _prefetch_b_rows(lora_b_ptr, lora_b_row_stride, lora_b_col_stride, features, n_out, rank, HAS_LORA)
     first_block, end_block = _tile_range(n_in // BLOCKSIZE, BLOCKS_PER_TILE, SPLIT_K)
     acc, partial = _word_walk(
         x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
