@@ -370,6 +370,33 @@ def per_token(rows: list[dict], shapes: list[str], variants: list[str], tiny: bo
     return totals
 
 
+def profile_shape(shape: str, device, tiny: bool) -> int:
+    """`--profile-shape`: `nf4_matvec` at `shape` ("OUTxIN") on one row, each weight copy in turn, twice (the
+    first pass compiles and makes the kept absmax; a profiler's `--launch-skip` passes it)."""
+    try:
+        n_out, n_in = (int(n) for n in shape.lower().split("x"))
+    except ValueError:
+        print(f"--profile-shape: expected OUTxIN such as 4096x12288, got {shape!r}", file=sys.stderr)
+        return 2
+    if n_out <= 0 or n_in <= 0 or n_in % 64:
+        print(f"--profile-shape: OUT must be positive and IN a positive multiple of 64, got {shape!r}",
+              file=sys.stderr)
+        return 2
+    from unsloth_lite.kernels.nf4_matvec import nf4_matvec
+
+    dtype = torch.float32 if tiny else torch.bfloat16
+    weights = weight_copies(nf4_weight(n_out, n_in, device, dtype), tiny)
+    x = torch.randn(1, n_in, device=device, dtype=dtype)
+    with torch.no_grad():
+        for _ in range(2):
+            for weight in weights:
+                nf4_matvec(x, weight)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    print(f"profiled {n_out}x{n_in}: {2 * len(weights)} products over {len(weights)} weight copies")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = shape_run_parser(__doc__, SHAPES)
     parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)}")
@@ -378,10 +405,15 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time every tile of SWEEP_TILES (microseconds)")
     parser.add_argument("--sweep-chosen-tile", action="store_true",
                         help="with --sweep: each projection's chosen tile only, not every tile of SWEEP_TILES")
+    parser.add_argument("--profile-shape", default=None, metavar="OUTxIN",
+                        help="only run unsloth-lite's product at this shape over its weight copies, twice, untimed: "
+                             "for a profiler (docs/benchmarks.md names the ncu command)")
     args = parser.parse_args(argv)
     device = bench_device(args.tiny)
     if device is None:
         return 1
+    if args.profile_shape is not None:
+        return profile_shape(args.profile_shape, device, args.tiny)
     shapes = args.shapes.split(",")
     variants = args.variants.split(",") if args.variants else list(TINY_VARIANTS if args.tiny else VARIANTS)
     if report_unknown("shapes", shapes, SHAPES) or report_unknown("variants", variants, VARIANTS):

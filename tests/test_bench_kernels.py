@@ -123,6 +123,18 @@ def test_bench_nf4_matvec_several_rows():
     assert "| qwen3_8b | attention | 64/32/32 | 16 |" in out
 
 
+def test_bench_nf4_matvec_profile_shape():
+    """`--profile-shape`: the product alone at one shape (for a profiler), untimed; a malformed shape refused by
+    name in one line."""
+    out = run_tiny("bench_nf4_matvec.py", "--profile-shape", "48x128")
+    assert "profiled 48x128: 4 products over 2 weight copies" in out and "| variant |" not in out
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]), TRITON_INTERPRET="1")
+    for bad in ("48x100", "48by128"):
+        done = subprocess.run([sys.executable, "scripts/bench_nf4_matvec.py", "--tiny", "--profile-shape", bad],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--profile-shape" in done.stderr, done.stderr
+
+
 def test_bench_nf4_matvec_sweep_of_the_chosen_tile():
     out = run_tiny("bench_nf4_matvec.py", "--sweep", "--sweep-chosen-tile", "--shapes", "qwen3_8b",
                    "--variants", "unsloth_lite")
