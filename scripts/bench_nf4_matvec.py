@@ -4,6 +4,8 @@ decoder projection shape of the W3 models, with the time each model spends in th
 
     python scripts/bench_nf4_matvec.py --out bench_nf4_matvec.json              # on a GPU: both W3 shapes
     TRITON_INTERPRET=1 python scripts/bench_nf4_matvec.py --tiny               # CPU smoke run
+    ncu --kernel-name regex:_nf4_matvec_words_kernel --launch-skip 3 --launch-count 1 \
+        python scripts/bench_nf4_matvec.py --profile-shape 4096x12288          # one product, for a profiler
 
 Shapes: the NF4 decoder linears of `decode_shapes.py`'s `qwen3_8b` and `qwen3_5_27b` (random weights, bf16
 compute, double quantisation, block 64, as `quantize_linears_nf4` stores them), one row of x (`--rows`: 1 to 8, as
