@@ -94,12 +94,12 @@ PDL = True
 # is. fp32 and fp16 weights keep the exact code book: rounded, it changes an fp32 model's greedy tokens.
 BF16_CODES = True
 # Tiles along K whose loads the blocked and the word kernel's loops keep in flight (Triton's software pipelining:
-# asynchronous copies into shared memory, `tl.range(num_stages=)`), where 1 loads each tile in its own step. The
-# loops are bound by the latency of their loads (a program waits for each tile's bytes before decoding them);
-# pipelined, the next tiles' bytes keep coming meanwhile. Measured on the H200 (2026-12-05, every projection of
-# the W3 models, one row): the word kernel with three stages took 3-21% less time than with one (the projections'
-# sum a token: Qwen3-8B 4.64 -> 4.11 ms, Qwen3.5-27B 12.40 -> 11.27; `docs/benchmarks.md`), the blocked kernel
-# from 1% more to 18% less.
+# asynchronous copies into shared memory, `tl.range(num_stages=)`), where 1 loads each tile in its own step: the
+# next tiles' bytes keep coming while a program decodes one (profiled since, the word kernel is bound inside the
+# SM, by its integer work and shared-memory reads, not by DRAM: docs/benchmarks.md). Measured on the H200
+# (2026-12-05, every projection of the W3 models, one row): the word kernel with three stages took 3-21% less
+# time than with one (the projections' sum a token: Qwen3-8B 4.64 -> 4.11 ms, Qwen3.5-27B 12.40 -> 11.27), the
+# blocked kernel from 1% more to 18% less.
 PIPELINE_STAGES = 3
 # The word kernel's loop with the next tile's loads issued into registers before each step decodes its own
 # (`_prefetched_word_walk`) instead of Triton's pipelining through shared memory: more bytes in flight a warp
