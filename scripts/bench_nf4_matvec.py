@@ -18,6 +18,9 @@ a decoding step of that many sequences). Variants:
   decoded at once, 30% fewer instructions a weight);
 - `unsloth_lite_prefetch`: the word kernel with each step's next tile loaded into registers before it decodes its
   own (`nf4_matvec.REGISTER_PREFETCH`) instead of Triton's pipelining through shared memory;
+- `unsloth_lite_fp32_x`: the default kernel with x given in float32 (y then in float32): the walk reads x's
+  elements as they are instead of widening bf16 pairs, twice the bytes of x (what x's widening costs in the
+  integer pipe, which bounds the kernel: docs/benchmarks.md, "The word kernel under Nsight Compute");
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
@@ -69,8 +72,9 @@ from bench_common import (
 from decode_shapes import SHAPES, nf4_bytes, shape_config
 from random_checkpoint import weightless_model
 
-VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "unsloth_lite_prefetch", "bitsandbytes",
-            "dequantize_matmul")
+VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "unsloth_lite_prefetch",
+            "unsloth_lite_fp32_x", "bitsandbytes", "dequantize_matmul")
+FP32_X = "unsloth_lite_fp32_x"  # the same product of x given in float32: no widening of x in the walk
 NESTED_ABSMAX = "unsloth_lite_nested_absmax"  # the kernel reading the double-quantised absmax itself
 # `nf4_matvec` settings of the unsloth-lite variants
 KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False},
@@ -156,6 +160,9 @@ def variant_fn(variant: str, x, weight):
                     setattr(matvec, name, value)
 
         return product
+    if variant == FP32_X:
+        x32 = x.float()
+        return lambda: matvec.nf4_matvec(x32, weight)
     if variant == "bitsandbytes":
         import bitsandbytes as bnb
 
@@ -173,7 +180,8 @@ def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidt
         for variant in variants:
             reads_flat = variant in KERNEL_SETTINGS and KERNEL_SETTINGS[variant].get("FLAT_ABSMAX", True)
             absmax_bytes = flat_absmax_bytes if reads_flat else nf4_bytes
-            moved = absmax_bytes(n_out * n_in) + x.element_size() * x_rows * (n_in + n_out)
+            x_bytes = 4 if variant == FP32_X else x.element_size()
+            moved = absmax_bytes(n_out * n_in) + x_bytes * x_rows * (n_in + n_out)
             with torch.no_grad():
                 calls = [variant_fn(variant, x, weight) for weight in weights]
                 row = timed_row(lambda calls=calls: [call() for call in calls], device, moved * len(weights),

@@ -118,8 +118,10 @@ def test_bench_word_tiles_chosen_tiles_and_stages(tmp_path):
 
 
 def test_bench_nf4_matvec_several_rows():
-    out = run_tiny("bench_nf4_matvec.py", "--rows", "3", "--shapes", "qwen3_8b", "--variants", "unsloth_lite")
+    out = run_tiny("bench_nf4_matvec.py", "--rows", "3", "--shapes", "qwen3_8b", "--variants",
+                   "unsloth_lite,unsloth_lite_fp32_x")
     assert "3 row(s) of x" in out and "| qwen3_8b | unsloth_lite |" in out
+    assert "| qwen3_8b | unsloth_lite_fp32_x |" in out
     assert "| qwen3_8b | attention | 64/32/32 | 16 |" in out
 
 
