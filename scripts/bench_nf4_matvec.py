@@ -79,7 +79,8 @@ NESTED_ABSMAX = "unsloth_lite_nested_absmax"  # the kernel reading the double-qu
 # `nf4_matvec` settings of the unsloth-lite variants
 KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False},
                    "unsloth_lite_words": {"WORD_KERNEL": True},
-                   "unsloth_lite_prefetch": {"WORD_KERNEL": True, "PIPELINE_STAGES": 1, "REGISTER_PREFETCH": True}}
+                   "unsloth_lite_prefetch": {"WORD_KERNEL": True, "PIPELINE_STAGES": 1, "REGISTER_PREFETCH": True},
+                   FP32_X: {}}
 # (features, weights along K, warps, tiles a split along K: False none, True one) a program
 SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (32, 512, 4, False),
                (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),
@@ -149,6 +150,8 @@ def variant_fn(variant: str, x, weight):
     from unsloth_lite.kernels import nf4_matvec as matvec
 
     if variant in KERNEL_SETTINGS:
+        x = x.float() if variant == FP32_X else x
+
         def product():
             saved = {name: getattr(matvec, name) for name in KERNEL_SETTINGS[variant]}
             try:
@@ -160,9 +163,6 @@ def variant_fn(variant: str, x, weight):
                     setattr(matvec, name, value)
 
         return product
-    if variant == FP32_X:
-        x32 = x.float()
-        return lambda: matvec.nf4_matvec(x32, weight)
     if variant == "bitsandbytes":
         import bitsandbytes as bnb
 
