@@ -16,7 +16,7 @@ from test_nf4_matvec import check, check_split_along_k, float64_reference, make_
 from unsloth_lite.kernels import lora_down as lora_down_module
 from unsloth_lite.kernels import matvec_epilogue, nf4_matvec_state
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
-from unsloth_lite.kernels.nf4_codes import word_lookup_tables
+from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, word_lookup_tables
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,6 +182,23 @@ def test_word_kernel_takes_the_first_product_in_its_launch_cuda(shape, rows, wor
 def test_word_kernel_exact_codes_cuda(shape, rows, word_kernel, monkeypatch):
     monkeypatch.setattr(nf4_matvec_module, "BF16_CODES", False)
     check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("shape", W3_SHAPES, ids=str)
+def test_word_kernel_fp32_products_cuda(shape, rows, word_kernel, monkeypatch):
+    """bf16 weights and x with the products in fp32 (`BF16_PAIR_PRODUCTS` off), as the pairs' form falls back."""
+    monkeypatch.setattr(nf4_matvec_module, "BF16_PAIR_PRODUCTS", False)
+    check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
+
+
+def test_word_code_form_pairs_only_bf16_codes_with_bf16_x(monkeypatch):
+    """The word walk multiplies in bf16 pairs only where both the codes and x are bf16 and the setting is on."""
+    form = nf4_matvec_module.word_code_form
+    assert form(True, True) == CODE_PAIRS.value and form(True, False) == 1 and form(False, True) == 0
+    monkeypatch.setattr(nf4_matvec_module, "BF16_PAIR_PRODUCTS", False)
+    assert form(True, True) == 1
 
 
 @pytest.mark.gpu

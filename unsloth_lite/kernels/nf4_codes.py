@@ -23,6 +23,9 @@ import triton.language as tl
 
 # The lookups `_nf4_codes` takes, in the order of its LOOKUP index (module docstring).
 LOOKUPS = ("registers", "pairs", "code_book")
+# `_nf4_word_codes`' BF16_CODES for codes rounded to bf16 and kept as bf16 pairs, multiplied with x's bf16 pairs
+# two at a time (`code_pair_sums`); False and True: fp32 codes, exact or rounded to bf16.
+CODE_PAIRS = tl.constexpr(2)
 
 _CODE_PAIRS: dict = {}
 
@@ -108,37 +111,42 @@ def _plane_word(words: list[int], plane: int, first: int) -> int:
     return sum(((words[first + i] >> (8 * plane)) & 0xFF) << (8 * i) for i in range(4))
 
 
-def _nf4_word_lookup_ptx(bf16_codes: bool) -> str:
+def _nf4_word_lookup_ptx(bf16_codes: bool, pairs: bool = False) -> str:
     """PTX that maps the eight codes of the 32-bit word `$8` (four packed bytes: weights 0-7 of the word in
     element order, the high nibble of byte j being weight 2j) to their values' fp32 bit patterns in `$0..$7`,
-    with `word_lookup_tables` in `$9...`. The nibbles of two bytes, side by side in the word's low half, are
-    themselves a `prmt` selector (weights 1, 0, 3, 2 of those bytes): with each nibble's top bit cleared (one
-    `and` for all eight), two lookups per byte plane (entries 0-7 and 8-15) and a `prmt` that turns the top bits
-    into byte masks (its sign mode, on the word and the word shifted by 4) select four values at once, with no
-    other selector arithmetic. `bf16_codes`: the codes rounded to bf16, two planes; the words are formed from
-    bf16 pairs by a shift or a mask (compiled for sm_90: 27 SASS instructions for eight weights, against 41 for
-    two calls of `_nf4_lookup_ptx` with their tables copied in from uniform registers)."""
+    with `word_lookup_tables` in `$9...` (`pairs`, with `bf16_codes`: to four bf16 pairs in `$0..$3`, weights
+    2i and 2i + 1 in the low and the high half of `$i`, the word in `$4`, the tables in `$5...`). The nibbles of
+    two bytes, side by side in the word's low half, are themselves a `prmt` selector (weights 1, 0, 3, 2 of those
+    bytes): with each nibble's top bit cleared (one `and` for all eight), two lookups per byte plane (entries 0-7
+    and 8-15) and a `prmt` that turns the top bits into byte masks (its sign mode, on the word and the word
+    shifted by 4) select four values at once, with no other selector arithmetic. `bf16_codes`: the codes rounded
+    to bf16, two planes; one `prmt` per bf16 pair of the codes, and the words formed from the pairs by a shift or
+    a mask (compiled for sm_90: 27 SASS instructions for eight weights, against 41 for two calls of
+    `_nf4_lookup_ptx` with their tables copied in from uniform registers; 21 as pairs)."""
     codes = torch.tensor(NF4_CODE, dtype=torch.float32)
     words = (codes.to(torch.bfloat16).float() if bf16_codes else codes).view(torch.int32).tolist()
     planes = (2, 3) if bf16_codes else range(4)
     values = ", ".join(f"v{p}_{h}" for p in planes for h in (0, 1))
+    word = 4 if pairs else 8  # the input register after the outputs
     lines = [f".reg .b32 s0, s1, w4, m0, m1, lo, hi, a, b, c, d, {values};"]
     # selectors: bytes 0-1 (half 0) and 2-3 (half 1) of the word, each nibble's top bit cleared (prmt reads it
     # as its sign flag); masks: 0xFF in each output byte whose nibble is 8-15 (bit 7 of the word's byte j is the
     # top bit of weight 2j, bit 7 of the shifted word's byte j that of weight 2j + 1)
-    lines += ["and.b32 s0, $8, 0x77777777;", "shr.b32 s1, s0, 16;", "shl.b32 w4, $8, 4;",
-              "prmt.b32 m0, w4, $8, 0xD9C8;", "prmt.b32 m1, w4, $8, 0xFBEA;"]
+    lines += [f"and.b32 s0, ${word}, 0x77777777;", "shr.b32 s1, s0, 16;", f"shl.b32 w4, ${word}, 4;",
+              f"prmt.b32 m0, w4, ${word}, 0xD9C8;", f"prmt.b32 m1, w4, ${word}, 0xFBEA;"]
     for i, p in enumerate(planes):
         for h in (0, 1):
             lines += [
-                f"prmt.b32 lo, ${9 + 2 * i}, 0x{_plane_word(words, p, 4):08X}, s{h};",
-                f"prmt.b32 hi, ${10 + 2 * i}, 0x{_plane_word(words, p, 12):08X}, s{h};",
+                f"prmt.b32 lo, ${word + 1 + 2 * i}, 0x{_plane_word(words, p, 4):08X}, s{h};",
+                f"prmt.b32 hi, ${word + 2 + 2 * i}, 0x{_plane_word(words, p, 12):08X}, s{h};",
                 f"and.b32 hi, hi, m{h};", f"not.b32 a, m{h};", "and.b32 lo, lo, a;", f"or.b32 v{p}_{h}, lo, hi;",
             ]
     # byte i of v{p}_{h} is plane p of weight 4h + (1, 0, 3, 2)[i]
     for h in (0, 1):
         first = 4 * h
-        if bf16_codes:  # bf16 pairs: the even weight's code in the low half
+        if bf16_codes and pairs:
+            lines += [f"prmt.b32 ${2 * h}, v2_{h}, v3_{h}, 0x4051;", f"prmt.b32 ${2 * h + 1}, v2_{h}, v3_{h}, 0x6273;"]
+        elif bf16_codes:  # bf16 pairs: the even weight's code in the low half
             lines += [
                 f"prmt.b32 a, v2_{h}, v3_{h}, 0x4051;", f"prmt.b32 b, v2_{h}, v3_{h}, 0x6273;",
                 f"shl.b32 ${first}, a, 16;", f"and.b32 ${first + 1}, a, 0xFFFF0000;",
@@ -154,12 +162,28 @@ def _nf4_word_lookup_ptx(bf16_codes: bool) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
+def _bf16_pair_dot_ptx() -> str:
+    """PTX that takes four bf16 pairs of codes (`$1..$4`) and of x (`$5..$8`) to the fp32 sum of their eight
+    products in `$0`: four `fma.rn.bf16x2` (each half a chain of four products, rounded to bf16 at each step),
+    then the two halves widened and added in fp32."""
+    return "\n".join([
+        "{", ".reg .b32 s, z, lo, hi;", ".reg .f32 even, odd, sum;",
+        "mov.b32 z, 0x80008000;",  # -0.0 in each half: the first products alone
+        "fma.rn.bf16x2 s, $1, $5, z;", "fma.rn.bf16x2 s, $2, $6, s;", "fma.rn.bf16x2 s, $3, $7, s;",
+        "fma.rn.bf16x2 s, $4, $8, s;",
+        "shl.b32 lo, s, 16;", "and.b32 hi, s, 0xFFFF0000;", "mov.b32 even, lo;", "mov.b32 odd, hi;",
+        "add.f32 sum, even, odd;", "mov.b32 $0, sum;", "}",
+    ])
+
+
 NF4_EVEN_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=True))
 NF4_ODD_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=False))
 NF4_EVEN_BF16_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=True, bf16_codes=True))
 NF4_ODD_BF16_PTX = tl.constexpr(_nf4_lookup_ptx(high_nibbles=False, bf16_codes=True))
 NF4_WORD_PTX = tl.constexpr(_nf4_word_lookup_ptx(bf16_codes=False))
 NF4_WORD_BF16_PTX = tl.constexpr(_nf4_word_lookup_ptx(bf16_codes=True))
+NF4_WORD_PAIRS_PTX = tl.constexpr(_nf4_word_lookup_ptx(bf16_codes=True, pairs=True))
+BF16_PAIR_DOT_PTX = tl.constexpr(_bf16_pair_dot_ptx())
 
 
 @triton.jit
@@ -187,8 +211,12 @@ def _nf4_word_codes(words, code_ptr, t0, t1, t2, t3, t4, t5, t6, t7, PTX: tl.con
     element order (weight 2j: the high nibble of byte j), as eight tensors of `words`' shape. PTX (compiled
     only): `_nf4_word_lookup_ptx`, with `word_lookup_tables` loaded into t0... (the first four with BF16_CODES,
     the codes rounded to bf16); else each nibble shifted out and its value loaded from the fp32 code book
-    (exact)."""
-    if PTX:
+    (exact). BF16_CODES == CODE_PAIRS (PTX only): the codes rounded to bf16 as four int32 tensors of bf16 pairs
+    (weights 2i and 2i + 1: low and high half), for `code_pair_sums`."""
+    if PTX and BF16_CODES == CODE_PAIRS:
+        codes = tl.inline_asm_elementwise(NF4_WORD_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r,r", [words, t0, t1, t2, t3],
+                                          dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    elif PTX:
         if BF16_CODES:
             c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
                 NF4_WORD_BF16_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r", [words, t0, t1, t2, t3],
@@ -206,3 +234,13 @@ def _nf4_word_codes(words, code_ptr, t0, t1, t2, t3, t4, t5, t6, t7, PTX: tl.con
                  tl.load(code_ptr + ((words >> 20) & 0xF)), tl.load(code_ptr + ((words >> 16) & 0xF)),
                  tl.load(code_ptr + ((words >> 28) & 0xF)), tl.load(code_ptr + ((words >> 24) & 0xF)))
     return codes
+
+
+@triton.jit
+def code_pair_sums(codes, x01, x23, x45, x67):
+    """Σ_j code[j] · x[j] over the eight weights of each word, in fp32 (`_bf16_pair_dot_ptx`): codes as
+    `_nf4_word_codes` gives them with CODE_PAIRS, x as its four bf16 pairs (int32, the even element in the low
+    half)."""
+    c01, c23, c45, c67 = codes
+    return tl.inline_asm_elementwise(BF16_PAIR_DOT_PTX, "=r,r,r,r,r,r,r,r,r", [c01, c23, c45, c67, x01, x23, x45, x67],
+                                     dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)

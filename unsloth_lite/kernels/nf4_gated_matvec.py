@@ -163,7 +163,7 @@ def _gated_word_sums(
             up_codes = _nf4_word_codes(up_words, code_ptr, t0, t1, t2, t3, t4, t5, t6, t7, PTX, BF16_CODES)
             acc_gate, partial_gate, acc_up, partial_up = _gated_tile_sums(
                 gate_codes, gate_absmax, up_codes, up_absmax, x, x_ptr, x_row_stride, word_in_row, mask_blocks,
-                n_rows, acc_gate, partial_gate, acc_up, partial_up, BLOCK_M, X_PAIRS,
+                n_rows, acc_gate, partial_gate, acc_up, partial_up, BLOCK_M, X_PAIRS, BF16_CODES,
             )
             gate_words, gate_absmax = next_gate_words, next_gate_absmax
             up_words, up_absmax = next_up_words, next_up_absmax
@@ -185,22 +185,23 @@ def _gated_word_sums(
             x = _word_x(x_ptr, 0, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
             acc_gate, partial_gate, acc_up, partial_up = _gated_tile_sums(
                 gate_codes, gate_absmax, up_codes, up_absmax, x, x_ptr, x_row_stride, word_in_row, mask_blocks,
-                n_rows, acc_gate, partial_gate, acc_up, partial_up, BLOCK_M, X_PAIRS,
+                n_rows, acc_gate, partial_gate, acc_up, partial_up, BLOCK_M, X_PAIRS, BF16_CODES,
             )
     return _reduced(acc_gate, partial_gate, BLOCK_M), _reduced(acc_up, partial_up, BLOCK_M)
 
 
 @triton.jit
 def _gated_tile_sums(gate_codes, gate_absmax, up_codes, up_absmax, x, x_ptr, x_row_stride, word_in_row, mask_blocks,
-                     n_rows, acc_gate, partial_gate, acc_up, partial_up, BLOCK_M: tl.constexpr, X_PAIRS: tl.constexpr):
+                     n_rows, acc_gate, partial_gate, acc_up, partial_up, BLOCK_M: tl.constexpr, X_PAIRS: tl.constexpr,
+                     BF16_CODES: tl.constexpr):
     """The sums (`_accumulate`) with one decoded tile of both weights added; x: row 0's tile, the others read
     here."""
     rows = tl.arange(0, BLOCK_M)
     for m in tl.static_range(BLOCK_M):
         if m > 0:
             x = _word_x(x_ptr, m, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
-        gate = _word_sums(gate_codes, x, X_PAIRS) * gate_absmax
-        up = _word_sums(up_codes, x, X_PAIRS) * up_absmax
+        gate = _word_sums(gate_codes, x, X_PAIRS, BF16_CODES) * gate_absmax
+        up = _word_sums(up_codes, x, X_PAIRS, BF16_CODES) * up_absmax
         acc_gate, partial_gate = _accumulate(gate, m, rows, acc_gate, partial_gate, BLOCK_M)
         acc_up, partial_up = _accumulate(up, m, rows, acc_up, partial_up, BLOCK_M)
     return acc_gate, partial_gate, acc_up, partial_up
@@ -391,7 +392,8 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         GATE_LORA=ranks[0] > 0, UP_LORA=ranks[1] > 0, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n,
         BLOCKS_PER_TILE=tile_k // blocksize, GATE_BLOCK_R=max(2, triton.next_power_of_2(ranks[0])),
         UP_BLOCK_R=max(2, triton.next_power_of_2(ranks[1])),
-        LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=bf16_codes, PDL=pdl, WORDS=words,
+        LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=matvec.word_code_form(bf16_codes, x_pairs),
+        PDL=pdl, WORDS=words,
         STAGES=matvec.word_stages(n_out, n_in, "gated") if words else matvec.PIPELINE_STAGES,
         WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
         PREFETCH=matvec.REGISTER_PREFETCH, FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K,

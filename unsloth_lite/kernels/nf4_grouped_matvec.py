@@ -244,7 +244,7 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
         BLOCKSIZE=blocksize, HAS_BIAS=biases[0] is not None, HAS_LORA=sum(ranks) > 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
         BLOCK_R=max(2, triton.next_power_of_2(max(ranks))), LOOKUP=LOOKUPS.index(matvec.LOOKUP),
-        BF16_CODES=bf16_codes, PDL=pdl, WORDS=words,
+        BF16_CODES=matvec.word_code_form(bf16_codes, x_pairs), PDL=pdl, WORDS=words,
         STAGES=matvec.word_stages(widest, n_in, "grouped") if words else matvec.PIPELINE_STAGES,
         PREFETCH=matvec.REGISTER_PREFETCH,
         WHOLE_TILES=all(n % block_n == 0 for n in widths) and n_in % tile_k == 0, X_PAIRS=x_pairs,

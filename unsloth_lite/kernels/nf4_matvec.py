@@ -70,7 +70,7 @@ from unsloth_lite.kernels.matvec_epilogue import (
     _store_rows,
     _tile_range,
 )
-from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, code_pairs
+from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, LOOKUPS, _nf4_codes, code_pairs
 from unsloth_lite.kernels.nf4_matvec_checks import _check_args
 from unsloth_lite.kernels.nf4_matvec_state import flat_absmax, lane_tables
 from unsloth_lite.kernels.nf4_matvec_words import _nf4_matvec_words_kernel
@@ -118,6 +118,11 @@ FLAT_ABSMAX = True
 # (2026-12-05, one row, one stage): faster at every projection of the W3 models, by 1-18% (Qwen3-8B 4.99 -> 4.64
 # ms a token in the projections' sum, Qwen3.5-27B 14.40 -> 12.54; bitsandbytes' gemv 5.29 and 15.34).
 WORD_KERNEL = True
+# The word walk's products where the weight and x are bf16 (`word_code_form`): the codes kept as bf16 pairs and
+# multiplied with x's bf16 pairs two at a time (`fma.rn.bf16x2`, `nf4_codes.code_pair_sums`), each word's eight
+# products summed in bf16 in two chains of four, then in fp32; no widening of x or of the codes to fp32. Offline
+# for sm_90 (8 x 512 tile, 12288 inputs): the word kernel's loop 58.2 -> ? instructions per eight weights.
+BF16_PAIR_PRODUCTS = True
 # With adapters whose first products are not given (`lora_a`, no `lora_t`; `lora_as` of the grouped and the
 # gate-and-up launches), the word walk's launch computes them itself: its first width · steps programs take x Aᵀ a
 # column and a step along K each (`lora_down`'s split), and the other programs await t only before their
@@ -139,6 +144,12 @@ def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
     """Whether the blocked kernel decodes a weight of `weight_dtype` (`quant_state.dtype`) with the code book
     rounded to bf16: only bf16 weights, only where the PTX lookup runs."""
     return BF16_CODES and LOOKUP == "registers" and weight_dtype == torch.bfloat16
+
+
+def word_code_form(bf16_codes: bool, x_pairs: bool) -> int:
+    """The word walk's BF16_CODES (`nf4_codes._nf4_word_codes`): CODE_PAIRS where `BF16_PAIR_PRODUCTS` is on and
+    both the codes (`uses_bf16_codes`) and x (`word_kernel_rows`) are bf16, else `bf16_codes`."""
+    return CODE_PAIRS.value if BF16_PAIR_PRODUCTS and bf16_codes and x_pairs else int(bf16_codes)
 
 
 def uses_pdl(device: torch.device) -> bool:
@@ -439,7 +450,7 @@ def nf4_matvec(
             *((partial, arrivals) if split_k else (out, out)), *sizes, *first,
             FIRST_PRODUCTS=first_in_launch, FIRST_BLOCK_K=LORA_BLOCK_K,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
-            PTX=LOOKUP == "registers", BF16_CODES=bf16_codes,
+            PTX=LOOKUP == "registers", BF16_CODES=word_code_form(bf16_codes, x_pairs),
             SPLIT_K=split_k, PDL=pdl, STAGES=word_stages(n_out, n_in), num_warps=warps,
             WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs, PREFETCH=REGISTER_PREFETCH,
             **({"launch_pdl": True} if pdl else {}), **meta,

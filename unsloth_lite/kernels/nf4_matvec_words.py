@@ -27,7 +27,7 @@ from triton.language.extra.cuda.gdc import gdc_wait
 from unsloth_lite.kernels.dequantize_nf4 import _block_absmax
 from unsloth_lite.kernels.lora_down import _await_first_products, _count_reader, _first_product_program
 from unsloth_lite.kernels.matvec_epilogue import _finish_product, _tile_range
-from unsloth_lite.kernels.nf4_codes import _nf4_word_codes
+from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, _nf4_word_codes, code_pair_sums
 
 
 @triton.jit
@@ -36,9 +36,7 @@ def _x_elements(x, X_PAIRS: tl.constexpr):
     registers). X_PAIRS: x `[A, B, 4]` int32, bf16 pairs with the even element in the low half (a shift or a mask
     each); else x `[A, B, 8]` in any float dtype."""
     if X_PAIRS:
-        a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2)))
-        p0, p2 = tl.split(a)
-        p1, p3 = tl.split(b)
+        p0, p1, p2, p3 = _x_pairs(x)
         x0, x1, x2, x3 = _low_bf16(p0), _high_bf16(p0), _low_bf16(p1), _high_bf16(p1)
         x4, x5, x6, x7 = _low_bf16(p2), _high_bf16(p2), _low_bf16(p3), _high_bf16(p3)
     else:
@@ -53,6 +51,15 @@ def _x_elements(x, X_PAIRS: tl.constexpr):
 
 
 @triton.jit
+def _x_pairs(x):
+    """The four int32 tensors of each word's bf16 pairs of x `[A, B, 4]` (elements 2i and 2i + 1 in pair i)."""
+    a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2)))
+    p0, p2 = tl.split(a)
+    p1, p3 = tl.split(b)
+    return p0, p1, p2, p3
+
+
+@triton.jit
 def _low_bf16(pair):
     return (pair << 16).to(tl.float32, bitcast=True)
 
@@ -63,19 +70,25 @@ def _high_bf16(pair):
 
 
 @triton.jit
-def _word_sums(codes, x, X_PAIRS: tl.constexpr):
+def _word_sums(codes, x, X_PAIRS: tl.constexpr, BF16_CODES: tl.constexpr):
     """Σ_j codes[j] · x[j] over the eight weights of each word: codes `[N, B, W]` each, x `[B, W, 8 or 4]`
-    (`_x_elements`)."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_elements(x, X_PAIRS)
-    c0, c1, c2, c3, c4, c5, c6, c7 = codes
-    s = c0 * x0[None, :, :]  # one chain of fused multiply-adds
-    s = c1 * x1[None, :, :] + s
-    s = c2 * x2[None, :, :] + s
-    s = c3 * x3[None, :, :] + s
-    s = c4 * x4[None, :, :] + s
-    s = c5 * x5[None, :, :] + s
-    s = c6 * x6[None, :, :] + s
-    return c7 * x7[None, :, :] + s
+    (`_x_elements`); with BF16_CODES == CODE_PAIRS (x in pairs), four code pairs multiplied with x's pairs
+    (`code_pair_sums`)."""
+    if BF16_CODES == CODE_PAIRS:
+        p0, p1, p2, p3 = _x_pairs(x)
+        s = code_pair_sums(codes, p0[None, :, :], p1[None, :, :], p2[None, :, :], p3[None, :, :])
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_elements(x, X_PAIRS)
+        c0, c1, c2, c3, c4, c5, c6, c7 = codes
+        s = c0 * x0[None, :, :]  # one chain of fused multiply-adds
+        s = c1 * x1[None, :, :] + s
+        s = c2 * x2[None, :, :] + s
+        s = c3 * x3[None, :, :] + s
+        s = c4 * x4[None, :, :] + s
+        s = c5 * x5[None, :, :] + s
+        s = c6 * x6[None, :, :] + s
+        s = c7 * x7[None, :, :] + s
+    return s
 
 
 @triton.jit
@@ -188,7 +201,7 @@ def _word_walk(
             x = _word_x(x_ptr, 0, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
             acc, partial = _word_tile_sums(
                 acc, partial, codes, absmax, x, x_ptr, x_row_stride, word_in_row, mask_blocks, n_rows, BLOCK_M,
-                X_PAIRS,
+                X_PAIRS, BF16_CODES,
             )
     return acc, partial
 
@@ -206,14 +219,14 @@ def _accumulate(products, m, rows, acc, partial, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _word_tile_sums(acc, partial, codes, absmax, x, x_ptr, x_row_stride, word_in_row, mask_blocks, n_rows,
-                    BLOCK_M: tl.constexpr, X_PAIRS: tl.constexpr):
+                    BLOCK_M: tl.constexpr, X_PAIRS: tl.constexpr, BF16_CODES: tl.constexpr):
     """acc and partial (`_word_walk`) with one decoded tile's products added; x: row 0's tile, the others read
     here."""
     rows = tl.arange(0, BLOCK_M)
     for m in tl.static_range(BLOCK_M):
         if m > 0:
             x = _word_x(x_ptr, m, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
-        acc, partial = _accumulate(_word_sums(codes, x, X_PAIRS) * absmax, m, rows, acc, partial, BLOCK_M)
+        acc, partial = _accumulate(_word_sums(codes, x, X_PAIRS, BF16_CODES) * absmax, m, rows, acc, partial, BLOCK_M)
     return acc, partial
 
 
@@ -248,6 +261,7 @@ def _prefetched_word_walk(
         codes = _nf4_word_codes(words, code_ptr, t0, t1, t2, t3, t4, t5, t6, t7, PTX, BF16_CODES)
         acc, partial = _word_tile_sums(
             acc, partial, codes, absmax, x, x_ptr, x_row_stride, word_in_row, mask_blocks, n_rows, BLOCK_M, X_PAIRS,
+            BF16_CODES,
         )
         words, absmax, word_in_row, mask_blocks = next_words, next_absmax, next_word_in_row, next_mask_blocks
         x = next_x
