@@ -121,7 +121,10 @@ WORD_KERNEL = True
 # The word walk's products where the weight and x are bf16 (`word_code_form`): the codes kept as bf16 pairs and
 # multiplied with x's bf16 pairs two at a time (`fma.rn.bf16x2`, `nf4_codes.code_pair_sums`), each word's eight
 # products summed in bf16 in two chains of four, then in fp32; no widening of x or of the codes to fp32. Offline
-# for sm_90 (8 x 512 tile, 12288 inputs): the word kernel's loop 58.2 -> ? instructions per eight weights.
+# for sm_90 (8 x 512 tile): the word kernel's loop 58.2 -> 41.8 instructions per eight weights, the gate-and-up
+# walk's 50.6 -> 37.6. Measured on an H100 (2026-12-06, docs/benchmarks.md): the Qwen3-8B shape's projections
+# 3.257 -> 3.149 ms a token, its decoding 305.5 -> 317.4 tokens/s; each product's error against the exact one
+# about 1.5x that of Hugging Face's bf16 weights (an emulation in float64), within the bf16 greedy-path tests.
 BF16_PAIR_PRODUCTS = True
 # With adapters whose first products are not given (`lora_a`, no `lora_t`; `lora_as` of the grouped and the
 # gate-and-up launches), the word walk's launch computes them itself: its first width · steps programs take x Aᵀ a
@@ -135,9 +138,12 @@ FIRST_PRODUCTS_IN_LAUNCH = False
 # than `blocked_tile`'s with `PIPELINE_STAGES` (`scripts/bench_word_tiles.py`, which times every candidate of
 # each launch a decoding step makes): (launch, N, K) -> (features, weights along K, warps, tiles a split along K
 # (0: none; only the word kernel's own launch splits), stages). A launch and shape not in it takes those defaults.
-# Empty: the one sweep so far (an H100, 2026-12-06, Qwen3-8B shape, docs/benchmarks.md) found the default tiles
-# within 3.7% of the fastest at every launch, 2.7% a token in all.
-WORD_TILES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
+# From the sweep with the products in bf16 pairs (an H100, 2026-12-06, Qwen3-8B shape, docs/benchmarks.md): the
+# down projection with four stages (19.74 -> 19.16 us). Its other gain, gate and up at 32 x 256 (32.12 -> 30.99
+# us without adapters), made the step with adapters 0.13 ms slower (the sweep times no adapters): not entered.
+WORD_TILES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {
+    ("words", 4096, 12288): (8, 512, 4, False, 4),
+}
 
 
 def uses_bf16_codes(weight_dtype: torch.dtype) -> bool:
