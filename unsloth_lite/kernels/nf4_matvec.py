@@ -11,7 +11,8 @@ absmax and double quantisation as in `dequantize_nf4.py`), bias b `[N]`, adapter
 dtype_W is `quant_state.dtype`. The general kernel rounds each weight to it exactly as `dequantize_nf4` writes
 it, so its product equals x · dequantize_nf4(W)ᵀ up to the order of the fp32 sums. The blocked kernel (below)
 multiplies by the exact fp32 weights, code · absmax, instead: rounding each to bf16 costs more instructions
-than the rest of the weight's work, and y moves by about its own bf16 rounding. The sums run in fp32; y is
+than the rest of the weight's work, and y moves by about its own bf16 rounding. The sums run in fp32 (but for
+the word walk's bf16 pairs, `BF16_PAIR_PRODUCTS`: each word's eight products in two bf16 chains of four); y is
 written in x's dtype. At one token per step a decoder reads every weight once per token, so the speed is set by
 the weight bytes read (half a byte per element here, against two for a dequantised bf16 copy plus its write)
 and by the instructions spent on each weight.

@@ -13,6 +13,11 @@ products once (offline, the same tile: 216 instructions for the thread's 32 weig
     s[n, w]  = Σ_{j<8} code[q[n, 8w + j]] · x[8w + j]          (fp32, one multiply then seven fused adds)
     acc[n]  += s[n, w] · absmax[n, 8w // blocksize]
 
+With bf16 weights and bf16 x (`nf4_matvec.BF16_PAIR_PRODUCTS`, BF16_CODES == CODE_PAIRS) the lookup leaves the
+codes as bf16 pairs and s[n, w] is four `fma.rn.bf16x2` on them and x's pairs as read (the even and the odd
+weights each a bf16 chain of four), the two halves added in fp32 (`nf4_codes.code_pair_sums`; offline, 167
+instructions for the thread's 32 weights).
+
 Programs, tiles along K, the K split with its arrival counter, PDL and software pipelining are the blocked
 kernel's (`_nf4_matvec_blocked_kernel`); the layout must be the blocked kernel's too: K a multiple of the
 quantisation block, x's columns contiguous.
