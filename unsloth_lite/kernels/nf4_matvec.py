@@ -127,6 +127,9 @@ WORD_KERNEL = True
 # 3.257 -> 3.149 ms a token, its decoding 305.5 -> 317.4 tokens/s; each product's error against the exact one
 # about 1.5x that of Hugging Face's bf16 weights (an emulation in float64), within the bf16 greedy-path tests.
 BF16_PAIR_PRODUCTS = True
+# The word kernel's feature block walked as two groups of rows whose tiles share x's reads (`_two_group_walk`):
+# each thread holds the same columns of both, so a step's x is read once for two rows. Not yet measured: off.
+WORD_ROW_GROUPS = False
 # With adapters whose first products are not given (`lora_a`, no `lora_t`; `lora_as` of the grouped and the
 # gate-and-up launches), the word walk's launch computes them itself: its first width · steps programs take x Aᵀ a
 # column and a step along K each (`lora_down`'s split), and the other programs await t only before their
@@ -460,6 +463,7 @@ def nf4_matvec(
             PTX=LOOKUP == "registers", BF16_CODES=word_code_form(bf16_codes, x_pairs),
             SPLIT_K=split_k, PDL=pdl, STAGES=word_stages(n_out, n_in), num_warps=warps,
             WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs, PREFETCH=REGISTER_PREFETCH,
+            ROW_GROUPS=2 if WORD_ROW_GROUPS and not (split_k or nested or REGISTER_PREFETCH) else 1,
             **({"launch_pdl": True} if pdl else {}), **meta,
         )
     elif blocked:
