@@ -49,7 +49,9 @@ each full-attention layer's cache update, attention and output gate in one launc
 (`decode.SCREENED_LM_HEAD`, with `greedy=1`: the lm_head screened by an int8 copy), `first=0`
 (`nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH`: the adapters' first products in their projections' own launches, the
 norms alone), `norm_bound=1` (`screened_logits.NORM_BOUND`: the screen's bound also by Cauchy–Schwarz),
-`pair_products=0` (`nf4_matvec.BF16_PAIR_PRODUCTS`: the word walk's products in bf16 pairs, else in fp32). A
+`pair_products=0` (`nf4_matvec.BF16_PAIR_PRODUCTS`: the word walk's products in bf16 pairs, else in fp32),
+`early=1` (`nf4_matvec.EARLY_EPILOGUE_OPERANDS`: the word kernel's epilogue operands read before its walk),
+`row_groups=1` (`nf4_matvec.WORD_ROW_GROUPS`: the word kernel's feature block as two groups of rows). A
 suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
@@ -143,6 +145,8 @@ DECODE_SETTINGS = {
     "first": ("unsloth_lite.kernels.nf4_matvec", "FIRST_PRODUCTS_IN_LAUNCH", 0),
     "norm_bound": ("unsloth_lite.kernels.screened_logits", "NORM_BOUND", 0),
     "pair_products": ("unsloth_lite.kernels.nf4_matvec", "BF16_PAIR_PRODUCTS", 0),
+    "early": ("unsloth_lite.kernels.nf4_matvec", "EARLY_EPILOGUE_OPERANDS", 0),
+    "row_groups": ("unsloth_lite.kernels.nf4_matvec", "WORD_ROW_GROUPS", 0),
 }
 TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
 H200_COPY_GBPS = 4270.0

@@ -31,7 +31,7 @@ from triton.language.extra.cuda.gdc import gdc_wait
 
 from unsloth_lite.kernels.dequantize_nf4 import _block_absmax
 from unsloth_lite.kernels.lora_down import _await_first_products, _count_reader, _first_product_program
-from unsloth_lite.kernels.matvec_epilogue import _finish_product, _tile_range
+from unsloth_lite.kernels.matvec_epilogue import _finish_product, _output_values, _tile_range
 from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, _nf4_word_codes, code_pair_sums
 
 
@@ -330,6 +330,7 @@ def _nf4_matvec_words_kernel(
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
     FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr, ROW_GROUPS: tl.constexpr,
+    EARLY_OPERANDS: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) for all rows, walking K BLOCKS_PER_TILE quantisation
     blocks at a time (with SPLIT_K, tiles a split, program (i, j) takes tiles [j · SPLIT_K, (j + 1) · SPLIT_K),
@@ -356,7 +357,7 @@ def _nf4_matvec_words_kernel(
                 lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr,
                 arrivals_ptr, n_rows, n_out, n_in, rank, flags_ptr, tl.num_programs(0) - writers, BLOCKSIZE, NESTED,
                 BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES,
-                WHOLE_TILES, X_PAIRS, PREFETCH, True, ROW_GROUPS,
+                WHOLE_TILES, X_PAIRS, PREFETCH, True, ROW_GROUPS, False,
             )
     else:
         _word_program(
@@ -365,6 +366,7 @@ def _nf4_matvec_words_kernel(
             lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr, arrivals_ptr, n_rows,
             n_out, n_in, rank, flags_ptr, 0, BLOCKSIZE, NESTED, BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE,
             BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False, ROW_GROUPS,
+            EARLY_OPERANDS,
         )
 
 
@@ -377,12 +379,13 @@ def _word_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
     WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, AWAIT_T: tl.constexpr,
-    ROW_GROUPS: tl.constexpr,
+    ROW_GROUPS: tl.constexpr, EARLY_OPERANDS: tl.constexpr,
 ):
     """Feature block `block` of the word kernel: its walk and its epilogue. AWAIT_T: t comes from the launch's
     first programs (`_await_first_products` before the epilogue, `_count_reader` after it). ROW_GROUPS == 2 (flat
     absmax, no split along K, no prefetch): the block's two halves walked at once (`_two_group_walk`), each
-    finished on its own."""
+    finished on its own. EARLY_OPERANDS (one group, no split along K, t given): the epilogue's addend and
+    adapter term b + s · t Bᵀ read before the walk (after `gdc_wait`), so no load waits at the program's end."""
     rows = tl.arange(0, BLOCK_M)
     first_block, end_block = _tile_range(n_in // BLOCKSIZE, BLOCKS_PER_TILE, SPLIT_K)
     if ROW_GROUPS == 2:
@@ -408,6 +411,12 @@ def _word_program(
         )
     else:
         features = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        if EARLY_OPERANDS:
+            if PDL:
+                gdc_wait()  # t and the addend are earlier kernels' outputs
+            extra = _output_values(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), rows, features, n_rows, n_out,
+                                   bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
+                                   lora_b_col_stride, scale, BIAS, HAS_LORA, BLOCK_R)
         acc, partial = _word_walk(
             x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
             offset_ptr, nested_blocksize, features, n_rows, n_out, n_in, first_block, end_block, BLOCKSIZE, NESTED,
@@ -415,10 +424,17 @@ def _word_program(
         )
         if AWAIT_T:
             _await_first_products(flags_ptr, rank)
-        _finish_product(
-            acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride,
-            rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-            BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R,
-        )
+        if EARLY_OPERANDS:
+            _finish_product(
+                acc + extra, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr,
+                t_row_stride, rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr,
+                out_row_stride, BLOCK_M, PDL, SPLIT_K, 0, False, BLOCK_R,
+            )
+        else:
+            _finish_product(
+                acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr,
+                t_row_stride, rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr,
+                out_row_stride, BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R,
+            )
     if AWAIT_T:
         _count_reader(flags_ptr, block, readers)
