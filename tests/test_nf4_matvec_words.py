@@ -186,19 +186,13 @@ def test_word_kernel_takes_the_first_product_in_its_launch_cuda(shape, rows, wor
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("setting", ["BF16_CODES", "BF16_PAIR_PRODUCTS"], ids=["exact_codes", "fp32_products"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("shape", W3_SHAPES, ids=str)
-def test_word_kernel_exact_codes_cuda(shape, rows, word_kernel, monkeypatch):
-    monkeypatch.setattr(nf4_matvec_module, "BF16_CODES", False)
-    check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("shape", W3_SHAPES, ids=str)
-def test_word_kernel_fp32_products_cuda(shape, rows, word_kernel, monkeypatch):
-    """bf16 weights and x with the products in fp32 (`BF16_PAIR_PRODUCTS` off), as the pairs' form falls back."""
-    monkeypatch.setattr(nf4_matvec_module, "BF16_PAIR_PRODUCTS", False)
+def test_word_kernel_without_bf16_codes_or_pairs_cuda(shape, rows, setting, word_kernel, monkeypatch):
+    """bf16 weights with the exact code book (`BF16_CODES` off), or bf16 weights and x with the products in fp32
+    (`BF16_PAIR_PRODUCTS` off)."""
+    monkeypatch.setattr(nf4_matvec_module, setting, False)
     check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
 
 

@@ -113,14 +113,20 @@ def test_word_lookup_decodes_every_code_in_every_nibble(bf16_codes):
     ptx = nf4_codes._nf4_word_lookup_ptx(bf16_codes)
     tables = {f"${9 + i}": t & MASK for i, t in enumerate(nf4_codes.word_lookup_tables(bf16_codes))}
     expected = expected_codes(bf16_codes)
+    for nibbles, word in words_with_every_code_in_every_position():
+        decoded = run_ptx(ptx, {"$8": word, **tables}, 8)
+        assert decoded == [expected[n] for n in nibbles], hex(word)
+
+
+def words_with_every_code_in_every_position():
+    """(the eight nibbles in element order, the packed word): every code at every position, the other seven
+    varying (four patterns each)."""
     for code in range(16):
         for position in range(8):
             for seed in range(4):
                 nibbles = [(code * 7 + 5 * i + 3 * seed) & 0xF for i in range(8)]
                 nibbles[position] = code
-                word = sum(((nibbles[2 * j] << 4) | nibbles[2 * j + 1]) << (8 * j) for j in range(4))
-                decoded = run_ptx(ptx, {"$8": word, **tables}, 8)
-                assert decoded == [expected[n] for n in nibbles], (hex(word), position)
+                yield nibbles, sum(((nibbles[2 * j] << 4) | nibbles[2 * j + 1]) << (8 * j) for j in range(4))
 
 
 def test_word_lookup_tables_fill_the_registers_the_ptx_reads():
@@ -138,14 +144,9 @@ def test_word_lookup_to_pairs_decodes_every_code_in_every_nibble():
     ptx = nf4_codes._nf4_word_lookup_ptx(True, pairs=True)
     tables = {f"${5 + i}": t & MASK for i, t in enumerate(nf4_codes.word_lookup_tables(True))}
     expected = [bits >> 16 for bits in expected_codes(True)]
-    for code in range(16):
-        for position in range(8):
-            for seed in range(4):
-                nibbles = [(code * 7 + 5 * i + 3 * seed) & 0xF for i in range(8)]
-                nibbles[position] = code
-                word = sum(((nibbles[2 * j] << 4) | nibbles[2 * j + 1]) << (8 * j) for j in range(4))
-                pairs = run_ptx(ptx, {"$4": word, **tables}, 4)
-                assert pairs == [expected[nibbles[2 * i]] | expected[nibbles[2 * i + 1]] << 16 for i in range(4)]
+    for nibbles, word in words_with_every_code_in_every_position():
+        pairs = run_ptx(ptx, {"$4": word, **tables}, 4)
+        assert pairs == [expected[nibbles[2 * i]] | expected[nibbles[2 * i + 1]] << 16 for i in range(4)], hex(word)
 
 
 def bf16_pairs(values: torch.Tensor) -> list[int]:
