@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # The CLI on a CPU without the interpreter runs the plain-PyTorch references: fast, and the same math.
 ENV = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "UNSLOTH_LITE_POISON_OUTPUTS")}
 ENV.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
-QUICK = ["training.eval_steps=4", "training.save_steps=4", "training.logging_steps=1", "data.eval_fraction=0.02"]
+# 20 held-out records (every evaluation greedily answers each of them, up to 64): the evaluations run and are
+# logged, without taking most of a short run.
+QUICK = ["training.eval_steps=4", "training.save_steps=4", "training.logging_steps=1", "data.eval_fraction=0.005"]
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU end-to-end runs; GPU runs use the recipes")
 
@@ -35,10 +37,23 @@ def losses(output_dir):
     return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
 
 
-def test_tiny_recipe_trains_saves_and_merges(tmp_path):
-    out = tmp_path / "run"
-    result = run(f"training.output_dir={out}", "training.max_steps=8", *QUICK, "--merge")
+@pytest.fixture(scope="module")
+def merged_run(tmp_path_factory):
+    """One run of the tiny recipe (8 steps) with --merge, logging to both integrations: its directory (the wandb
+    logs in its `wandb` folder)."""
+    out = tmp_path_factory.mktemp("merged_run")
+    env = dict(ENV, WANDB_MODE="offline", WANDB_DIR=str(out), WANDB_SILENT="true")
+    result = subprocess.run(
+        command(f"training.output_dir={out}", "training.max_steps=8", *QUICK, "training.report_to=[tensorboard,wandb]",
+                "--merge"),
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_tiny_recipe_trains_saves_and_merges(merged_run):
+    out = merged_run
     for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "trainer_state.json",
                  "loss.png", "recipe.yaml", "train_summary.json", "merged/config.json", "merged/model.safetensors"):
         assert (out / name).exists(), name
@@ -60,6 +75,12 @@ def test_tiny_recipe_trains_saves_and_merges(tmp_path):
     with torch.no_grad():
         expected = trained(input_ids=input_ids).logits
         assert_close(merged.float()(input_ids=input_ids).logits, expected, 1e-2, "merged logits")
+
+
+def test_logs_go_to_report_to(merged_run):
+    """Both integrations in one run: each writes its own logs."""
+    assert list(merged_run.rglob("events.out.tfevents.*"))
+    assert list((merged_run / "wandb").glob("offline-run-*"))
 
 
 def test_resume_after_kill_continues_like_an_uninterrupted_run(tmp_path):
@@ -180,16 +201,3 @@ def test_missing_recipe_file_is_exit_2(tmp_path):
                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "nope.yaml" in result.stderr and "Traceback" not in result.stderr
 
-
-def test_logs_go_to_report_to(tmp_path):
-    """Both integrations in one run: each writes its own logs."""
-    out = tmp_path / "run"
-    env = dict(ENV, WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
-    result = subprocess.run(
-        command(f"training.output_dir={out}", "training.max_steps=2", "training.report_to=[tensorboard,wandb]",
-                "training.logging_steps=1", "training.eval_steps=2", "training.save_steps=2"),
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert list(tmp_path.rglob("events.out.tfevents.*"))
-    assert list((tmp_path / "wandb").glob("offline-run-*"))
