@@ -425,16 +425,14 @@ def _word_program(
         if AWAIT_T:
             _await_first_products(flags_ptr, rank)
         if EARLY_OPERANDS:
-            _finish_product(
-                acc + extra, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr,
-                t_row_stride, rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr,
-                out_row_stride, BLOCK_M, PDL, SPLIT_K, 0, False, BLOCK_R,
-            )
-        else:
-            _finish_product(
-                acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr,
-                t_row_stride, rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr,
-                out_row_stride, BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R,
-            )
+            acc += extra
+        # the addend and adapter term once: already in acc where read early
+        EPILOGUE_BIAS: tl.constexpr = 0 if EARLY_OPERANDS else BIAS
+        EPILOGUE_LORA: tl.constexpr = HAS_LORA and not EARLY_OPERANDS
+        _finish_product(
+            acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride,
+            rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
+            BLOCK_M, PDL, SPLIT_K, EPILOGUE_BIAS, EPILOGUE_LORA, BLOCK_R,
+        )
     if AWAIT_T:
         _count_reader(flags_ptr, block, readers)
