@@ -49,10 +49,10 @@ each full-attention layer's cache update, attention and output gate in one launc
 (`decode.SCREENED_LM_HEAD`, with `greedy=1`: the lm_head screened by an int8 copy), `first=0`
 (`nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH`: the adapters' first products in their projections' own launches, the
 norms alone), `norm_bound=1` (`screened_logits.NORM_BOUND`: the screen's bound also by Cauchy–Schwarz),
-`pair_products=0` (`nf4_matvec.BF16_PAIR_PRODUCTS`: the word walk's products in bf16 pairs, else in fp32),
-`early=1` (`nf4_matvec.EARLY_EPILOGUE_OPERANDS`: the word kernel's epilogue operands read before its walk),
-`row_groups=1` (`nf4_matvec.WORD_ROW_GROUPS`: the word kernel's feature block as two groups of rows). A
-suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix.
+`pair_products=0` (`nf4_matvec.BF16_PAIR_PRODUCTS`: the word walk's products in bf16 pairs, else in fp32). A
+suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix, less `adapted`:
+`unsloth_lite_lora@adapted=N` puts adapters on some projections only, N the sum of 1 (q, k, v), 2 (o), 4 (gate,
+up) and 8 (down; 15, the default: all seven), so that one run splits the adapter's cost by projection.
 
 A measurement: a `--prompt`-token random prompt (seed 1234), batch 1, greedy, exactly `--new-tokens` new tokens
 (`min_new_tokens`: random weights may say end-of-sequence at any step), one warm-up generation (compilation,
@@ -112,7 +112,6 @@ from bench_common import (
     write_json,
 )
 from bench_train import worker_env
-from bench_train_27b import ATTENTION_MLP
 from bench_train_setup import ensure_checkpoint
 from decode_shapes import LORA_R, SHAPES, build_model, bytes_per_token, shape_config
 from random_checkpoint import write_checkpoint_in_shards
@@ -145,9 +144,9 @@ DECODE_SETTINGS = {
     "first": ("unsloth_lite.kernels.nf4_matvec", "FIRST_PRODUCTS_IN_LAUNCH", 0),
     "norm_bound": ("unsloth_lite.kernels.screened_logits", "NORM_BOUND", 0),
     "pair_products": ("unsloth_lite.kernels.nf4_matvec", "BF16_PAIR_PRODUCTS", 0),
-    "early": ("unsloth_lite.kernels.nf4_matvec", "EARLY_EPILOGUE_OPERANDS", 0),
-    "row_groups": ("unsloth_lite.kernels.nf4_matvec", "WORD_ROW_GROUPS", 0),
 }
+# `@adapted=N`'s groups of adapted projections: bit -> their names (module docstring)
+ADAPTED_GROUPS = {1: ("q_proj", "k_proj", "v_proj"), 2: ("o_proj",), 4: ("gate_proj", "up_proj"), 8: ("down_proj",)}
 TINY_VARIANTS = ("hf", "unsloth_lite", "unsloth_lite_lora")
 H200_COPY_GBPS = 4270.0
 LORA_ALPHA, SEED = 16, 1234
@@ -182,10 +181,14 @@ def split_variant(variant: str) -> tuple[str, dict]:
     settings = {}
     for item in filter(None, suffix.split("/")):
         key, _, value = item.partition("=")
+        if key == "adapted" and name == "unsloth_lite_lora" and value.isdigit() and 1 <= int(value) <= 15:
+            settings[key] = int(value)
+            continue
         least = DECODE_SETTINGS[key][2] if key in DECODE_SETTINGS else None
         if least is None or not value.isdigit() or not setting_in_range(int(value), least):
             raise ValueError(f"{variant}: expected @KEY=N/... with KEY among {', '.join(DECODE_SETTINGS)} "
-                             f"(stages at least 1, switches 0 or 1), got {item!r}")
+                             f"(stages at least 1, switches 0 or 1; adapted=1..15 on unsloth_lite_lora), "
+                             f"got {item!r}")
         settings[key] = int(value)
     if settings and not name.startswith("unsloth_lite"):
         raise ValueError(f"{variant}: only unsloth-lite's variants take @ settings")
@@ -206,6 +209,7 @@ def load(variant: str, shape: str, c: dict, checkpoint: str | None, device, dtyp
     import unsloth_lite
 
     variant, settings = split_variant(variant)
+    adapted = settings.pop("adapted", 15)
     set_module_settings(settings, DECODE_SETTINGS)
     if variant == "unsloth_lite_hf_loop":
         from unsloth_lite.models import decode_loop
@@ -214,7 +218,8 @@ def load(variant: str, shape: str, c: dict, checkpoint: str | None, device, dtyp
     model = unsloth_lite.patch_model(model)
     if variant == "unsloth_lite_lora":
         torch.manual_seed(SEED)
-        model = unsloth_lite.add_lora(model, r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=ATTENTION_MLP)
+        targets = [name for bit, names in ADAPTED_GROUPS.items() if adapted & bit for name in names]
+        model = unsloth_lite.add_lora(model, r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=targets)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "lora_B" in name:
@@ -376,7 +381,8 @@ def summarise(rows: list[dict], bandwidth_gbps: float, prompt: int, new_tokens: 
                 if (row["shape"], peer) in speed and row["variant"] != peer:
                     row[f"vs_{peer}"] = round(row["decode_tokens_per_s"] / speed[(row["shape"], peer)], 2)
             name, at, suffix = row["variant"].partition("@")
-            without = (row["shape"], "unsloth_lite" + at + suffix)
+            suffix = "/".join(item for item in suffix.split("/") if not item.startswith("adapted="))
+            without = (row["shape"], "unsloth_lite" + ("@" + suffix if suffix else ""))
             if name == "unsloth_lite_lora" and without in speed:
                 row["lora_cost"] = round(1 - row["decode_tokens_per_s"] / speed[without], 3)
             row["decode_tokens_per_s"] = round(row["decode_tokens_per_s"], 2)

@@ -23,8 +23,6 @@ a decoding step of that many sequences). Variants:
   integer pipe, which bounds the kernel: docs/benchmarks.md, "The word kernel under Nsight Compute");
 - `unsloth_lite_fp32_products`: the default kernel with each weight's product with x in fp32
   (`nf4_matvec.BF16_PAIR_PRODUCTS` off: codes and x widened to fp32 one by one) instead of in bf16 pairs;
-- `unsloth_lite_row_groups`: the word kernel's feature block walked as two groups of rows that share each
-  step's x (`nf4_matvec.WORD_ROW_GROUPS`);
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
@@ -77,16 +75,14 @@ from decode_shapes import SHAPES, nf4_bytes, shape_config
 from random_checkpoint import weightless_model
 
 VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "unsloth_lite_prefetch",
-            "unsloth_lite_fp32_x", "unsloth_lite_fp32_products", "unsloth_lite_row_groups", "bitsandbytes",
-            "dequantize_matmul")
+            "unsloth_lite_fp32_x", "unsloth_lite_fp32_products", "bitsandbytes", "dequantize_matmul")
 FP32_X = "unsloth_lite_fp32_x"  # the same product of x given in float32: no widening of x in the walk
 NESTED_ABSMAX = "unsloth_lite_nested_absmax"  # the kernel reading the double-quantised absmax itself
 # `nf4_matvec` settings of the unsloth-lite variants
 KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False},
                    "unsloth_lite_words": {"WORD_KERNEL": True},
                    "unsloth_lite_prefetch": {"WORD_KERNEL": True, "PIPELINE_STAGES": 1, "REGISTER_PREFETCH": True},
-                   FP32_X: {}, "unsloth_lite_fp32_products": {"BF16_PAIR_PRODUCTS": False},
-                   "unsloth_lite_row_groups": {"WORD_ROW_GROUPS": True}}
+                   FP32_X: {}, "unsloth_lite_fp32_products": {"BF16_PAIR_PRODUCTS": False}}
 # (features, weights along K, warps, tiles a split along K: False none, True one) a program
 SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (32, 512, 4, False),
                (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),

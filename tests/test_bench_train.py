@@ -564,7 +564,9 @@ def test_bench_generate_variant_settings():
     bg = bench_generate()
     assert bg.split_variant("unsloth_lite@stages=3/lora_stages=2/flat=0") == (
         "unsloth_lite", {"stages": 3, "lora_stages": 2, "flat": 0})
-    for bad in ("unsloth_lite@stages=0", "unsloth_lite@flat=2", "unsloth_lite@x=1", "hf@pdl=0", "other"):
+    assert bg.split_variant("unsloth_lite_lora@adapted=10/flat=0") == ("unsloth_lite_lora", {"adapted": 10, "flat": 0})
+    for bad in ("unsloth_lite@stages=0", "unsloth_lite@flat=2", "unsloth_lite@x=1", "hf@pdl=0", "other",
+                "unsloth_lite@adapted=2", "unsloth_lite_lora@adapted=16", "unsloth_lite_lora@adapted=0"):
         with pytest.raises(ValueError):
             bg.split_variant(bad)
     from unsloth_lite.kernels import lora_down, nf4_matvec
@@ -576,9 +578,11 @@ def test_bench_generate_variant_settings():
     finally:
         nf4_matvec.PIPELINE_STAGES, nf4_matvec.FLAT_ABSMAX, lora_down.PIPELINE_STAGES = saved
     rows = [dict(variant=v, shape="qwen3_8b", decode_tokens_per_s=speed) for v, speed in
-            (("unsloth_lite@stages=3", 100.0), ("unsloth_lite_lora@stages=3", 90.0), ("unsloth_lite_lora", 80.0))]
+            (("unsloth_lite@stages=3", 100.0), ("unsloth_lite_lora@stages=3", 90.0), ("unsloth_lite_lora", 80.0),
+             ("unsloth_lite_lora@adapted=2/stages=3", 95.0))]
     bg.summarise(rows, 4270.0, 128, 128, tiny=False)
     assert rows[1]["lora_cost"] == 0.1 and "lora_cost" not in rows[2]  # no unsloth_lite row without a suffix
+    assert rows[3]["lora_cost"] == 0.05  # against unsloth_lite@stages=3: `adapted` is not the base's setting
     assert rows[1]["gb_per_token"] == rows[2]["gb_per_token"] > rows[0]["gb_per_token"]  # the adapters' bytes
 
 

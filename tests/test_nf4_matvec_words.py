@@ -38,17 +38,12 @@ def word_kernel(monkeypatch):
     return launches
 
 
-@pytest.mark.parametrize("row_groups", [False, True, "early"], ids=["one_group", "two_row_groups", "early_operands"])
 @pytest.mark.parametrize("flat", [True, False], ids=["flat_absmax", "nested_absmax"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize("rows", [1, 3])
-def test_word_kernel(rows, dtype, flat, row_groups, device, word_kernel, monkeypatch):
-    """Several tiles along K, the last part-filled, 40 features (a part-filled feature block where compiled),
-    the feature block walked whole or as two groups of rows (`WORD_ROW_GROUPS`, flat absmax only), or whole with
-    the epilogue's operands read first (`EARLY_EPILOGUE_OPERANDS`)."""
+def test_word_kernel(rows, dtype, flat, device, word_kernel, monkeypatch):
+    """Several tiles along K, the last part-filled, 40 features (a part-filled feature block where compiled)."""
     monkeypatch.setattr(nf4_matvec_module, "FLAT_ABSMAX", flat)
-    monkeypatch.setattr(nf4_matvec_module, "WORD_ROW_GROUPS", row_groups is True)
-    monkeypatch.setattr(nf4_matvec_module, "EARLY_EPILOGUE_OPERANDS", row_groups == "early")
     check((40, 64 * 37), rows, dtype, nested=True, blocksize=64, with_bias=True, rank=4, device=device)
     assert len(word_kernel) == 1
 
@@ -162,12 +157,8 @@ W3_SHAPES = [(48, 5120), (1024, 4096), (4096, 4096), (4096, 12288), (5120, 5120)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("shape", [(40, 64 * 37), (130, 64), (2050, 128), *W3_SHAPES], ids=str)
-@pytest.mark.parametrize("row_groups", [False, True, "early"], ids=["one_group", "two_row_groups", "early_operands"])
-def test_word_kernel_cuda(shape, rows, dtype, row_groups, word_kernel, monkeypatch):
-    """Compiled, the PTX lookup: bf16 weights with the code book rounded to bf16, fp32 ones with the exact one;
-    the feature block whole, as two groups of rows, or whole with the epilogue's operands read first."""
-    monkeypatch.setattr(nf4_matvec_module, "WORD_ROW_GROUPS", row_groups is True)
-    monkeypatch.setattr(nf4_matvec_module, "EARLY_EPILOGUE_OPERANDS", row_groups == "early")
+def test_word_kernel_cuda(shape, rows, dtype, word_kernel):
+    """Compiled, the PTX lookup: bf16 weights with the code book rounded to bf16, fp32 ones with the exact one."""
     check(shape, rows, dtype, nested=True, blocksize=64, with_bias=True, rank=16, device="cuda")
     assert word_kernel
 

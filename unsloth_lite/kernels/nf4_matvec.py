@@ -127,12 +127,6 @@ WORD_KERNEL = True
 # 3.257 -> 3.149 ms a token, its decoding 305.5 -> 317.4 tokens/s; each product's error against the exact one
 # about 1.5x that of Hugging Face's bf16 weights (an emulation in float64), within the bf16 greedy-path tests.
 BF16_PAIR_PRODUCTS = True
-# The word kernel's feature block walked as two groups of rows whose tiles share x's reads (`_two_group_walk`):
-# each thread holds the same columns of both, so a step's x is read once for two rows. Not yet measured: off.
-WORD_ROW_GROUPS = False
-# The word kernel's epilogue operands (the addend: bias or residual, and the adapter's t Bᵀ) read before its walk
-# instead of after it, where each program's last loads wait a memory round trip. Not yet measured: off.
-EARLY_EPILOGUE_OPERANDS = False
 # With adapters whose first products are not given (`lora_a`, no `lora_t`; `lora_as` of the grouped and the
 # gate-and-up launches), the word walk's launch computes them itself: its first width · steps programs take x Aᵀ a
 # column and a step along K each (`lora_down`'s split), and the other programs await t only before their
@@ -458,7 +452,6 @@ def nf4_matvec(
     if blocked and words:
         pdl = uses_pdl(x.device)
         x_rows, x_pairs = word_kernel_rows(x2d)
-        row_groups = 2 if WORD_ROW_GROUPS and not (split_k or nested or REGISTER_PREFETCH) else 1
         _nf4_matvec_words_kernel[(first.programs + feature_blocks, splits if split_k else 1)](
             x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],
             *((partial, arrivals) if split_k else (out, out)), *sizes, *first,
@@ -467,8 +460,6 @@ def nf4_matvec(
             PTX=LOOKUP == "registers", BF16_CODES=word_code_form(bf16_codes, x_pairs),
             SPLIT_K=split_k, PDL=pdl, STAGES=word_stages(n_out, n_in), num_warps=warps,
             WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs, PREFETCH=REGISTER_PREFETCH,
-            ROW_GROUPS=row_groups,
-            EARLY_OPERANDS=EARLY_EPILOGUE_OPERANDS and row_groups == 1 and not (split_k or first_in_launch),
             **({"launch_pdl": True} if pdl else {}), **meta,
         )
     elif blocked:

@@ -31,7 +31,7 @@ from triton.language.extra.cuda.gdc import gdc_wait
 
 from unsloth_lite.kernels.dequantize_nf4 import _block_absmax
 from unsloth_lite.kernels.lora_down import _await_first_products, _count_reader, _first_product_program
-from unsloth_lite.kernels.matvec_epilogue import _finish_product, _output_values, _tile_range
+from unsloth_lite.kernels.matvec_epilogue import _finish_product, _tile_range
 from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, _nf4_word_codes, code_pair_sums
 
 
@@ -212,47 +212,6 @@ def _word_walk(
 
 
 @triton.jit
-def _two_group_walk(
-    x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, features_a, features_b, n_rows, n_out, n_in,
-    first_block, end_block, BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_N: tl.constexpr,
-    BLOCKS_PER_TILE: tl.constexpr, PTX: tl.constexpr, BF16_CODES: tl.constexpr, PDL: tl.constexpr,
-    STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
-):
-    """`_word_walk` (flat absmax, pipelined) over two groups of GROUP_N rows, `features_a` and `features_b`, at
-    once: their tiles have one layout, so a thread holds the same columns of both and each step's x, read once,
-    serves both (the word walk otherwise reads a tile's x once for each row of the program). (acc, partial) of
-    each group."""
-    WORDS: tl.constexpr = BLOCKSIZE // 8
-    mask_a = (features_a < n_out) | WHOLE_TILES
-    mask_b = (features_b < n_out) | WHOLE_TILES
-    blocks_per_row = n_in // BLOCKSIZE
-    acc_a = tl.zeros([BLOCK_M, GROUP_N], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_M, GROUP_N], dtype=tl.float32)
-    partial_a = tl.zeros([GROUP_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)
-    partial_b = tl.zeros([GROUP_N, BLOCKS_PER_TILE, WORDS], dtype=tl.float32)
-    tables = _lane_tables(tables_ptr, PTX, BF16_CODES)
-    if PDL and STAGES > 1:
-        gdc_wait()  # the pipelined loop loads x for later tiles before its body runs: wait first
-    for b0 in tl.range(first_block, end_block, BLOCKS_PER_TILE, num_stages=STAGES):
-        codes_a, absmax_a, word_in_row, mask_blocks = _word_tile(
-            b0, words_ptr, absmax_ptr, absmax_ptr, absmax_ptr, absmax_ptr, 1, code_ptr, tables, features_a, mask_a,
-            blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, PTX, BF16_CODES, WHOLE_TILES, False,
-        )
-        codes_b, absmax_b, _, _ = _word_tile(
-            b0, words_ptr, absmax_ptr, absmax_ptr, absmax_ptr, absmax_ptr, 1, code_ptr, tables, features_b, mask_b,
-            blocks_per_row, BLOCKSIZE, False, BLOCKS_PER_TILE, PTX, BF16_CODES, WHOLE_TILES, PDL and STAGES == 1,
-        )
-        rows = tl.arange(0, BLOCK_M)
-        for m in tl.static_range(BLOCK_M):
-            x = _word_x(x_ptr, m, x_row_stride, word_in_row, mask_blocks, n_rows, X_PAIRS)
-            acc_a, partial_a = _accumulate(_word_sums(codes_a, x, X_PAIRS, BF16_CODES) * absmax_a, m, rows, acc_a,
-                                           partial_a, BLOCK_M)
-            acc_b, partial_b = _accumulate(_word_sums(codes_b, x, X_PAIRS, BF16_CODES) * absmax_b, m, rows, acc_b,
-                                           partial_b, BLOCK_M)
-    return acc_a, partial_a, acc_b, partial_b
-
-
-@triton.jit
 def _accumulate(products, m, rows, acc, partial, BLOCK_M: tl.constexpr):
     """(acc, partial) with row m's products of a tile `[N, B, W]` added: elementwise into partial for one row
     (reduced once at the end), reduced into row m of acc `[BLOCK_M, N]` for several."""
@@ -329,8 +288,7 @@ def _nf4_matvec_words_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
-    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr, ROW_GROUPS: tl.constexpr,
-    EARLY_OPERANDS: tl.constexpr,
+    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) for all rows, walking K BLOCKS_PER_TILE quantisation
     blocks at a time (with SPLIT_K, tiles a split, program (i, j) takes tiles [j · SPLIT_K, (j + 1) · SPLIT_K),
@@ -357,7 +315,7 @@ def _nf4_matvec_words_kernel(
                 lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr,
                 arrivals_ptr, n_rows, n_out, n_in, rank, flags_ptr, tl.num_programs(0) - writers, BLOCKSIZE, NESTED,
                 BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES,
-                WHOLE_TILES, X_PAIRS, PREFETCH, True, ROW_GROUPS, False,
+                WHOLE_TILES, X_PAIRS, PREFETCH, True,
             )
     else:
         _word_program(
@@ -365,8 +323,7 @@ def _nf4_matvec_words_kernel(
             nested_absmax_ptr, offset_ptr, nested_blocksize, bias_ptr, t_ptr, t_row_stride, lora_b_ptr,
             lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr, arrivals_ptr, n_rows,
             n_out, n_in, rank, flags_ptr, 0, BLOCKSIZE, NESTED, BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE,
-            BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False, ROW_GROUPS,
-            EARLY_OPERANDS,
+            BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False,
         )
 
 
@@ -379,60 +336,23 @@ def _word_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
     WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, AWAIT_T: tl.constexpr,
-    ROW_GROUPS: tl.constexpr, EARLY_OPERANDS: tl.constexpr,
 ):
     """Feature block `block` of the word kernel: its walk and its epilogue. AWAIT_T: t comes from the launch's
-    first programs (`_await_first_products` before the epilogue, `_count_reader` after it). ROW_GROUPS == 2 (flat
-    absmax, no split along K, no prefetch): the block's two halves walked at once (`_two_group_walk`), each
-    finished on its own. EARLY_OPERANDS (one group, no split along K, t given): the epilogue's addend and
-    adapter term b + s · t Bᵀ read before the walk (after `gdc_wait`), so no load waits at the program's end."""
+    first programs (`_await_first_products` before the epilogue, `_count_reader` after it)."""
+    features = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     first_block, end_block = _tile_range(n_in // BLOCKSIZE, BLOCKS_PER_TILE, SPLIT_K)
-    if ROW_GROUPS == 2:
-        GROUP_N: tl.constexpr = BLOCK_N // 2
-        features_a = block * BLOCK_N + tl.arange(0, GROUP_N)
-        features_b = features_a + GROUP_N
-        acc_a, partial_a, acc_b, partial_b = _two_group_walk(
-            x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, features_a, features_b, n_rows, n_out,
-            n_in, first_block, end_block, BLOCKSIZE, BLOCK_M, GROUP_N, BLOCKS_PER_TILE, PTX, BF16_CODES, PDL, STAGES,
-            WHOLE_TILES, X_PAIRS,
-        )
-        if AWAIT_T:
-            _await_first_products(flags_ptr, rank)
-        _finish_product(
-            acc_a, partial_a, rows, features_a, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr,
-            t_row_stride, rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-            BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R,
-        )
-        _finish_product(
-            acc_b, partial_b, rows, features_b, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr,
-            t_row_stride, rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-            BLOCK_M, False, SPLIT_K, BIAS, HAS_LORA, BLOCK_R,
-        )
-    else:
-        features = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        if EARLY_OPERANDS:
-            if PDL:
-                gdc_wait()  # t and the addend are earlier kernels' outputs
-            extra = _output_values(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), rows, features, n_rows, n_out,
-                                   bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
-                                   lora_b_col_stride, scale, BIAS, HAS_LORA, BLOCK_R)
-        acc, partial = _word_walk(
-            x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
-            offset_ptr, nested_blocksize, features, n_rows, n_out, n_in, first_block, end_block, BLOCKSIZE, NESTED,
-            BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, PTX, BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH,
-        )
-        if AWAIT_T:
-            _await_first_products(flags_ptr, rank)
-        if EARLY_OPERANDS:
-            acc += extra
-        # the addend and adapter term once: already in acc where read early
-        EPILOGUE_BIAS: tl.constexpr = 0 if EARLY_OPERANDS else BIAS
-        EPILOGUE_LORA: tl.constexpr = HAS_LORA and not EARLY_OPERANDS
-        _finish_product(
-            acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride,
-            rank, lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-            BLOCK_M, PDL, SPLIT_K, EPILOGUE_BIAS, EPILOGUE_LORA, BLOCK_R,
-        )
+    acc, partial = _word_walk(
+        x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
+        offset_ptr, nested_blocksize, features, n_rows, n_out, n_in, first_block, end_block, BLOCKSIZE, NESTED,
+        BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, PTX, BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH,
+    )
+    if AWAIT_T:
+        _await_first_products(flags_ptr, rank)
+    _finish_product(
+        acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
+        lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
+        BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R,
+    )
     if AWAIT_T:
         _count_reader(flags_ptr, block, readers)
