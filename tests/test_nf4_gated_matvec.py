@@ -9,7 +9,7 @@ from test_dequantize_nf4 import quantize
 
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
-from unsloth_lite.kernels.lora_down import lora_down_rows
+from unsloth_lite.kernels.lora_down import lora_down_rows, rms_norm_lora_down_rows
 from unsloth_lite.kernels.nf4_gated_matvec import gated_matvec_supported, nf4_gated_matvec
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 from unsloth_lite.kernels.swiglu import swiglu
@@ -121,6 +121,31 @@ def test_gated_matvec_takes_the_first_products_in_its_launch(rows, adapters, dev
     check_first_products_in_the_launch((40, 64 * 5), rows, adapters, device, walk, monkeypatch, exact=False)
 
 
+def check_down_shares(shape, rows, dtype, device, stripes=3):
+    """`down_shares`: h as without them, and the stripes (poisoned, then zeroed as the norm's launch zeroes them)
+    summing to h A_dᵀ of h as written (float64 product); the down adapter's rank not a power of two."""
+    case = gated_case(shape, rows, dtype, True, (True, True), True, device)
+    down_a = torch.randn(5, shape[0], device=device, dtype=dtype)
+    shares = torch.full((stripes, rows, 5), float("nan"), device=device)
+    x = torch.randn(rows, 64, device=device, dtype=dtype)
+    rms_norm_lora_down_rows(x, torch.ones(64, device=device, dtype=dtype), 1e-6, 0.0, [], zeroed=shares)
+    assert torch.equal(shares, torch.zeros_like(shares)), "zeroed by the norm's launch"
+    x, gate, up, biases, loras = case
+    got = nf4_gated_matvec(x, gate, up, *biases, *[lora[:3] for lora in loras], down_shares=(down_a, shares))
+    assert torch.equal(got, fused(*case)), "h does not change with the shares"
+    assert_close(shares.sum(0), got.double() @ down_a.double().t(), TOLERANCE[torch.float32], "Σ stripes")
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gated_matvec_writes_the_down_adapters_first_product_in_shares(rows, device):
+    """Three feature blocks (the interpreter's tile) over two stripes: one stripe takes two programs' shares."""
+    check_down_shares((160, 64 * 5), rows, torch.float32, device, stripes=2)
+    x, gate, up, biases, loras = gated_case((40, 64 * 5), rows, torch.float32, True, (True, True), True, device)
+    with pytest.raises(ValueError, match="stripes must be"):
+        nf4_gated_matvec(x, gate, up, *biases, *[lora[:3] for lora in loras],
+                         down_shares=(torch.randn(5, 40, device=device), torch.zeros(2, rows, 4, device=device)))
+
+
 def test_gated_matvec_refuses_what_it_does_not_take(device, monkeypatch):
     x = torch.randn(1, 128, device=device)
     gate, up = (quantize((24, 128), torch.float32, True, 64, device) for _ in range(2))
@@ -157,6 +182,13 @@ def test_gated_matvec_cuda(shape, rows):
 def test_gated_matvec_takes_the_first_products_in_its_launch_cuda(shape, rows, walk, monkeypatch):
     for _ in range(3):  # the launch leaves its flags at 0 for the next
         check_first_products_in_the_launch(shape, rows, (True, True), "cuda", walk, monkeypatch, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("shape", [(12288, 4096), (17408, 5120)], ids=str)
+def test_gated_matvec_writes_the_down_adapters_first_product_in_shares_cuda(shape, rows):
+    check_down_shares(shape, rows, torch.bfloat16, "cuda", stripes=16)
 
 
 @pytest.mark.gpu

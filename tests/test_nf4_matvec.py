@@ -353,3 +353,21 @@ def test_nf4_matvec_takes_a_precomputed_adapter_product(device):
         nf4_matvec(x, weight, lora_a=lora_a, lora_b=lora_b, lora_t=t)
     with pytest.raises(ValueError, match="lora_b has shape"):
         nf4_matvec(x, weight, lora_b=lora_b[:, :3], lora_t=t)
+
+
+@pytest.mark.parametrize("words", [True, False], ids=["word_kernel", "blocked_kernel"])
+def test_nf4_matvec_sums_an_adapter_product_given_in_parts(words, device, monkeypatch):
+    """`lora_t` as parts `[P, rows, r]` (an attention's shares of its KV heads), summed in the word kernel's
+    epilogue, by the host for the other kernels: what `lora_a` gives, with the residual as an output projection
+    takes it."""
+    monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", words)
+    x, weight, _, lora_a, lora_b = make_case((40, 128), 3, torch.float32, True, 64, False, 5, device)
+    residual = torch.randn(3, 40, device=device)
+    t = (x @ lora_a.T).contiguous()
+    noise = torch.randn_like(t)
+    parts = torch.stack([0.25 * t + noise, -noise, 0.75 * t])  # summing to t, no part a multiple of it
+    got = nf4_matvec(x, weight, lora_b=lora_b, scale=0.5, lora_t=parts, residual=residual)
+    expected = float64_reference(x, weight, None, lora_a, lora_b, 0.5) + residual.double()
+    assert_close(got, expected, 1e-5, "y")
+    with pytest.raises(ValueError, match="lora_t must be"):
+        nf4_matvec(x, weight, lora_b=lora_b, lora_t=parts[:, :2])

@@ -292,12 +292,13 @@ def lora_down_rows(x: torch.Tensor, lora_as: list[torch.Tensor]) -> torch.Tensor
 @triton.jit
 def _rms_norm_lora_down_kernel(
     x_ptr, x_row_stride, w_ptr, eps, offset, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, y_ptr, t_ptr, t_row_stride,
-    n_rows, n_in, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, HAS_T: tl.constexpr, PDL: tl.constexpr,
+    n_rows, n_in, zeroed_ptr, n_zeroed, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, HAS_T: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_ZEROED: tl.constexpr,
 ):
     """Column j of t = y [A0; A1; A2]ᵀ for y = RMSNorm(x) computed as `rms_norm`'s forward kernel computes it (one
     reduction over the row, the same expression, rounded to y's dtype); program 0 also writes y (the only program
-    without HAS_T: no adapters). PDL: the norm's weight and the adapter row are read before `gdc_wait`, x after
-    it."""
+    without HAS_T: no adapters) and zeros into `zeroed_ptr`'s `n_zeroed` fp32 (BLOCK_ZEROED > 0). PDL: the norm's
+    weight and the adapter row are read before `gdc_wait`, x after it, and nothing is written before it."""
     j = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_in
@@ -307,6 +308,9 @@ def _rms_norm_lora_down_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+    if BLOCK_ZEROED > 0 and j == 0:
+        zeroed = tl.arange(0, BLOCK_ZEROED)
+        tl.store(zeroed_ptr + zeroed, tl.zeros([BLOCK_ZEROED], tl.float32), mask=zeroed < n_zeroed)
     for m in tl.static_range(BLOCK_M):
         if m < n_rows:
             x = tl.load(x_ptr + m * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -319,12 +323,14 @@ def _rms_norm_lora_down_kernel(
 
 
 def rms_norm_lora_down_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
-                            lora_as: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                            lora_as: list[torch.Tensor], zeroed: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, t): y = `rms_norm(x, weight, eps, offset)` for x `[rows, K]` (1 to MAX_ROWS rows) and t = y [A_1; ...]ᵀ
     (`lora_down_rows` of y: up to MAX_ADAPTERS_PER_LAUNCH adapters `[r_i, K]`), in one launch instead of two: each
     program normalises the few rows itself and takes one adapter row. Without adapters, y alone (t None) from one
     program: the decoding step's norm, which can be a programmatic dependent launch (`utils.DECODE_PDL`).
-    Inference only."""
+    `zeroed`: a contiguous fp32 tensor the launch sets to 0 (the MLP's down shares, `nf4_gated_matvec`'s
+    `down_shares`, which the launch after it adds into). Inference only."""
     rows, n_in = x.shape
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rms_norm_lora_down_rows takes 1 to {MAX_ROWS} rows of x, got {rows}")
@@ -334,6 +340,10 @@ def rms_norm_lora_down_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, o
                          f"{[tuple(a.shape) for a in lora_as]}")
     if tuple(weight.shape) != (n_in,):
         raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({n_in},)")
+    if zeroed is not None and (zeroed.dtype != torch.float32 or not zeroed.is_contiguous()
+                               or zeroed.device != x.device):
+        raise ValueError(f"zeroed must be a contiguous fp32 tensor on {x.device}; got {zeroed.dtype} "
+                         f"{tuple(zeroed.shape)} on {zeroed.device}")
     check_kernel_device("x", x)
     x = x if x.stride(1) == 1 else x.contiguous()
     group = [a.contiguous() for a in lora_as]
@@ -346,7 +356,9 @@ def rms_norm_lora_down_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, o
         x, x.stride(0), weight.contiguous(), float(eps), float(offset), *pointers,
         group[0].shape[0] if group else 0, group[1].shape[0] if len(group) > 1 else 0,
         y, t if group else y, t.stride(0) if group else 0, rows, n_in,
+        zeroed if zeroed is not None else y, zeroed.numel() if zeroed is not None else 0,
         BLOCK_M=triton.next_power_of_2(rows), BLOCK=block, HAS_T=bool(group), num_warps=warps,
+        BLOCK_ZEROED=triton.next_power_of_2(zeroed.numel()) if zeroed is not None else 0,
         **pdl_launch(x.device),
     )
     return y, t

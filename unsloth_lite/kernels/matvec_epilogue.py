@@ -57,10 +57,13 @@ def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr
 def _output_values(
     acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
     lora_b_col_stride, scale, BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+    t_part_stride, T_PARTS: tl.constexpr,
 ):
     """y = acc + b + s · t Bᵀ in fp32 for the program's rows and features, with t = x Aᵀ from `lora_down_rows`
-    (or any fp32 `[rows, r]`). BIAS: `BIAS_NONE`, `BIAS_FEATURES` (b `[N]`) or `BIAS_ROWS` (b `[rows, N]`,
-    contiguous: an addend of each row, such as the residual stream an output projection's result joins)."""
+    (or any fp32 `[rows, r]`; with T_PARTS > 1 the sum, in order, of T_PARTS such parts `t_part_stride` apart:
+    shares of x Aᵀ written by the launch before). BIAS: `BIAS_NONE`, `BIAS_FEATURES` (b `[N]`) or `BIAS_ROWS`
+    (b `[rows, N]`, contiguous: an addend of each row, such as the residual stream an output projection's result
+    joins)."""
     mask_rows = rows < n_rows
     mask_features = features < n_out
     if BIAS == 1:
@@ -71,8 +74,10 @@ def _output_values(
     if HAS_LORA:
         ranks = tl.arange(0, BLOCK_R)
         mask_ranks = ranks < rank
-        t = tl.load(t_ptr + rows[:, None] * t_row_stride + ranks[None, :],
-                    mask=mask_rows[:, None] & mask_ranks[None, :], other=0.0)
+        t_rows = t_ptr + rows[:, None] * t_row_stride + ranks[None, :]
+        t = tl.load(t_rows, mask=mask_rows[:, None] & mask_ranks[None, :], other=0.0)
+        for part in tl.static_range(1, T_PARTS):
+            t += tl.load(t_rows + part * t_part_stride, mask=mask_rows[:, None] & mask_ranks[None, :], other=0.0)
         lora_b = tl.load(
             lora_b_ptr + features[:, None] * lora_b_row_stride + ranks[None, :] * lora_b_col_stride,
             mask=mask_features[:, None] & mask_ranks[None, :], other=0.0,
@@ -85,11 +90,12 @@ def _output_values(
 def _store_rows(
     acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
     lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, t_part_stride, T_PARTS: tl.constexpr,
 ):
     """`_output_values` stored in y's dtype: the end of a decoding matrix-vector product (`nf4_matvec`)."""
     y = _output_values(acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr,
-                       lora_b_row_stride, lora_b_col_stride, scale, BIAS, HAS_LORA, BLOCK_R)
+                       lora_b_row_stride, lora_b_col_stride, scale, BIAS, HAS_LORA, BLOCK_R, t_part_stride,
+                       T_PARTS)
     out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (features < n_out)[None, :])
 
@@ -112,7 +118,7 @@ def _finish_product(
     acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
     lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
     BLOCK_M: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
-    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, t_part_stride, T_PARTS: tl.constexpr,
 ):
     """The end of a program of the blocked or the word kernel: one row's elementwise `partial` sums reduced into
     `acc`, the next kernel let launch (PDL), the K splits summed (`_sum_of_splits`) and y written by the program
@@ -130,4 +136,5 @@ def _finish_product(
         _store_rows(
             acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr,
             lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS, HAS_LORA, BLOCK_R,
+            t_part_stride, T_PARTS,
         )

@@ -218,19 +218,21 @@ def _nf4_gated_matvec_kernel(
     n_rows, n_out, n_in,
     xv_ptr, xv_row_stride, xv_col_stride, a0_ptr, a1_ptr, a2_ptr, first_rank0, first_rank1, width, first_partial_ptr,
     first_arrivals_ptr, flags_ptr, first_splits,
+    down_a_ptr, down_rank, shares_ptr, n_stripes,
     BLOCKSIZE: tl.constexpr, GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr, GATE_LORA: tl.constexpr,
     UP_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
     GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr,
     PDL: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
     PREFETCH: tl.constexpr,
-    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr,
+    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr, DOWN_BLOCK_R: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) of both projections for all rows (module docstring).
     PDL as in `nf4_matvec`'s blocked kernel: only the frozen weights are read before `gdc_wait`. WORDS: the word
     kernel's walk (the packed weights as int32 words, x as `word_kernel_rows` gives it, `table_ptr` the code
     book, `tables_ptr` the lane tables), else the blocked kernel's (one stage). FIRST_PRODUCTS (the word walk):
     the adapters' first products t in the launch, by its first width · first_splits programs, as the word
-    kernel's FIRST_PRODUCTS; the feature blocks' programs come after them."""
+    kernel's FIRST_PRODUCTS; the feature blocks' programs come after them. DOWN_BLOCK_R > 0: each program adds
+    its share of the down projection's first product h A_dᵀ into a stripe (`nf4_gated_matvec`'s `down_shares`)."""
     if FIRST_PRODUCTS:
         writers = width * first_splits
         if tl.program_id(0) < writers:
@@ -245,9 +247,10 @@ def _nf4_gated_matvec_kernel(
                 up_packed_ptr, up_absmax_ptr, table_ptr, tables_ptr, gate_bias_ptr, up_bias_ptr, gate_t_ptr,
                 up_t_ptr, t_row_stride, gate_rank, up_rank, gate_b_ptr, gate_b_row_stride, gate_b_col_stride,
                 gate_scale, up_b_ptr, up_b_row_stride, up_b_col_stride, up_scale, out_ptr, out_row_stride, n_rows,
-                n_out, n_in, flags_ptr, width, tl.num_programs(0) - writers,
+                n_out, n_in, flags_ptr, width, tl.num_programs(0) - writers, down_a_ptr, down_rank, shares_ptr,
+                n_stripes,
                 BLOCKSIZE, GATE_BIAS, UP_BIAS, GATE_LORA, UP_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, GATE_BLOCK_R,
-                UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, True,
+                UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, True, DOWN_BLOCK_R,
             )
     else:
         _gated_program(
@@ -255,9 +258,9 @@ def _nf4_gated_matvec_kernel(
             up_absmax_ptr, table_ptr, tables_ptr, gate_bias_ptr, up_bias_ptr, gate_t_ptr, up_t_ptr, t_row_stride,
             gate_rank, up_rank, gate_b_ptr, gate_b_row_stride, gate_b_col_stride, gate_scale, up_b_ptr,
             up_b_row_stride, up_b_col_stride, up_scale, out_ptr, out_row_stride, n_rows, n_out, n_in,
-            flags_ptr, 0, 0,
+            flags_ptr, 0, 0, down_a_ptr, down_rank, shares_ptr, n_stripes,
             BLOCKSIZE, GATE_BIAS, UP_BIAS, GATE_LORA, UP_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, GATE_BLOCK_R,
-            UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False,
+            UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False, DOWN_BLOCK_R,
         )
 
 
@@ -270,18 +273,25 @@ def _gated_program(
     up_b_ptr, up_b_row_stride, up_b_col_stride, up_scale,
     out_ptr, out_row_stride,
     n_rows, n_out, n_in,
-    flags_ptr, width, readers,
+    flags_ptr, width, readers, down_a_ptr, down_rank, shares_ptr, n_stripes,
     BLOCKSIZE: tl.constexpr, GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr, GATE_LORA: tl.constexpr,
     UP_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
     GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr,
     PDL: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
     PREFETCH: tl.constexpr,
-    AWAIT_T: tl.constexpr,
+    AWAIT_T: tl.constexpr, DOWN_BLOCK_R: tl.constexpr,
 ):
     """Feature block `block` of the gate-and-up launch (`_nf4_gated_matvec_kernel`). AWAIT_T: t comes from the
-    launch's first programs (awaited before the epilogue, the program counted after it)."""
+    launch's first programs (awaited before the epilogue, the program counted after it). DOWN_BLOCK_R > 0: the
+    block's columns of the down adapter's A (`[r, N]`, contiguous), which no kernel writes, read first (read in
+    the epilogue, the kernel took 72 registers a thread instead of 64, compiled for sm_90); h's share of h Aᵀ
+    added into stripe `block % n_stripes` of `shares_ptr` (`[n_stripes, rows, r]`) at the end."""
     features = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
+    if DOWN_BLOCK_R > 0:
+        down_ranks = tl.arange(0, DOWN_BLOCK_R)
+        down_a = tl.load(down_a_ptr + down_ranks[None, :] * n_out + features[:, None],
+                         mask=(features < n_out)[:, None] & (down_ranks < down_rank)[None, :], other=0.0)
     if WORDS:
         acc_gate, acc_up = _gated_word_sums(
             x_ptr, x_row_stride, gate_packed_ptr, gate_absmax_ptr, up_packed_ptr, up_absmax_ptr, table_ptr,
@@ -300,14 +310,22 @@ def _gated_program(
         gdc_launch_dependents()
     dtype = out_ptr.dtype.element_ty
     g = _output_values(acc_gate, rows, features, n_rows, n_out, gate_bias_ptr, gate_t_ptr, t_row_stride, gate_rank,
-                       gate_b_ptr, gate_b_row_stride, gate_b_col_stride, gate_scale, GATE_BIAS, GATE_LORA, GATE_BLOCK_R)
+                       gate_b_ptr, gate_b_row_stride, gate_b_col_stride, gate_scale, GATE_BIAS, GATE_LORA, GATE_BLOCK_R,
+                       0, 1)
     u = _output_values(acc_up, rows, features, n_rows, n_out, up_bias_ptr, up_t_ptr, t_row_stride, up_rank,
-                       up_b_ptr, up_b_row_stride, up_b_col_stride, up_scale, UP_BIAS, UP_LORA, UP_BLOCK_R)
+                       up_b_ptr, up_b_row_stride, up_b_col_stride, up_scale, UP_BIAS, UP_LORA, UP_BLOCK_R, 0, 1)
     g = g.to(dtype).to(tl.float32)  # as the two products would write them
     u = u.to(dtype).to(tl.float32)
     h = g * tl.sigmoid(g) * u
     mask = (rows < n_rows)[:, None] & (features < n_out)[None, :]
-    tl.store(out_ptr + rows[:, None] * out_row_stride + features[None, :], h.to(dtype), mask=mask)
+    h = h.to(dtype)
+    tl.store(out_ptr + rows[:, None] * out_row_stride + features[None, :], h, mask=mask)
+    if DOWN_BLOCK_R > 0:  # the share, from h as written; a relaxed add: the next launch reads it after this one
+        h = tl.where(mask, h.to(tl.float32), 0.0)
+        share = tl.sum(h[:, :, None] * down_a.to(tl.float32)[None, :, :], axis=1)  # [BLOCK_M, DOWN_BLOCK_R]
+        stripe = shares_ptr + (block % n_stripes) * n_rows * down_rank
+        tl.atomic_add(stripe + rows[:, None] * down_rank + down_ranks[None, :], share,
+                      mask=(rows < n_rows)[:, None] & (down_ranks < down_rank)[None, :], sem="relaxed", scope="gpu")
     if AWAIT_T:
         _count_reader(flags_ptr, block, readers)
 
@@ -334,12 +352,16 @@ def gated_matvec_supported(x: torch.Tensor, gate, up) -> bool:
 
 def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None = None,
                      up_bias: torch.Tensor | None = None, gate_lora=None, up_lora=None,
-                     lora_as: list[torch.Tensor] | None = None) -> torch.Tensor:
+                     lora_as: list[torch.Tensor] | None = None, down_shares=None) -> torch.Tensor:
     """`silu(x Gᵀ + b_g + s_g t_g B_gᵀ) · (x Uᵀ + b_u + s_u t_u B_uᵀ)` for x `[..., K]` and NF4 `Params4bit`
     gate and up `[N, K]` (module docstring); returns `[..., N]` in x's dtype. `gate_lora`, `up_lora`: None or
     (B `[N, r]`, t `[rows, r]` fp32 with unit column stride, scale); t None in both with `lora_as`, the adapted
     weights' A in order: t then computed in the launch (`nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH`, the word walk) or
-    by `lora_down_rows`. Inputs `gated_matvec_supported` refuses raise ValueError. No autograd."""
+    by `lora_down_rows`. `down_shares`: None or (A_d `[r, N]`, the down projection's adapter; stripes, fp32
+    `[S, rows, r]` at 0): each program adds its share of h A_dᵀ into one of the S stripes, whose sum is then the
+    down projection's first product (`nf4_matvec`'s `lora_t` in parts; fp32 adds in the order the programs come,
+    so its last bits may differ from run to run). Inputs `gated_matvec_supported` refuses raise ValueError. No
+    autograd."""
     if not gated_matvec_supported(x, gate, up):
         raise ValueError("nf4_gated_matvec takes 1 to 8 rows of x and two NF4 weights of one shape, dtype and "
                          "block size, whole blocks along K, on x's kernel device (gated_matvec_supported)")
@@ -380,6 +402,7 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     blocksize = 2 * launches[0].meta["HALF_BLOCK"]
     pdl = matvec.uses_pdl(x.device)
     ranks = [a[1] for a in adapters]
+    down_a, stripes = _checked_down_shares(down_shares, n_rows, n_out, x.device)
     _nf4_gated_matvec_kernel[(first.programs + feature_blocks,)](
         x_rows, x_rows.stride(0), x_rows.stride(1),
         packed[0], matvec.fp32_absmax(gate), packed[1], matvec.fp32_absmax(up), table, tables if words else table,
@@ -388,6 +411,8 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         *adapters[0][2:], *adapters[1][2:],
         out, out.stride(0),
         n_rows, n_out, n_in, *first,
+        down_a if down_a is not None else out, down_a.shape[0] if down_a is not None else 0,
+        stripes if stripes is not None else out, stripes.shape[0] if stripes is not None else 1,
         BLOCKSIZE=blocksize, GATE_BIAS=gate_bias is not None, UP_BIAS=up_bias is not None,
         GATE_LORA=ranks[0] > 0, UP_LORA=ranks[1] > 0, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n,
         BLOCKS_PER_TILE=tile_k // blocksize, GATE_BLOCK_R=max(2, triton.next_power_of_2(ranks[0])),
@@ -397,9 +422,27 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         STAGES=matvec.word_stages(n_out, n_in, "gated") if words else matvec.PIPELINE_STAGES,
         WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
         PREFETCH=matvec.REGISTER_PREFETCH, FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K,
+        DOWN_BLOCK_R=max(2, triton.next_power_of_2(down_a.shape[0])) if down_a is not None else 0,
         num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return out.view(*x.shape[:-1], n_out)
+
+
+def _checked_down_shares(down_shares, n_rows: int, n_out: int, device) -> tuple:
+    """(A_d, stripes) of `down_shares`, checked against h `[rows, N]`; (None, None) without."""
+    if down_shares is None:
+        return None, None
+    down_a, stripes = down_shares
+    rank = down_a.shape[0] if down_a.dim() == 2 else 0
+    if down_a.dim() != 2 or down_a.shape[1] != n_out or rank == 0 or not down_a.is_contiguous():
+        raise ValueError(f"down_shares' A must be contiguous [r > 0, {n_out}]; got {tuple(down_a.shape)}")
+    if (stripes.dtype != torch.float32 or stripes.dim() != 3 or tuple(stripes.shape[1:]) != (n_rows, rank)
+            or not stripes.is_contiguous()):
+        raise ValueError(f"down_shares' stripes must be contiguous fp32 [S, {n_rows}, {rank}]; got {stripes.dtype} "
+                         f"{tuple(stripes.shape)}")
+    if down_a.device != device or stripes.device != device:
+        raise ValueError(f"down_shares must be on {device}")
+    return down_a, stripes
 
 
 def _adapters_with_t(x2d: torch.Tensor, loras: list, lora_as: list[torch.Tensor] | None,

@@ -146,6 +146,7 @@ def _grouped_program(
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, absmax, absmax, bias, t_ptr + t_col, t_row_stride, rank,
         lora_b, b_row_stride, b_col_stride, scale, out, n_out, BLOCK_M, PDL, False, HAS_BIAS, HAS_LORA, BLOCK_R,
+        0, 1,
     )
     if AWAIT_T:
         _count_reader(flags_ptr, pid, readers)

@@ -256,7 +256,7 @@ def _nf4_matvec_blocked_kernel(
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
         lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-        BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R,
+        BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R, 0, 1,
     )
 
 
@@ -344,7 +344,7 @@ def _nf4_matvec_kernel(
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     _store_rows(
         acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
-        lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS, HAS_LORA, BLOCK_R,
+        lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS, HAS_LORA, BLOCK_R, 0, 1,
     )
 
 
@@ -384,7 +384,8 @@ def nf4_matvec(
 ) -> torch.Tensor:
     """`x dequant(W)ᵀ + b + scale · (x Aᵀ) Bᵀ` for x `[..., K]` of 1 to 8 rows and W a 2-D NF4 `Params4bit`
     `[N, K]` (or packed bytes with `quant_state`); returns `[..., N]` in x's dtype. No autograd. `lora_t`: x Aᵀ
-    already computed (fp32 `[rows, r]`, unit column stride; `lora_down_rows`), given with B instead of A.
+    already computed (fp32 `[rows, r]`, unit column stride; `lora_down_rows`), given with B instead of A, or as
+    parts `[P, rows, r]` whose sum it is (`decode_attention`'s shares of each KV head), summed in the epilogue.
     `residual` (`[..., N]` as the result, x's dtype): added in the epilogue before the one rounding, as an
     output projection's result joins the residual stream."""
     launch = _launch(weight, quant_state)
@@ -417,7 +418,12 @@ def nf4_matvec(
                        and blocked and words and not split_k)
     block_m = triton.next_power_of_2(n_rows)  # rows of the blocked kernel: x's, padded
     first = no_first_products(x2d)  # the word kernel's arguments for the first products in its launch
-    if lora_t is not None:
+    parts = lora_t.shape[0] if lora_t is not None and lora_t.dim() == 3 else 1
+    if parts > 1 and not (blocked and words):
+        lora_t = lora_t.sum(0)  # the other kernels take one t
+    if lora_t is not None and lora_t.dim() == 3:
+        t, rank = lora_t[0], lora_t.shape[2]
+    elif lora_t is not None:
         t, rank = lora_t, lora_t.shape[1]
     elif first_in_launch:
         (t, first), rank = first_product_args(x2d, [lora_a], block_m, feature_blocks), lora_a.shape[0]
@@ -455,6 +461,7 @@ def nf4_matvec(
         _nf4_matvec_words_kernel[(first.programs + feature_blocks, splits if split_k else 1)](
             x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],
             *((partial, arrivals) if split_k else (out, out)), *sizes, *first,
+            lora_t.stride(0) if parts > 1 else 0, T_PARTS=parts,
             FIRST_PRODUCTS=first_in_launch, FIRST_BLOCK_K=LORA_BLOCK_K,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             PTX=LOOKUP == "registers", BF16_CODES=word_code_form(bf16_codes, x_pairs),

@@ -28,11 +28,12 @@ def _check_args(x, weight, bias, lora_a, lora_b, lora_t, n_out, n_in):
     if lora_t is not None:
         if lora_a is not None or lora_b is None:
             raise ValueError("lora_t replaces lora_a: give it with lora_b alone")
-        if lora_t.dtype != torch.float32 or lora_t.dim() != 2 or lora_t.shape[0] != rows or lora_t.stride(1) != 1:
-            raise ValueError(f"lora_t must be fp32 [{rows}, r] with unit column stride; got {lora_t.dtype} "
-                             f"{tuple(lora_t.shape)} strides {lora_t.stride()}")
-        if tuple(lora_b.shape) != (n_out, lora_t.shape[1]):
-            raise ValueError(f"lora_b has shape {tuple(lora_b.shape)}; expected {(n_out, lora_t.shape[1])}")
+        if (lora_t.dtype != torch.float32 or lora_t.dim() not in (2, 3) or lora_t.shape[-2] != rows
+                or lora_t.stride(-1) != 1 or lora_t.shape[0] == 0):
+            raise ValueError(f"lora_t must be fp32 [{rows}, r] or [parts, {rows}, r] with unit column stride; got "
+                             f"{lora_t.dtype} {tuple(lora_t.shape)} strides {lora_t.stride()}")
+        if tuple(lora_b.shape) != (n_out, lora_t.shape[-1]):
+            raise ValueError(f"lora_b has shape {tuple(lora_b.shape)}; expected {(n_out, lora_t.shape[-1])}")
         return
     if (lora_a is None) != (lora_b is None):
         raise ValueError("lora_a and lora_b go together")

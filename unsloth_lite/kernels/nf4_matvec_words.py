@@ -282,13 +282,13 @@ def _nf4_matvec_words_kernel(
     out_ptr, out_row_stride, partial_ptr, arrivals_ptr,
     n_rows, n_out, n_in, rank,
     xv_ptr, xv_row_stride, xv_col_stride, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, width, first_partial_ptr,
-    first_arrivals_ptr, flags_ptr, first_splits,
+    first_arrivals_ptr, flags_ptr, first_splits, t_part_stride,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
     BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
-    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr,
+    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr, T_PARTS: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) for all rows, walking K BLOCKS_PER_TILE quantisation
     blocks at a time (with SPLIT_K, tiles a split, program (i, j) takes tiles [j · SPLIT_K, (j + 1) · SPLIT_K),
@@ -299,7 +299,8 @@ def _nf4_matvec_words_kernel(
     no masks. X_PAIRS: x is bf16, read as int32 pairs (`x_ptr` int32, its row stride in pairs).
     FIRST_PRODUCTS (no SPLIT_K): the adapter's first product t = x Aᵀ in the same launch, by its first
     width · first_splits programs (`lora_down._first_product_program`; x as `xv_ptr`, its elements), which every
-    other program awaits before its epilogue (`_await_first_products`)."""
+    other program awaits before its epilogue (`_await_first_products`). T_PARTS: t given as that many parts
+    `t_part_stride` apart, summed in the epilogue (`matvec_epilogue._output_values`)."""
     if FIRST_PRODUCTS:
         writers = width * first_splits
         if tl.program_id(0) < writers:
@@ -315,7 +316,7 @@ def _nf4_matvec_words_kernel(
                 lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr,
                 arrivals_ptr, n_rows, n_out, n_in, rank, flags_ptr, tl.num_programs(0) - writers, BLOCKSIZE, NESTED,
                 BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES,
-                WHOLE_TILES, X_PAIRS, PREFETCH, True,
+                WHOLE_TILES, X_PAIRS, PREFETCH, True, t_part_stride, 1,
             )
     else:
         _word_program(
@@ -323,7 +324,8 @@ def _nf4_matvec_words_kernel(
             nested_absmax_ptr, offset_ptr, nested_blocksize, bias_ptr, t_ptr, t_row_stride, lora_b_ptr,
             lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr, arrivals_ptr, n_rows,
             n_out, n_in, rank, flags_ptr, 0, BLOCKSIZE, NESTED, BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE,
-            BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False,
+            BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False, t_part_stride,
+            T_PARTS,
         )
 
 
@@ -336,6 +338,7 @@ def _word_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
     WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, AWAIT_T: tl.constexpr,
+    t_part_stride, T_PARTS: tl.constexpr,
 ):
     """Feature block `block` of the word kernel: its walk and its epilogue. AWAIT_T: t comes from the launch's
     first programs (`_await_first_products` before the epilogue, `_count_reader` after it)."""
@@ -352,7 +355,7 @@ def _word_program(
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
         lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-        BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R,
+        BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R, t_part_stride, T_PARTS,
     )
     if AWAIT_T:
         _count_reader(flags_ptr, block, readers)

@@ -67,6 +67,23 @@ NORM_ROPE_IN_ATTENTION = True
 # (`greedy_logits`). The copy is kept on the head (0.62 GB at the Qwen3-8B shape) until the decoding cache is
 # released. On since measured with `NORM_ROPE_IN_ATTENTION` (above).
 SCREENED_LM_HEAD = True
+# A full-attention layer's output projection's adapter takes its first product t = o Aᵀ from the attention's
+# launch: the program that writes a KV head's output also writes that head's share of t (`decode_attention`'s
+# `lora_a`), and the projection sums the shares in its epilogue (`nf4_matvec`'s `lora_t` in parts), instead of a
+# `lora_down_rows` launch between the two (3.3 us a layer of the Qwen3-8B shape's 14.4 with adapters, an H100,
+# docs/benchmarks.md). Unlike the shares tried before (summed by the attention's last program to arrive), no
+# program waits for another. Not yet measured on a GPU: off.
+ATTENTION_SHARES = False
+# The MLP's down projection's adapter takes its first product t = h Aᵀ from the gate-and-up launch, which writes h:
+# each program adds its features' share into one of DOWN_SHARE_STRIPES fp32 stripes (`nf4_gated_matvec`'s
+# `down_shares`), which the norm's launch before it sets to 0 (`rms_norm_lora_down_rows`' `zeroed`), and the down
+# projection sums the stripes in its epilogue, instead of a `lora_down_rows` launch between the two (4.2 us a
+# layer at the Qwen3-8B shape). The adds are relaxed fp32 atomics: t's last bits follow the programs' order. Not
+# yet measured on a GPU: off.
+MLP_SHARES = False
+# Stripes of the down shares: program i adds into stripe i mod S, so that ~100 programs (not 1,536) add into an
+# address, and the down projection's epilogue reads S parts of t.
+DOWN_SHARE_STRIPES = 16
 # A Gated DeltaNet layer's token step after its convolution in one launch (`delta_rule_gated_step`: the gates,
 # the delta-rule step and the gated RMSNorm of each head), instead of three. Correct on the GPU (the tests above;
 # on in that run, where the Qwen3-8B shape has no DeltaNet layer); 1.5% slower at the Qwen3.5-27B shape (H100,
@@ -240,23 +257,55 @@ def first_products(projections, x: torch.Tensor, on_kernels: list[bool]):
         t = pending[2]
     else:
         t = lora_down_rows(x.reshape(-1, x.shape[-1]), lora_as)
+    if t.dim() == 3:  # one adapter's t in parts (the attention's or the gate-and-up launch's shares)
+        return t, {adapted[0]: t}
     return t, dict(zip(adapted, t.split([projections[i].rank for i in adapted], dim=1), strict=True))
 
 
-def gated_rows(projections: tuple[LoRAProjection, LoRAProjection], x: torch.Tensor) -> torch.Tensor:
+_PENDING_STRIPES = threading.local()
+
+
+@contextlib.contextmanager
+def zeroed_stripes_for(x: torch.Tensor, stripes: torch.Tensor):
+    """Within: the MLP of exactly the rows `x` (`mlp_rows`) may add its down projection's shares into `stripes`
+    (fp32 `[DOWN_SHARE_STRIPES, rows, r]`), set to 0 by the launch that wrote x."""
+    previous = getattr(_PENDING_STRIPES, "pending", None)
+    _PENDING_STRIPES.pending = (x, stripes)
+    try:
+        yield
+    finally:
+        _PENDING_STRIPES.pending = previous
+
+
+def mlp_rows(projections: tuple[LoRAProjection, LoRAProjection, LoRAProjection], x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) · up(x)) of the rows `x` (`gated_rows`, then `output_rows`); with `MLP_SHARES`, zeroed
+    stripes for x (`zeroed_stripes_for`), an adapted NF4 down projection and the gate-and-up launch, that launch
+    also writes the down adapter's first product in shares, which the down projection takes."""
+    gate, up, down = projections
+    pending = getattr(_PENDING_STRIPES, "pending", None)
+    stripes = pending[1] if MLP_SHARES and pending is not None and pending[0] is x else None
+    if (stripes is None or not down.rank or getattr(down.base, "quant_state", None) is None
+            or not (GATED_MATVEC and gated_matvec_supported(x, gate.base, up.base))):
+        return output_rows(down, gated_rows((gate, up), x))
+    h = gated_rows((gate, up), x, down_shares=(down.lora_a, stripes))
+    with first_products_of(h, [down.lora_a], stripes):
+        return output_rows(down, h)
+
+
+def gated_rows(projections: tuple[LoRAProjection, LoRAProjection], x: torch.Tensor, down_shares=None) -> torch.Tensor:
     """silu(gate(x)) · up(x) of the rows `x` for the MLP's gate and up projections: one `nf4_gated_matvec`
-    launch with `GATED_MATVEC` where it takes them (both NF4, `gated_matvec_supported`), else their products
-    (`project_rows`) and `swiglu`."""
+    launch with `GATED_MATVEC` where it takes them (both NF4, `gated_matvec_supported`; `down_shares` given to
+    it), else their products (`project_rows`) and `swiglu`."""
     gate, up = projections
     if GATED_MATVEC and gated_matvec_supported(x, gate.base, up.base):
         if first_products_pending(x):
             _, products = first_products(projections, x, [True, True])
             loras = [(p.lora_b, products[i], p.scale) if p.rank else None for i, p in enumerate(projections)]
-            return nf4_gated_matvec(x, gate.base, up.base, gate.bias, up.bias, *loras)
+            return nf4_gated_matvec(x, gate.base, up.base, gate.bias, up.bias, *loras, down_shares=down_shares)
         # the first products left to the launch (in it where it can, else one launch before it)
         loras = [(p.lora_b, None, p.scale) if p.rank else None for p in projections]
         return nf4_gated_matvec(x, gate.base, up.base, gate.bias, up.bias, *loras,
-                                lora_as=[p.lora_a for p in projections if p.rank])
+                                lora_as=[p.lora_a for p in projections if p.rank], down_shares=down_shares)
     g, u = project_rows(projections, x)
     return (swiglu if g.is_cuda or INTERPRET else swiglu_reference)(g, u)
 
@@ -313,8 +362,10 @@ def fused_attention_layer(cache, layer_idx: int, query: torch.Tensor, key: torch
 
 
 def fused_attention(layer, query, key, value, attention_mask, scaling: float, gate=None,
-                    norm_rope=None) -> torch.Tensor:
+                    norm_rope=None, lora_a=None):
     """`decode_attention` over `layer` (`fused_attention_layer`): `[B, 1, Hq, D]`, gated where `gate` is given,
-    query and key normed and rotated first where `norm_rope` is given (`decode_attention`'s tuple)."""
+    query and key normed and rotated first where `norm_rope` is given (`decode_attention`'s tuple); with
+    `lora_a`, (that, the shares of the output projection's first product)."""
     return decode_attention(query, key, value, layer.keys, layer.values, layer.cumulative_length, attention_mask,
-                            scaling, gate, norm_rope)
+                            scaling, gate, norm_rope, lora_a)
+

@@ -84,7 +84,8 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
         mixed = mixer(hidden_states=normed, **mixer_kwargs)
     mixed = mixed[0] if isinstance(mixed, tuple) else mixed
     hidden_states = mixed if pending["taken"] else hidden_states + mixed
-    normed, products = _normed(self.post_attention_layernorm, hidden_states, self.mlp, INPUT_PROJECTIONS["mlp"])
+    normed, products = _normed(self.post_attention_layernorm, hidden_states, self.mlp, INPUT_PROJECTIONS["mlp"],
+                               down_shares=True)
     with products, _residual(hidden_states) as pending:
         out = self.mlp(normed)
     return out if pending["taken"] else hidden_states + out
@@ -165,11 +166,14 @@ def _residual(residual: torch.Tensor):
     return contextlib.nullcontext({"taken": False})
 
 
-def _normed(norm, x: torch.Tensor, consumer, names) -> tuple[torch.Tensor, contextlib.AbstractContextManager]:
+def _normed(norm, x: torch.Tensor, consumer, names,
+            down_shares: bool = False) -> tuple[torch.Tensor, contextlib.AbstractContextManager]:
     """(norm(x), the context in which the consumer's projections `names` take their adapters' first products):
     with `NORM_FIRST_PRODUCTS`, where the norm runs a fused forward on the kernels' device, one
     `rms_norm_lora_down_rows` launch with the first products of the projections' adapters over NF4 bases (or the
-    norm alone from it where there are none); else the norm's own forward and no context."""
+    norm alone from it where there are none); else the norm's own forward and no context. `down_shares` (the
+    MLP's norm), with `decode.MLP_SHARES` and an adapted NF4 down projection: the launch also zeroes the stripes
+    the MLP's gate-and-up launch adds the down adapter's first product into (`decode.zeroed_stripes_for`)."""
     offset = NORM_OFFSETS.get(getattr(norm.forward, "__func__", None))
     if not decode.NORM_FIRST_PRODUCTS or offset is None or not use_kernels(x) or x.dtype == torch.float64:
         return norm(x), contextlib.nullcontext()
@@ -180,6 +184,29 @@ def _normed(norm, x: torch.Tensor, consumer, names) -> tuple[torch.Tensor, conte
     if len(lora_as) > MAX_ADAPTERS_PER_LAUNCH:
         return norm(x), contextlib.nullcontext()
     eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
-    y, t = rms_norm_lora_down_rows(x.reshape(-1, x.shape[-1]), norm.weight, eps, offset, lora_as)
+    stripes = _down_share_stripes(consumer, x) if down_shares else None
+    y, t = rms_norm_lora_down_rows(x.reshape(-1, x.shape[-1]), norm.weight, eps, offset, lora_as,
+                                   **({"zeroed": stripes} if stripes is not None else {}))
     y = y.view(x.shape)
-    return y, decode.first_products_of(y, lora_as, t) if lora_as else contextlib.nullcontext()
+    return y, _pending_for(y, lora_as, t, stripes)
+
+
+def _down_share_stripes(mlp, x: torch.Tensor) -> torch.Tensor | None:
+    """Stripes for the down adapter's shares (`decode.mlp_rows`), fp32 `[DOWN_SHARE_STRIPES, rows, r]`, where
+    `decode.MLP_SHARES` is on and the MLP's down projection is adapted over an NF4 base; else None."""
+    projection = _lora_projections(mlp, ("down_proj",), x) if decode.MLP_SHARES else None
+    if projection is None or not projection[0].rank or getattr(projection[0].base, "quant_state", None) is None:
+        return None
+    rows = x.numel() // x.shape[-1]
+    return torch.empty((decode.DOWN_SHARE_STRIPES, rows, projection[0].rank), dtype=torch.float32, device=x.device)
+
+
+@contextlib.contextmanager
+def _pending_for(y: torch.Tensor, lora_as: list[torch.Tensor], t, stripes):
+    """The norm's products for its consumer: the first products `t` of `lora_as` on y, and zeroed stripes."""
+    with contextlib.ExitStack() as stack:
+        if lora_as:
+            stack.enter_context(decode.first_products_of(y, lora_as, t))
+        if stripes is not None:
+            stack.enter_context(decode.zeroed_stripes_for(y, stripes))
+        yield

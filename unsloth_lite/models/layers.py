@@ -36,10 +36,10 @@ from unsloth_lite.models import decode
 from unsloth_lite.models.decode import (
     fused_attention,
     fused_attention_layer,
-    gated_rows,
     grouped_attention,
     grouped_attention_applies,
     is_decode_rows,
+    mlp_rows,
     output_rows,
     project_rows,
 )
@@ -275,7 +275,7 @@ def zero_centred_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Te
 def swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     projections = _lora_projections(self, ("gate_proj", "up_proj", "down_proj"), x)
     if projections is not None and is_decode_rows(x):
-        return output_rows(projections[2], gated_rows(projections[:2], x))
+        return mlp_rows(projections, x)
     if projections is not None:
         return lora_mlp(
             x, *projections, output_needed=not in_recomputation(),
@@ -364,6 +364,7 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
     and RoPE itself."""
     dropout = 0.0 if not self.training else self.attention_dropout
     sliding_window = getattr(self, "sliding_window", None)
+    shares = None
     packed = cache is None and sliding_window is None and kwargs.get("cu_seq_lens_q") is not None
     grouped = not packed and grouped_attention_applies(self, query, attention_mask, cache)  # decoding
     layer = fused_attention_layer(cache, self.layer_idx, query, key, attention_mask) if grouped else None
@@ -375,7 +376,11 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
     elif grouped:  # decoding: KV heads never repeated
         attn_weights = None
         if layer is not None:  # the cache's update, the attention and the gate in one launch
-            attn_output = fused_attention(layer, query, key, value, attention_mask, self.scaling, gate, norm_rope)
+            lora_a = _shared_output_adapter(self, query)
+            attn_output = fused_attention(layer, query, key, value, attention_mask, self.scaling, gate, norm_rope,
+                                          lora_a)
+            if lora_a is not None:
+                attn_output, shares = attn_output
             gate = None
         else:
             key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
@@ -393,7 +398,21 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
     if gate is not None:  # gate stays a strided view of q_proj's output: no copy
         gated = sigmoid_gate if use_kernels(gate) else sigmoid_gate_reference
         attn_output = gated(attn_output.view(gate.shape), gate).view(attn_output.shape)
+    if shares is not None:  # o_proj's first product in parts, from the attention's launch
+        with decode.first_products_of(attn_output, [lora_a], shares):
+            return output_projection(self, "o_proj", attn_output), attn_weights
     return output_projection(self, "o_proj", attn_output), attn_weights
+
+
+def _shared_output_adapter(module, query: torch.Tensor) -> torch.Tensor | None:
+    """The A of `module.o_proj`'s adapter where the fused attention takes its first product (`decode.ATTENTION_SHARES`,
+    an adapter on an NF4 base on the fused path, the kernels' device), else None."""
+    if not decode.ATTENTION_SHARES or not use_kernels(query) or query.dtype == torch.float64:
+        return None
+    projection = _lora_projection(getattr(module, "o_proj", None))
+    if projection is None or not projection.rank or getattr(projection.base, "quant_state", None) is None:
+        return None
+    return projection.lora_a
 
 
 def output_projection(self, name: str, x: torch.Tensor) -> torch.Tensor:
