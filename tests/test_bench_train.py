@@ -140,22 +140,25 @@ def test_random_alpaca_records(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
-def test_bench_train_27b_tiny_mode_runs(tmp_path):
-    """W2's script end to end on a tiny Qwen3.5 built in memory and quantised in place: both variants train and
-    start from the same loss (ours with its last layer not checkpointed, `:1`)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
+def test_bench_train_27b_tiny_mode_runs_and_resumes(tmp_path):
+    """W2's script end to end on a tiny Qwen3.5 built in memory and quantised in place, in two runs: ours (its
+    last layer not checkpointed, `:1`), then Hugging Face's resuming it (--resume keeps the rows in --out and runs
+    only the variants it lacks). Both train and start from the same loss; a run measured on another machine is
+    refused with one line."""
     out = tmp_path / "out.json"
-    result = subprocess.run(
-        [sys.executable, "scripts/bench_train_27b.py", "--tiny", "--warmup", "1", "--steps", "1",
-         "--variants", "hf,unsloth_lite:1", "--profile", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    run = tiny_run("bench_train_27b.py", "--warmup", "1", "--steps", "1", "--profile", "--out", str(out))
+    first = run("--variants", "unsloth_lite:1")
+    assert first.returncode == 0, first.stdout + first.stderr
+    kept = json.loads(out.read_text())["rows"][0]
+    second = run("--variants", "hf,unsloth_lite:1", "--resume")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "1 variants kept, running hf" in second.stdout and "[unsloth_lite:1] starting" not in second.stdout
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"hf", "unsloth_lite:1"}
     rows["unsloth_lite"] = rows.pop("unsloth_lite:1")
+    assert rows["unsloth_lite"]["step_s"] == kept["step_s"]
     for variant, row in rows.items():
-        assert "error" not in row, f"{variant}: {row['error']}\n{result.stdout}"
+        assert "error" not in row, f"{variant}: {row['error']}\n{second.stdout}"
         assert row["tokens_per_s"] > 0
     assert abs(rows["hf"]["first_loss"] - rows["unsloth_lite"]["first_loss"]) < 1e-3 * rows["hf"]["first_loss"]
     assert (rows["hf"]["checkpointed_layers"], rows["unsloth_lite"]["checkpointed_layers"]) == (2, 1)
@@ -166,6 +169,14 @@ def test_bench_train_27b_tiny_mode_runs(tmp_path):
     no_offload = flops.flops_per_token(c, 32, ("down_proj",))["total"]
     assert rows["unsloth_lite"]["flops_per_token"] == no_offload
     assert all("executed_TFLOPs" in row and "HFU" not in row for row in rows.values())  # no matmul rate on a CPU
+
+    run_file = json.loads(out.read_text())
+    run_file["environment"]["machine"] = "another"
+    out.write_text(json.dumps(run_file))
+    refused = run("--variants", "hf", "--resume")
+    assert refused.returncode == 2
+    assert "--resume:" in refused.stderr and "machine 'another'" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 def test_bench_train_27b_records_a_worker_timeout(tmp_path):
@@ -192,39 +203,6 @@ def tiny_run(script: str, *options):
                               capture_output=True, text=True, timeout=600)
 
     return run
-
-
-def run_then_resume(run, out):
-    """A run of unsloth_lite, then one of hf and unsloth_lite resuming it: (the first run's row, the second
-    run, its rows by variant), the second having run hf alone."""
-    first = run("--variants", "unsloth_lite")
-    assert first.returncode == 0, first.stdout + first.stderr
-    kept = json.loads(out.read_text())["rows"][0]
-    second = run("--variants", "hf,unsloth_lite", "--resume")
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "[unsloth_lite] starting" not in second.stdout
-    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"hf", "unsloth_lite"} and "error" not in rows["hf"]
-    return kept, second, rows
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
-def test_bench_train_27b_resumes_a_run_on_the_same_machine_only(tmp_path):
-    """--resume keeps the rows of the run in --out and runs only the variants it lacks; a run measured on another
-    machine is refused with one line."""
-    out = tmp_path / "out.json"
-    run = tiny_run("bench_train_27b.py", "--warmup", "1", "--steps", "1", "--out", str(out))
-    kept, second, rows = run_then_resume(run, out)
-    assert "1 variants kept, running hf" in second.stdout
-    assert rows["unsloth_lite"]["step_s"] == kept["step_s"]
-
-    run_file = json.loads(out.read_text())
-    run_file["environment"]["machine"] = "another"
-    out.write_text(json.dumps(run_file))
-    refused = run("--variants", "hf", "--resume")
-    assert refused.returncode == 2
-    assert "--resume:" in refused.stderr and "machine 'another'" in refused.stderr
-    assert "Traceback" not in refused.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
@@ -255,24 +233,33 @@ def bench_generate():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
-def test_bench_generate_tiny_mode_runs(tmp_path):
-    """W3's script end to end on both tiny shapes: decoding is timed and the patched model's greedy tokens equal
-    Hugging Face's on the same NF4 weights."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
+def test_bench_generate_tiny_mode_runs_and_resumes(tmp_path):
+    """W3's script end to end on both tiny shapes, in two runs: unsloth-lite's variant, then Hugging Face's
+    resuming it (--resume keeps the rows in --out and runs only the (variant, shape) pairs it lacks, the ratios
+    over all of them). Decoding is timed and the patched model's greedy tokens equal Hugging Face's on the same NF4
+    weights; a resume with other settings is refused with one line."""
     out = tmp_path / "out.json"
-    result = subprocess.run(
-        [sys.executable, "scripts/bench_generate.py", "--tiny", "--variants", "hf,unsloth_lite", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    run = tiny_run("bench_generate.py", "--out", str(out))
+    first = run("--variants", "unsloth_lite")
+    assert first.returncode == 0, first.stdout + first.stderr
+    kept = {r["shape"]: r for r in json.loads(out.read_text())["rows"]}
+    second = run("--variants", "hf,unsloth_lite", "--resume")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "2 rows kept" in second.stdout and "[unsloth_lite] starting" not in second.stdout
     rows = {(r["shape"], r["variant"]): r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {(s, v) for s in ("qwen3_8b", "qwen3_5_27b") for v in ("hf", "unsloth_lite")}
     for key, row in rows.items():
-        assert "error" not in row, f"{key}: {row['error']}\n{result.stdout}"
+        assert "error" not in row, f"{key}: {row['error']}\n{second.stdout}"
         assert row["new_tokens"] == 4 and row["decode_tokens_per_s"] > 0 and row["ttft_ms"] > 0, row
         assert 0 < row["bound_fraction"] < 1, row
     for shape in ("qwen3_8b", "qwen3_5_27b"):
-        assert rows[(shape, "unsloth_lite")]["same_tokens_as_hf"] == 4, rows[(shape, "unsloth_lite")]
+        ours, theirs = rows[(shape, "unsloth_lite")], rows[(shape, "hf")]
+        assert ours["same_tokens_as_hf"] == 4, ours
+        assert ours["decode_tokens_per_s"] == kept[shape]["decode_tokens_per_s"]
+        assert ours["vs_hf"] == round(ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], 2)
+    refused = run("--variants", "hf", "--resume", "--new-tokens", "3")
+    assert refused.returncode == 2
+    assert "--resume:" in refused.stderr and "new_tokens 4" in refused.stderr and "Traceback" not in refused.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run; on a CUDA machine the script runs at full size")
@@ -280,20 +267,6 @@ def test_bench_generate_profile_names_are_file_names(tmp_path):
     """A variant with "@" settings profiles into one file of the directory, not into a directory of its own."""
     path = bench_generate().profile_path(str(tmp_path), "unsloth_lite_lora@lora_split=1/lora_pdl=1", "qwen3_8b")
     assert path.parent == tmp_path and path.name == "unsloth_lite_lora_lora_split_1_lora_pdl_1_qwen3_8b.txt"
-
-
-def test_bench_generate_resumes_a_run_on_the_same_machine_only(tmp_path):
-    """--resume keeps the rows of the run in --out and runs only the (variant, shape) pairs it lacks, with the
-    ratios over all of them; a run with other settings is refused with one line."""
-    out = tmp_path / "out.json"
-    run = tiny_run("bench_generate.py", "--shapes", "qwen3_8b", "--out", str(out))
-    kept, second, rows = run_then_resume(run, out)
-    assert "1 rows kept" in second.stdout
-    assert rows["unsloth_lite"]["decode_tokens_per_s"] == kept["decode_tokens_per_s"]
-    assert rows["unsloth_lite"]["vs_hf"] == round(kept["decode_tokens_per_s"] / rows["hf"]["decode_tokens_per_s"], 2)
-    refused = run("--variants", "hf", "--resume", "--new-tokens", "3")
-    assert refused.returncode == 2
-    assert "--resume:" in refused.stderr and "new_tokens 4" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_decode_bytes_per_token_match_benchmarks():
