@@ -418,12 +418,13 @@ def nf4_matvec(
                        and blocked and words and not split_k)
     block_m = triton.next_power_of_2(n_rows)  # rows of the blocked kernel: x's, padded
     first = no_first_products(x2d)  # the word kernel's arguments for the first products in its launch
-    parts = lora_t.shape[0] if lora_t is not None and lora_t.dim() == 3 else 1
-    if parts > 1 and not (blocked and words):
-        lora_t = lora_t.sum(0)  # the other kernels take one t
+    parts, part_stride = 1, 0  # t in parts: summed in the word kernel's epilogue, by the host for the others
     if lora_t is not None and lora_t.dim() == 3:
-        t, rank = lora_t[0], lora_t.shape[2]
-    elif lora_t is not None:
+        if blocked and words:
+            parts, part_stride, lora_t = lora_t.shape[0], lora_t.stride(0), lora_t[0]
+        else:
+            lora_t = lora_t.sum(0)
+    if lora_t is not None:
         t, rank = lora_t, lora_t.shape[1]
     elif first_in_launch:
         (t, first), rank = first_product_args(x2d, [lora_a], block_m, feature_blocks), lora_a.shape[0]
@@ -461,7 +462,7 @@ def nf4_matvec(
         _nf4_matvec_words_kernel[(first.programs + feature_blocks, splits if split_k else 1)](
             x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],
             *((partial, arrivals) if split_k else (out, out)), *sizes, *first,
-            lora_t.stride(0) if parts > 1 else 0, T_PARTS=parts,
+            part_stride, T_PARTS=parts,
             FIRST_PRODUCTS=first_in_launch, FIRST_BLOCK_K=LORA_BLOCK_K,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             PTX=LOOKUP == "registers", BF16_CODES=word_code_form(bf16_codes, x_pairs),

@@ -279,13 +279,13 @@ def zeroed_stripes_for(x: torch.Tensor, stripes: torch.Tensor):
 
 def mlp_rows(projections: tuple[LoRAProjection, LoRAProjection, LoRAProjection], x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) · up(x)) of the rows `x` (`gated_rows`, then `output_rows`); with `MLP_SHARES`, zeroed
-    stripes for x (`zeroed_stripes_for`), an adapted NF4 down projection and the gate-and-up launch, that launch
-    also writes the down adapter's first product in shares, which the down projection takes."""
+    stripes for x (`zeroed_stripes_for`: made only for an adapted NF4 down projection) and the gate-and-up
+    launch, that launch also writes the down adapter's first product in shares, which the down projection
+    takes."""
     gate, up, down = projections
     pending = getattr(_PENDING_STRIPES, "pending", None)
     stripes = pending[1] if MLP_SHARES and pending is not None and pending[0] is x else None
-    if (stripes is None or not down.rank or getattr(down.base, "quant_state", None) is None
-            or not (GATED_MATVEC and gated_matvec_supported(x, gate.base, up.base))):
+    if stripes is None or not (GATED_MATVEC and gated_matvec_supported(x, gate.base, up.base)):
         return output_rows(down, gated_rows((gate, up), x))
     h = gated_rows((gate, up), x, down_shares=(down.lora_a, stripes))
     with first_products_of(h, [down.lora_a], stripes):
@@ -368,4 +368,3 @@ def fused_attention(layer, query, key, value, attention_mask, scaling: float, ga
     `lora_a`, (that, the shares of the output projection's first product)."""
     return decode_attention(query, key, value, layer.keys, layer.values, layer.cumulative_length, attention_mask,
                             scaling, gate, norm_rope, lora_a)
-

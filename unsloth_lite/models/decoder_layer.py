@@ -40,6 +40,7 @@ from unsloth_lite.models.layers import (
     UnreadSum,
     _lora_projections,
     in_recomputation,
+    nf4_adapter,
     residual_streams,
     rms_norm_forward,
     use_kernels,
@@ -194,11 +195,11 @@ def _normed(norm, x: torch.Tensor, consumer, names,
 def _down_share_stripes(mlp, x: torch.Tensor) -> torch.Tensor | None:
     """Stripes for the down adapter's shares (`decode.mlp_rows`), fp32 `[DOWN_SHARE_STRIPES, rows, r]`, where
     `decode.MLP_SHARES` is on and the MLP's down projection is adapted over an NF4 base; else None."""
-    projection = _lora_projections(mlp, ("down_proj",), x) if decode.MLP_SHARES else None
-    if projection is None or not projection[0].rank or getattr(projection[0].base, "quant_state", None) is None:
+    down = nf4_adapter(mlp.down_proj) if decode.MLP_SHARES else None
+    if down is None:
         return None
     rows = x.numel() // x.shape[-1]
-    return torch.empty((decode.DOWN_SHARE_STRIPES, rows, projection[0].rank), dtype=torch.float32, device=x.device)
+    return torch.empty((decode.DOWN_SHARE_STRIPES, rows, down.rank), dtype=torch.float32, device=x.device)
 
 
 @contextlib.contextmanager

@@ -376,7 +376,9 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
     elif grouped:  # decoding: KV heads never repeated
         attn_weights = None
         if layer is not None:  # the cache's update, the attention and the gate in one launch
-            lora_a = _shared_output_adapter(self, query)
+            # o_proj's adapter's first product from this launch, where `decode.ATTENTION_SHARES` gives it there
+            adapter = nf4_adapter(self.o_proj) if decode.ATTENTION_SHARES else None
+            lora_a = adapter.lora_a if adapter is not None else None
             attn_output = fused_attention(layer, query, key, value, attention_mask, self.scaling, gate, norm_rope,
                                           lora_a)
             if lora_a is not None:
@@ -404,15 +406,12 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
     return output_projection(self, "o_proj", attn_output), attn_weights
 
 
-def _shared_output_adapter(module, query: torch.Tensor) -> torch.Tensor | None:
-    """The A of `module.o_proj`'s adapter where the fused attention takes its first product (`decode.ATTENTION_SHARES`,
-    an adapter on an NF4 base on the fused path, the kernels' device), else None."""
-    if not decode.ATTENTION_SHARES or not use_kernels(query) or query.dtype == torch.float64:
-        return None
-    projection = _lora_projection(getattr(module, "o_proj", None))
+def nf4_adapter(layer) -> LoRAProjection | None:
+    """`layer` as a fused LoRA projection where it has an adapter over an NF4 base, else None."""
+    projection = _lora_projection(layer)
     if projection is None or not projection.rank or getattr(projection.base, "quant_state", None) is None:
         return None
-    return projection.lora_a
+    return projection
 
 
 def output_projection(self, name: str, x: torch.Tensor) -> torch.Tensor:
