@@ -21,8 +21,8 @@ each full-attention layer's cache update, attention and output gate in one launc
 (`nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH`: the adapters' first products in their projections' own launches, the
 norms alone), `norm_bound=1` (`screened_logits.NORM_BOUND`: the screen's bound also by Cauchy–Schwarz),
 `pair_products=0` (`nf4_matvec.BF16_PAIR_PRODUCTS`: the word walk's products in bf16 pairs, else in fp32),
-`attention_shares=0` (`decode.ATTENTION_SHARES`: o_proj's adapter's first product in shares from the attention's
-launch), `mlp_shares=0` (`decode.MLP_SHARES`: down_proj's from the gate-and-up launch, in stripes). A
+`mlp_shares=1` (`decode.MLP_SHARES`: down_proj's adapter's first product from the gate-and-up launch, in
+stripes). A
 suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix, less `adapted`:
 `unsloth_lite_lora@adapted=N` puts adapters on some projections only, N the sum of 1 (q, k, v), 2 (o), 4 (gate,
 up) and 8 (down; 15, the default: all seven), so that one run splits the adapter's cost by projection.
@@ -57,7 +57,6 @@ DECODE_SETTINGS = {
     "first": ("unsloth_lite.kernels.nf4_matvec", "FIRST_PRODUCTS_IN_LAUNCH", 0),
     "norm_bound": ("unsloth_lite.kernels.screened_logits", "NORM_BOUND", 0),
     "pair_products": ("unsloth_lite.kernels.nf4_matvec", "BF16_PAIR_PRODUCTS", 0),
-    "attention_shares": ("unsloth_lite.models.decode", "ATTENTION_SHARES", 0),
     "mlp_shares": ("unsloth_lite.models.decode", "MLP_SHARES", 0),
 }
 # `@adapted=N`'s groups of adapted projections: bit -> their names (module docstring)

@@ -29,8 +29,8 @@ decodes in one step, times 8). Launched from a CPU, the kernels are
 compiled without programmatic dependent launch.
 
 `--decode-kernels`: `decode_attention` at the W3 models' attention shapes (bf16, batch 1, a boolean mask,
-Qwen3.5's gate), a cache of 256 positions (W3's) and one of 4,096 (and at 256 with the norm and RoPE and the
-output projection's rank-16 shares: `decode.ATTENTION_SHARES`), `delta_rule_gated_step` at the 27B's DeltaNet
+Qwen3.5's gate), a cache of 256 positions (W3's) and one of 4,096 (and at 256 with the norm and RoPE),
+`delta_rule_gated_step` at the 27B's DeltaNet
 shape and `rms_norm_lora_down_rows` at both models' hidden sizes (three rank-16 adapters), as shipped (the
 attention's splits as a launch without a GPU chooses them: on a GPU they follow its SM count).
 """
@@ -287,8 +287,7 @@ def decode_kernel_rows(arch: int) -> list[dict]:
     for model, q_heads, kv_heads, head_dim, gated in DECODE_ATTENTION_SHAPES:
         rotary = head_dim // 4 if gated else head_dim  # Qwen3.5's partial rotary
         norm_rope = (torch.empty(head_dim, dtype=torch.bfloat16),) * 2 + (torch.empty(1, 1, rotary),) * 2 + (1e-6, 0.0)
-        for cache_len, with_norm_rope, shares in ((256, False, False), (4096, False, False), (4096, True, False),
-                                                  (256, True, False), (256, True, True)):
+        for cache_len, with_norm_rope in ((256, False), (4096, False), (4096, True), (256, True)):
             query = torch.empty(1, q_heads, 1, head_dim, dtype=torch.bfloat16)
             key = torch.empty(1, kv_heads, 1, head_dim, dtype=torch.bfloat16)
             cache = torch.empty(1, kv_heads, cache_len, head_dim, dtype=torch.bfloat16)
@@ -296,10 +295,9 @@ def decode_kernel_rows(arch: int) -> list[dict]:
             gate = torch.empty(1, 1, q_heads, head_dim, dtype=torch.bfloat16) if gated else None
             with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
                 decode_attention.decode_attention(query, key, key, cache, cache, torch.zeros((), dtype=torch.int64),
-                                                  mask, None, gate, norm_rope if with_norm_rope else None,
-                                                  torch.empty(16, q_heads * head_dim) if shares else None)
+                                                  mask, None, gate, norm_rope if with_norm_rope else None)
             kernel_kwargs = launches[0][2]
-            name = "decode_attention" + (", norm_rope" if with_norm_rope else "") + (", shares" if shares else "")
+            name = "decode_attention" + (", norm_rope" if with_norm_rope else "")
             rows.append(dict(kernel=name, model=model,
                              cache=cache_len,
                              splits=kernel_kwargs["SPLITS"], positions_a_step=kernel_kwargs["BLOCK_L"],

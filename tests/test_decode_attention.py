@@ -75,30 +75,6 @@ def test_decode_attention_steps(q_heads, kv_heads, head_dim, mask_kind, gated, d
         query, key, value = (torch.randn_like(t) for t in (query, key, value))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("batch,cache_len", [(2, None), (1, 12)], ids=["splits", "one_split"])
-def test_decode_attention_writes_the_output_projections_first_product_in_shares(batch, cache_len, dtype, device):
-    """With the output projection's adapter A, the shares of its KV heads sum to t = o Aᵀ of the output as
-    written (float64 product), with several splits (the last program to arrive writes the shares) and one; the
-    output is that of the launch without A, and A's rank not a power of two."""
-    q_heads, kv_heads, head_dim, rank = 6, 2, 24, 5
-    cache_len = cache_len or 2 * position_block(head_dim) + 8
-    query, key, value, key_cache, value_cache, length = _inputs(
-        batch, q_heads, kv_heads, head_dim, cache_len, cache_len - 4, dtype, device)
-    caches = key_cache.clone(), value_cache.clone(), length.clone()
-    gate = torch.randn(batch, 1, q_heads, head_dim, device=device, dtype=dtype)
-    lora_a = torch.randn(rank, q_heads * head_dim, device=device, dtype=dtype)
-    out, shares = decode_attention(query, key, value, key_cache, value_cache, length, None, 0.3, gate,
-                                   lora_a=lora_a)
-    plain = decode_attention(query, key, value, *caches, None, 0.3, gate)
-    assert torch.equal(out, plain), "the output does not change with the shares"
-    assert shares.shape == (kv_heads, batch, rank) and shares.dtype == torch.float32
-    exact = out.reshape(batch, -1).double() @ lora_a.double().T
-    assert_close(shares.sum(0), exact, TOLERANCE[torch.float32], "Σ shares against o Aᵀ")
-    with pytest.raises(ValueError, match="lora_a must be"):
-        decode_attention(query, key, value, key_cache, value_cache, length, lora_a=lora_a[:, 1:])
-
-
 def test_decode_attention_single_split_and_last_position(device):
     """A cache short enough for one split, filled up to its last position."""
     batch, q_heads, kv_heads, head_dim, cache_len = 1, 2, 2, 16, 12

@@ -32,7 +32,6 @@ from unsloth_lite.kernels.lora_down import lora_down_rows, rms_norm_lora_down_ro
 from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
 from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
 from unsloth_lite.models import decode, decoder_layer, layers, patch_model, qwen3_5_layers
-from unsloth_lite.models.decode import fused_attention
 from unsloth_lite.models.decode_graph import GRAPHS_ATTRIBUTE
 from unsloth_lite.models.quantize import quantize_linears_nf4
 
@@ -180,8 +179,7 @@ def count_decode_calls(monkeypatch):
 KERNEL_RUNS = [("qwen2", "static"), ("qwen3", "dynamic"), ("qwen3_5", None)]
 # `models.decode`'s switches of the fused decoding launches (most on by default).
 FUSED_LAUNCHES = ("GATED_MATVEC", "GROUPED_MATVEC", "DECODE_ATTENTION", "GATED_DELTANET_STEP",
-                  "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS", "NORM_ROPE_IN_ATTENTION", "ATTENTION_SHARES",
-                  "MLP_SHARES")
+                  "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS", "NORM_ROPE_IN_ATTENTION", "MLP_SHARES")
 
 
 def set_fused_launches(monkeypatch, on=()):
@@ -237,9 +235,8 @@ def test_greedy_tokens_match_with_fused_decode_attention(arch, cache_implementat
     calls = []
     monkeypatch.setattr(decode, "decode_attention", lambda *args: calls.append(args[8:]) or decode_attention(*args))
     assert_same_greedy_tokens(arch, "4bit+lora", cache_implementation, 3, device, prompt_shape=(2, 4))
-    assert calls and all((gate is not None) == (arch == "qwen3_5") for gate, _, _ in calls)
-    assert all((norm_rope is not None) == in_attention for _, norm_rope, _ in calls)
-    assert all(lora_a is None for _, _, lora_a in calls)  # no shares: `ATTENTION_SHARES` off
+    assert calls and all((gate is not None) == (arch == "qwen3_5") for gate, _ in calls)
+    assert all((norm_rope is not None) == in_attention for _, norm_rope in calls)
 
 
 @pytest.mark.parametrize("arch,cache_implementation", [("qwen2", "static"), ("qwen3_5", None)])
@@ -277,19 +274,6 @@ def test_greedy_tokens_match_with_norms_and_first_products_in_one_launch(arch, c
     assert_same_greedy_tokens(arch, "4bit+lora", cache_implementation, 3, device, prompt_shape=(2, 4))
     # left to their own launches: o's and down's one adapter, the DeltaNet's four (more than one launch takes)
     assert fused and all(count in (1, 4) for count in launches), (fused, launches)
-
-
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
-def test_greedy_tokens_match_with_the_output_products_first_product_from_the_attention(arch, device, monkeypatch):
-    """`decode.ATTENTION_SHARES` (with `decode.DECODE_ATTENTION` and the residual in the products): o_proj's
-    adapter takes its first product from the attention's launch, in shares, instead of a `lora_down_rows`
-    launch; the greedy tokens those of the unpatched model."""
-    set_fused_launches(monkeypatch, on=("DECODE_ATTENTION", "ATTENTION_SHARES", "RESIDUAL_IN_PRODUCTS"))
-    shared = []
-    monkeypatch.setattr(layers, "fused_attention", lambda *args: shared.append(args[-1] is not None) or
-                        fused_attention(*args))
-    assert_same_greedy_tokens(arch, "4bit+lora", "static", 3, device, prompt_shape=(2, 4))
-    assert shared and all(shared)
 
 
 def test_greedy_tokens_match_with_the_down_projections_first_product_from_the_gated_launch(device, monkeypatch):
@@ -451,11 +435,11 @@ def test_bf16_greedy_path_matches_cuda_with_norm_rope_in_attention(arch, torch_d
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
-def test_bf16_greedy_path_matches_cuda_with_the_output_projections_shares(arch, torch_delta_rule, monkeypatch):
-    """`decode.ATTENTION_SHARES` and `decode.MLP_SHARES` (with the attention, gate-and-up and norm launches
-    that write them): 32 bf16 tokens along the reference's greedy path through the captured step."""
-    set_fused_launches(monkeypatch, on=("DECODE_ATTENTION", "ATTENTION_SHARES", "RESIDUAL_IN_PRODUCTS",
-                                        "GATED_MATVEC", "NORM_FIRST_PRODUCTS", "MLP_SHARES"))
+def test_bf16_greedy_path_matches_cuda_with_the_down_adapters_shares(arch, torch_delta_rule, monkeypatch):
+    """`decode.MLP_SHARES` (with the gate-and-up and norm launches that write and zero the stripes, and the
+    fused attention): 32 bf16 tokens along the reference's greedy path through the captured step."""
+    set_fused_launches(monkeypatch, on=("DECODE_ATTENTION", "RESIDUAL_IN_PRODUCTS", "GATED_MATVEC",
+                                        "NORM_FIRST_PRODUCTS", "MLP_SHARES"))
     patched = assert_greedy_path_followed(arch, "4bit+lora", "static", 32, "cuda", torch.bfloat16)
     assert captured_decode_steps(patched) == 1
 

@@ -357,7 +357,7 @@ def test_nf4_matvec_takes_a_precomputed_adapter_product(device):
 
 @pytest.mark.parametrize("words", [True, False], ids=["word_kernel", "blocked_kernel"])
 def test_nf4_matvec_sums_an_adapter_product_given_in_parts(words, device, monkeypatch):
-    """`lora_t` as parts `[P, rows, r]` (an attention's shares of its KV heads), summed in the word kernel's
+    """`lora_t` as parts `[P, rows, r]` (the stripes of a down adapter's shares), summed in the word kernel's
     epilogue, by the host for the other kernels: what `lora_a` gives, with the residual as an output projection
     takes it."""
     monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", words)

@@ -33,11 +33,6 @@ to arrive combines the slots in split order (the same bits whichever arrives las
 
 Every program also counts itself on one counter of the launch; the last advances p, after every program has
 read it. The counters are left at 0 for the next launch (no memset).
-
-With the output projection's adapter A `[r, Hq · D]` (`lora_a`), the program that writes a KV head's output also
-writes that head's share of the projection's first product, Σ over its G heads of o_h A_hᵀ (fp32, from o as
-written); the projection sums the Hkv shares in its epilogue (`nf4_matvec`'s `lora_t` in parts), so no launch
-computes t = o Aᵀ between the two (`decode.ATTENTION_SHARES`).
 """
 
 from __future__ import annotations
@@ -153,15 +148,13 @@ def _decode_attention_kernel(
     scratch_ptr, arrivals_ptr,
     q_weight_ptr, k_weight_ptr, cos_ptr, cos_batch_stride, sin_ptr, sin_batch_stride, eps, offset, rotary,
     n_kv_heads, group, cache_len, head_dim, scale_log2,
-    a_ptr, a_row_stride, rank, shares_ptr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, CHUNK: tl.constexpr,
     SPLITS: tl.constexpr, MASK: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr, NORM_ROPE: tl.constexpr, SHARES: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr, NORM_ROPE: tl.constexpr,
 ):
     """PDL: the cache's length (advanced by this kernel alone, a step before) is read before `gdc_wait`; the
     query, the new key and value, the mask and the gate after it. NORM_ROPE: q and the new key normed and
-    rotated first (`_normed_rotated`), rounded to their dtypes. SHARES: the finishing program also writes its
-    KV head's share of the output projection's first product (`_head_shares`)."""
+    rotated first (`_normed_rotated`), rounded to their dtypes."""
     program = tl.program_id(0)
     split = tl.program_id(1)
     batch = (program // n_kv_heads).to(tl.int64)
@@ -248,31 +241,9 @@ def _decode_attention_kernel(
             gate = tl.load(gate_ptr + batch * gate_batch_stride + heads[:, None] * gate_head_stride + d[None, :],
                            mask=mask_out, other=0.0).to(tl.float32)
             out = out * tl.sigmoid(gate)
-        out = out.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + batch * out_batch_stride + heads[:, None] * out_head_stride + d[None, :], out,
-                 mask=mask_out)
-        if SHARES:
-            batches = tl.num_programs(0) // n_kv_heads
-            _head_shares(out.to(tl.float32), g, d, mask_d, kv_head * group, head_dim, group, a_ptr, a_row_stride, rank,
-                         shares_ptr + (kv_head * batches + batch) * rank, BLOCK_R)
+        tl.store(out_ptr + batch * out_batch_stride + heads[:, None] * out_head_stride + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask_out)
     _advance_length(length_ptr, position, arrivals_ptr + tl.num_programs(0))
-
-
-@triton.jit
-def _head_shares(out, g, d, mask_d, first_head, head_dim, group, a_ptr, a_row_stride, rank, share_ptr,
-                 BLOCK_R: tl.constexpr):
-    """share[r] = Σ_{g < group} Σ_d out[g, d] · A[r, (first_head + g) · D + d]: this KV head's share of t = o Aᵀ,
-    the output projection's first product (A `[r, Hq · D]`), from the output as written (rounded), in fp32."""
-    ranks = tl.arange(0, BLOCK_R)
-    mask_ranks = ranks < rank
-    share = tl.zeros([BLOCK_R], tl.float32)
-    for head in range(0, group):
-        row = tl.sum(tl.where(g[:, None] == head, out, 0.0), axis=0)  # [BLOCK_D]: query head `head`'s output
-        column = (first_head + head) * head_dim + d
-        a = tl.load(a_ptr + ranks[:, None] * a_row_stride + column[None, :],
-                    mask=mask_ranks[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        share += tl.sum(a * row[None, :], axis=1)
-    tl.store(share_ptr + ranks, share, mask=mask_ranks)
 
 
 @triton.jit
@@ -362,17 +333,14 @@ def decode_attention(
     scale: float | None = None,
     gate: torch.Tensor | None = None,
     norm_rope: tuple | None = None,
-    lora_a: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Attention of query `[B, Hq, 1, D]` over the cache after writing key, value `[B, Hkv, 1, D]` at position
     `cache_length` (a one-element device tensor, then advanced by one) of key_cache, value_cache `[B, Hkv, S, D]`
     (updated in place); mask None (positions up to the new token's attend) or `[B or 1, 1, Q, ≥S]` as Hugging
     Face builds it (its last query row read: boolean, True attends, or additive); gate `[B, 1, Hq, D]`, where
     given, multiplies the output by its sigmoid; norm_rope, where given, (q_weight `[D]`, k_weight `[D]`, cos,
     sin `[B, 1, R]` or `[B, R]`, eps, offset): query and key normed and rotated first, as `qk_norm_rope` does.
-    Returns `[B, 1, Hq, D]` in query's dtype; with `lora_a` (`[r, Hq · D]`, the output projection's adapter),
-    also its first product's shares, one a KV head: fp32 `[Hkv, B, r]` whose sum over KV heads is the output (as
-    written, `[B, Hq · D]`) times Aᵀ, for `nf4_matvec`'s `lora_t`."""
+    Returns `[B, 1, Hq, D]` in query's dtype."""
     _check_args(query, key, value, key_cache, value_cache, cache_length, mask, gate)
     if norm_rope is not None:
         norm_rope = _norm_rope_args(norm_rope, query)
@@ -400,8 +368,6 @@ def decode_attention(
     if gate is not None and gate.stride(-1) != 1:
         gate = gate.contiguous()
     gate_arg = gate if gate is not None else out
-    shares = _head_shares_buffer(lora_a, batch, kv_heads, q_heads * head_dim, out)
-    rank = lora_a.shape[0] if shares is not None else 0
     _decode_attention_kernel[(programs, splits)](
         query, query.stride(0), query.stride(1),
         key, key.stride(0), key.stride(1),
@@ -415,26 +381,11 @@ def decode_attention(
         scratch, arrivals,
         *(norm_rope if norm_rope is not None else (out, out, out, 0, out, 0, 0.0, 0.0, 0)),
         kv_heads, group, cache_len, head_dim, scale * 1.4426950408889634,
-        lora_a if shares is not None else out, lora_a.stride(0) if shares is not None else 0, rank,
-        shares if shares is not None else out,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=position_block(head_dim), CHUNK=chunk, SPLITS=splits, MASK=mask_kind,
         GATED=gate is not None, DOT_F32=INTERPRET or query.dtype == torch.float32,
-        IEEE=query.dtype == torch.float32, NORM_ROPE=norm_rope is not None, SHARES=shares is not None,
-        BLOCK_R=max(2, triton.next_power_of_2(rank)), num_warps=4, **pdl_launch(query.device),
+        IEEE=query.dtype == torch.float32, NORM_ROPE=norm_rope is not None, num_warps=4, **pdl_launch(query.device),
     )
-    return out if shares is None else (out, shares)
-
-
-def _head_shares_buffer(lora_a, batch: int, kv_heads: int, width: int, out: torch.Tensor) -> torch.Tensor | None:
-    """The fp32 `[Hkv, B, r]` shares of the output projection's first product (None without `lora_a`), after
-    checking `lora_a` against the output's width."""
-    if lora_a is None:
-        return None
-    if lora_a.dim() != 2 or lora_a.shape[1] != width or lora_a.shape[0] == 0 or lora_a.stride(1) != 1:
-        raise ValueError(f"lora_a must be [r > 0, {width}] with unit column stride; got {tuple(lora_a.shape)}")
-    if lora_a.device != out.device:
-        raise ValueError(f"lora_a is on {lora_a.device} but the attention runs on {out.device}")
-    return empty((kv_heads, batch, lora_a.shape[0]), torch.float32, out.device)
+    return out
 
 
 def _norm_rope_args(norm_rope, query: torch.Tensor) -> tuple:

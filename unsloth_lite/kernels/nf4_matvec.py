@@ -385,7 +385,7 @@ def nf4_matvec(
     """`x dequant(W)ᵀ + b + scale · (x Aᵀ) Bᵀ` for x `[..., K]` of 1 to 8 rows and W a 2-D NF4 `Params4bit`
     `[N, K]` (or packed bytes with `quant_state`); returns `[..., N]` in x's dtype. No autograd. `lora_t`: x Aᵀ
     already computed (fp32 `[rows, r]`, unit column stride; `lora_down_rows`), given with B instead of A, or as
-    parts `[P, rows, r]` whose sum it is (`decode_attention`'s shares of each KV head), summed in the epilogue.
+    parts `[P, rows, r]` whose sum it is (`nf4_gated_matvec`'s stripes of `down_shares`), summed in the epilogue.
     `residual` (`[..., N]` as the result, x's dtype): added in the epilogue before the one rounding, as an
     output projection's result joins the residual stream."""
     launch = _launch(weight, quant_state)

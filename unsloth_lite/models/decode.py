@@ -67,20 +67,16 @@ NORM_ROPE_IN_ATTENTION = True
 # (`greedy_logits`). The copy is kept on the head (0.62 GB at the Qwen3-8B shape) until the decoding cache is
 # released. On since measured with `NORM_ROPE_IN_ATTENTION` (above).
 SCREENED_LM_HEAD = True
-# A full-attention layer's output projection's adapter takes its first product t = o Aᵀ from the attention's
-# launch: the program that writes a KV head's output also writes that head's share of t (`decode_attention`'s
-# `lora_a`), and the projection sums the shares in its epilogue (`nf4_matvec`'s `lora_t` in parts), instead of a
-# `lora_down_rows` launch between the two (3.3 us a layer of the Qwen3-8B shape's 14.4 with adapters, an H100,
-# docs/benchmarks.md). Unlike the shares tried before (summed by the attention's last program to arrive), no
-# program waits for another. Not yet measured on a GPU: off.
-ATTENTION_SHARES = False
 # The MLP's down projection's adapter takes its first product t = h Aᵀ from the gate-and-up launch, which writes h:
 # each program adds its features' share into one of DOWN_SHARE_STRIPES fp32 stripes (`nf4_gated_matvec`'s
 # `down_shares`), which the norm's launch before it sets to 0 (`rms_norm_lora_down_rows`' `zeroed`), and the down
 # projection sums the stripes in its epilogue, instead of a `lora_down_rows` launch between the two (4.2 us a
-# layer at the Qwen3-8B shape). The adds are relaxed fp32 atomics: t's last bits follow the programs' order. Not
-# yet measured on a GPU: off.
-MLP_SHARES = False
+# layer at the Qwen3-8B shape). The adds are relaxed fp32 atomics: t's last bits follow the programs' order.
+# Measured on an H100 (docs/benchmarks.md, "W3 with the down adapter's first product in shares"): the Qwen3-8B
+# shape's step with adapters 3.619 -> 3.538 ms: on. The same for o_proj, each KV head's share written by the
+# attention's launch, took it to 3.713 ms (the attention is on the step's critical path with 8 programs a token,
+# the `lora_down` launch it replaced spreads over 16 x 4) and was removed.
+MLP_SHARES = True
 # Stripes of the down shares: program i adds into stripe i mod S, so that ~100 programs (not 1,536) add into an
 # address, and the down projection's epilogue reads S parts of t.
 DOWN_SHARE_STRIPES = 16
@@ -257,7 +253,7 @@ def first_products(projections, x: torch.Tensor, on_kernels: list[bool]):
         t = pending[2]
     else:
         t = lora_down_rows(x.reshape(-1, x.shape[-1]), lora_as)
-    if t.dim() == 3:  # one adapter's t in parts (the attention's or the gate-and-up launch's shares)
+    if t.dim() == 3:  # one adapter's t in parts (the gate-and-up launch's stripes)
         return t, {adapted[0]: t}
     return t, dict(zip(adapted, t.split([projections[i].rank for i in adapted], dim=1), strict=True))
 
@@ -362,9 +358,8 @@ def fused_attention_layer(cache, layer_idx: int, query: torch.Tensor, key: torch
 
 
 def fused_attention(layer, query, key, value, attention_mask, scaling: float, gate=None,
-                    norm_rope=None, lora_a=None):
+                    norm_rope=None) -> torch.Tensor:
     """`decode_attention` over `layer` (`fused_attention_layer`): `[B, 1, Hq, D]`, gated where `gate` is given,
-    query and key normed and rotated first where `norm_rope` is given (`decode_attention`'s tuple); with
-    `lora_a`, (that, the shares of the output projection's first product)."""
+    query and key normed and rotated first where `norm_rope` is given (`decode_attention`'s tuple)."""
     return decode_attention(query, key, value, layer.keys, layer.values, layer.cumulative_length, attention_mask,
-                            scaling, gate, norm_rope, lora_a)
+                            scaling, gate, norm_rope)

@@ -364,7 +364,6 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
     and RoPE itself."""
     dropout = 0.0 if not self.training else self.attention_dropout
     sliding_window = getattr(self, "sliding_window", None)
-    shares = None
     packed = cache is None and sliding_window is None and kwargs.get("cu_seq_lens_q") is not None
     grouped = not packed and grouped_attention_applies(self, query, attention_mask, cache)  # decoding
     layer = fused_attention_layer(cache, self.layer_idx, query, key, attention_mask) if grouped else None
@@ -376,13 +375,7 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
     elif grouped:  # decoding: KV heads never repeated
         attn_weights = None
         if layer is not None:  # the cache's update, the attention and the gate in one launch
-            # o_proj's adapter's first product from this launch, where `decode.ATTENTION_SHARES` gives it there
-            adapter = nf4_adapter(self.o_proj) if decode.ATTENTION_SHARES else None
-            lora_a = adapter.lora_a if adapter is not None else None
-            attn_output = fused_attention(layer, query, key, value, attention_mask, self.scaling, gate, norm_rope,
-                                          lora_a)
-            if lora_a is not None:
-                attn_output, shares = attn_output
+            attn_output = fused_attention(layer, query, key, value, attention_mask, self.scaling, gate, norm_rope)
             gate = None
         else:
             key, value = _update_cache(cache, key, value, self.layer_idx, kwargs)
@@ -400,9 +393,6 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
     if gate is not None:  # gate stays a strided view of q_proj's output: no copy
         gated = sigmoid_gate if use_kernels(gate) else sigmoid_gate_reference
         attn_output = gated(attn_output.view(gate.shape), gate).view(attn_output.shape)
-    if shares is not None:  # o_proj's first product in parts, from the attention's launch
-        with decode.first_products_of(attn_output, [lora_a], shares):
-            return output_projection(self, "o_proj", attn_output), attn_weights
     return output_projection(self, "o_proj", attn_output), attn_weights
 
 
