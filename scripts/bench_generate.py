@@ -91,7 +91,14 @@ from bench_common import (
 from bench_train import worker_env
 from bench_train_setup import ensure_checkpoint
 from decode_shapes import LORA_R, SHAPES, build_model, bytes_per_token, shape_config
-from generate_variants import ADAPTED_GROUPS, DECODE_SETTINGS, DEFAULT_VARIANTS, VARIANTS, split_variant
+from generate_variants import (
+    ADAPTED_GROUPS,
+    DECODE_SETTINGS,
+    DEFAULT_VARIANTS,
+    VARIANTS,
+    skip_layer_norms,
+    split_variant,
+)
 from random_checkpoint import write_checkpoint_in_shards
 from train_timing import _error
 
@@ -137,6 +144,8 @@ def load(variant: str, shape: str, c: dict, checkpoint: str | None, device, dtyp
 
     variant, settings = split_variant(variant)
     adapted = settings.pop("adapted", 15)
+    if settings.pop("norms_skipped", 0):
+        skip_layer_norms()
     set_module_settings(settings, DECODE_SETTINGS)
     if variant == "unsloth_lite_hf_loop":
         from unsloth_lite.models import decode_loop

@@ -17,7 +17,7 @@ each full-attention layer's cache update, attention and output gate in one launc
 `small_pdl=1` (`kernels.utils.DECODE_PDL`: the small decoding kernels as programmatic dependent launches),
 `greedy=1` (`decode_loop.GREEDY_TOKEN_KERNEL`: a greedy step's token chosen and recorded in one launch),
 `norm_rope=1` (`decode.NORM_ROPE_IN_ATTENTION`: the q/k norm and RoPE inside the attention's launch), `screened=1`
-(`decode.SCREENED_LM_HEAD`, with `greedy=1`: the lm_head screened by an int8 copy), `first=0`
+(`decode.SCREENED_LM_HEAD`, with `greedy=1`: the lm_head screened by an int8 copy), `first=1`
 (`nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH`: the adapters' first products in their projections' own launches, the
 norms alone), `norm_bound=1` (`screened_logits.NORM_BOUND`: the screen's bound also by Cauchy–Schwarz),
 `pair_products=0` (`nf4_matvec.BF16_PAIR_PRODUCTS`: the word walk's products in bf16 pairs, else in fp32),
@@ -26,6 +26,10 @@ stripes). A
 suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix, less `adapted`:
 `unsloth_lite_lora@adapted=N` puts adapters on some projections only, N the sum of 1 (q, k, v), 2 (o), 4 (gate,
 up) and 8 (down; 15, the default: all seven), so that one run splits the adapter's cost by projection.
+
+A timing bound, not a configuration: `unsloth_lite@norms_skipped=1` leaves out the decoder layers' RMSNorm
+launches (each layer's input passed on as its norms' output: the tokens are wrong, the launches otherwise the
+same), so that one run gives the most that taking the norms into the products' launches could save.
 """
 
 from __future__ import annotations
@@ -75,6 +79,9 @@ def split_variant(variant: str) -> tuple[str, dict]:
         if key == "adapted" and name == "unsloth_lite_lora" and value.isdigit() and 1 <= int(value) <= 15:
             settings[key] = int(value)
             continue
+        if key == "norms_skipped" and name == "unsloth_lite" and value == "1":
+            settings[key] = 1
+            continue
         least = DECODE_SETTINGS[key][2] if key in DECODE_SETTINGS else None
         if least is None or not value.isdigit() or not setting_in_range(int(value), least):
             raise ValueError(f"{variant}: expected @KEY=N/... with KEY among {', '.join(DECODE_SETTINGS)} "
@@ -84,3 +91,12 @@ def split_variant(variant: str) -> tuple[str, dict]:
     if settings and not name.startswith("unsloth_lite"):
         raise ValueError(f"{variant}: only unsloth-lite's variants take @ settings")
     return name, settings
+
+
+def skip_layer_norms() -> None:
+    """`@norms_skipped=1` (module docstring): each decoder layer's norms on the decoding path return their input."""
+    import contextlib
+
+    from unsloth_lite.models import decoder_layer
+
+    decoder_layer._normed = lambda norm, x, *args, **kwargs: (x, contextlib.nullcontext())

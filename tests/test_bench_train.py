@@ -538,8 +538,10 @@ def test_bench_generate_variant_settings():
     assert bg.split_variant("unsloth_lite@stages=3/lora_stages=2/flat=0") == (
         "unsloth_lite", {"stages": 3, "lora_stages": 2, "flat": 0})
     assert bg.split_variant("unsloth_lite_lora@adapted=10/flat=0") == ("unsloth_lite_lora", {"adapted": 10, "flat": 0})
+    assert bg.split_variant("unsloth_lite@norms_skipped=1") == ("unsloth_lite", {"norms_skipped": 1})
     for bad in ("unsloth_lite@stages=0", "unsloth_lite@flat=2", "unsloth_lite@x=1", "hf@pdl=0", "other",
-                "unsloth_lite@adapted=2", "unsloth_lite_lora@adapted=16", "unsloth_lite_lora@adapted=0"):
+                "unsloth_lite@adapted=2", "unsloth_lite_lora@adapted=16", "unsloth_lite_lora@adapted=0",
+                "unsloth_lite@norms_skipped=0", "unsloth_lite_lora@norms_skipped=1"):
         with pytest.raises(ValueError):
             bg.split_variant(bad)
     from unsloth_lite.kernels import lora_down, nf4_matvec

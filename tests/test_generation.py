@@ -263,8 +263,9 @@ def test_greedy_tokens_match_with_norms_and_first_products_in_one_launch(arch, c
                                                                          monkeypatch):
     """`decode.NORM_FIRST_PRODUCTS`: each decoder layer's norms in one launch with the first products of the
     adapters after them, taken by those projections instead of their own launch; the greedy tokens those of the
-    unpatched model."""
+    unpatched model. (With `FIRST_PRODUCTS_IN_LAUNCH` the projections' launches take them instead: off here.)"""
     set_fused_launches(monkeypatch, on=("NORM_FIRST_PRODUCTS",))
+    monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", False)
     launches = []
     monkeypatch.setattr(decode, "lora_down_rows", lambda x, lora_as: launches.append(len(lora_as)) or
                         lora_down_rows(x, lora_as))

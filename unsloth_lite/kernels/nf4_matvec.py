@@ -131,10 +131,13 @@ BF16_PAIR_PRODUCTS = True
 # gate-and-up launches), the word walk's launch computes them itself: its first width · steps programs take x Aᵀ a
 # column and a step along K each (`lora_down`'s split), and the other programs await t only before their
 # epilogue, long after those few programs are done: no `lora_down_rows` launch before the output projections, and
-# the norms before the others alone (`decoder_layer.py`). Its GPU tests pass at every W3 shape; measured on an
-# H200 (2026-12-06, rank-16 adapters on 7 projections): +1.5% at the Qwen3-8B shape, -1.6% at Qwen3.5-27B's
-# (docs/benchmarks.md): off.
-FIRST_PRODUCTS_IN_LAUNCH = False
+# the norms before the others alone (`decoder_layer.py`). Its GPU tests pass at every W3 shape. Measured on an
+# H200 (2026-12-06, rank-16 adapters on 7 projections): +1.5% at the Qwen3-8B shape, -1.6% at Qwen3.5-27B's, where
+# the down projection's 17 steps along K were the loss; with the down adapter's first product from the
+# gate-and-up launch instead (`decode.MLP_SHARES`), on an H100 (docs/benchmarks.md, "W3 with the adapters' first
+# products in their launches, and the down adapter's in shares"): a step with adapters 3.579 -> 3.432-3.446 ms at
+# the 8B shape, 9.668 -> 9.655 ms at the 27B's: on.
+FIRST_PRODUCTS_IN_LAUNCH = True
 # The word walk's tile and stages by launch ("words", "gated", "grouped") and shape, where one was measured faster
 # than `blocked_tile`'s with `PIPELINE_STAGES` (`scripts/bench_word_tiles.py`, which times every candidate of
 # each launch a decoding step makes): (launch, N, K) -> (features, weights along K, warps, tiles a split along K

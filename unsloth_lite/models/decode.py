@@ -72,10 +72,10 @@ SCREENED_LM_HEAD = True
 # `down_shares`), which the norm's launch before it sets to 0 (`rms_norm_lora_down_rows`' `zeroed`), and the down
 # projection sums the stripes in its epilogue, instead of a `lora_down_rows` launch between the two (4.2 us a
 # layer at the Qwen3-8B shape). The adds are relaxed fp32 atomics: t's last bits follow the programs' order.
-# Measured on an H100 (docs/benchmarks.md, "W3 with the down adapter's first product in shares"): the Qwen3-8B
-# shape's step with adapters 3.619 -> 3.538 ms: on. The same for o_proj, each KV head's share written by the
-# attention's launch, took it to 3.713 ms (the attention is on the step's critical path with 8 programs a token,
-# the `lora_down` launch it replaced spreads over 16 x 4) and was removed.
+# Measured on an H100 (docs/benchmarks.md, "The output projections' first products as shares"): the Qwen3-8B
+# shape's step with adapters 3.619 -> 3.538 ms, the 27B's 9.699 -> 9.668: on. The same for o_proj, each KV head's
+# share written by the attention's launch, took the 8B's to 3.713 ms (the attention is on the step's critical
+# path with 8 programs a token, the `lora_down` launch it replaced spreads over 16 x 4) and was removed.
 MLP_SHARES = True
 # Stripes of the down shares: program i adds into stripe i mod S, so that ~100 programs (not 1,536) add into an
 # address, and the down projection's epilogue reads S parts of t.
