@@ -127,9 +127,9 @@ def sweep(shape: str, device, tiny: bool, tiles=None, stages=(3,)) -> tuple[list
 
     rows, totals = [], {"model": shape}
     for name, key, count, calls in launches(shape, device, tiny):
-        shipped_tile = matvec.word_tile(key[1], key[2], key[0])
+        shipped_tile = matvec.word_tile(key[1], key[2], key[0], False)  # the calls have no adapters
         row = {"model": shape, "launch": name, "per_token": count,
-               "shipped": time_us(calls, shipped_tile, matvec.word_stages(key[1], key[2], key[0]), device)}
+               "shipped": time_us(calls, shipped_tile, matvec.word_stages(key[1], key[2], key[0], False), device)}
         default = matvec.blocked_tile(key[1])
         options = {candidate: (tile, n) for candidate, tile, n in candidates(default, tiny, tiles, stages)}
         for candidate, (tile, n) in options.items():

@@ -192,6 +192,32 @@ def test_gated_matvec_writes_the_down_adapters_first_product_in_shares_cuda(shap
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gated_matvec_without_adapters_cuda(rows):
+    """Without adapters at the Qwen3-8B MLP, the launch's own tile (`WORD_TILES_WITHOUT_ADAPTERS`)."""
+    check((12288, 4096), rows, torch.bfloat16, True, (False, False), True, "cuda", exact=False)
+
+
+def test_gated_matvec_takes_the_tile_without_adapters_only_without_them(device, walk, monkeypatch):
+    """The launch asks for the tile of a launch without adapters only where it has none: neither adapter nor the
+    down adapter's shares."""
+    from unsloth_lite.kernels import nf4_matvec
+
+    asked = []
+    word_tile = nf4_matvec.word_tile
+    monkeypatch.setattr(nf4_matvec, "word_tile", lambda *args: asked.append(args[3:]) or word_tile(*args))
+    for adapters in ((False, False), (True, False)):
+        x, gate, up, biases, loras = gated_case((40, 64 * 5), 2, torch.bfloat16, True, adapters, False, device)
+        asked.clear()
+        nf4_gated_matvec(x, gate, up, *biases, *[lo[:3] if lo else None for lo in loras])
+        assert asked[-1:] == ([(any(adapters),)] if walk != "blocked" else []), (adapters, asked)
+    stripes = torch.zeros(16, 2, 3, device=device)
+    asked.clear()
+    nf4_gated_matvec(x, gate, up, down_shares=(torch.randn(3, 40, device=device), stripes))
+    assert asked[-1:] == ([(True,)] if walk != "blocked" else [])
+
+
+@pytest.mark.gpu
 def test_gated_matvec_replayed_in_a_cuda_graph():
     case = gated_case((12288, 4096), 1, torch.bfloat16, True, (True, True), False, "cuda")
     expected = fused(*case)

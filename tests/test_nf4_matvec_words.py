@@ -138,8 +138,17 @@ def test_word_tiles_table_by_launch_and_shape(monkeypatch):
     for other in ((12288, 4096, "words"), (12288, 5120, "gated")):
         assert nf4_matvec_module.word_tile(*other) == nf4_matvec_module.blocked_tile(other[0])
         assert nf4_matvec_module.word_stages(*other) == nf4_matvec_module.PIPELINE_STAGES
+    # a launch without adapters takes `WORD_TILES_WITHOUT_ADAPTERS`' entry first, with them `WORD_TILES`'
+    monkeypatch.setattr(nf4_matvec_module, "WORD_TILES_WITHOUT_ADAPTERS", {("gated", 12288, 4096): (32, 256, 4, 0, 2),
+                                                                           ("grouped", 6144, 4096): (8, 256, 2, 0, 4)})
+    assert nf4_matvec_module.word_tile(12288, 4096, "gated", False) == (32, 256, 4, 0)
+    assert nf4_matvec_module.word_stages(12288, 4096, "gated", False) == 2
+    assert nf4_matvec_module.word_tile(12288, 4096, "gated", True) == (4, 1024, 2, False)
+    assert nf4_matvec_module.word_tile(6144, 4096, "grouped") == nf4_matvec_module.blocked_tile(6144)
+    assert nf4_matvec_module.word_stages(6144, 4096, "grouped", False) == 4
     monkeypatch.setattr(nf4_matvec_module, "INTERPRET", True)
     assert nf4_matvec_module.word_tile(12288, 4096, "gated") == nf4_matvec_module.blocked_tile(12288)
+    assert nf4_matvec_module.word_tile(12288, 4096, "gated", False) == nf4_matvec_module.blocked_tile(12288)
 
 
 def sweep_word_tiles():

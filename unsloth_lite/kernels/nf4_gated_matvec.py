@@ -341,9 +341,11 @@ def gated_matvec_supported(x: torch.Tensor, gate, up) -> bool:
     if len(shape) != 2 or any((tuple(s.shape), s.blocksize, s.dtype) != (shape, blocksize, states[0].dtype)
                               for s in states):
         return False
-    tile_k = (matvec.word_tile(*shape, "gated") if matvec.WORD_KERNEL else matvec.blocked_tile(shape[0]))[1]
+    tiles_k = ([matvec.word_tile(*shape, "gated", adapted)[1] for adapted in (True, False)] if matvec.WORD_KERNEL
+               else [matvec.blocked_tile(shape[0])[1]])
     rows = x.numel() // max(shape[1], 1)
-    if shape[1] % blocksize or tile_k % blocksize or x.shape[-1] != shape[1] or not 1 <= rows <= MAX_ROWS:
+    if (shape[1] % blocksize or any(tile_k % blocksize for tile_k in tiles_k) or x.shape[-1] != shape[1]
+            or not 1 <= rows <= MAX_ROWS):
         return False
     if not (x.is_cuda or (INTERPRET and x.device.type == "cpu")) or not x.device == gate.device == up.device:
         return False
@@ -373,7 +375,10 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     bf16_codes = matvec.uses_bf16_codes(launches[0].dtype)
     tables = lane_tables(x.device, bf16_codes) if matvec.WORD_KERNEL else None
     words = tables is not None  # the word kernel's walk, else the blocked one's
-    block_n, tile_k, warps, _ = matvec.word_tile(n_out, n_in, "gated") if words else matvec.blocked_tile(n_out)
+    # without adapters (nor the down adapter's shares) a tile of its own (`nf4_matvec.WORD_TILES_WITHOUT_ADAPTERS`)
+    adapted = gate_lora is not None or up_lora is not None or down_shares is not None
+    block_n, tile_k, warps, _ = (matvec.word_tile(n_out, n_in, "gated", adapted) if words
+                                 else matvec.blocked_tile(n_out))
     feature_blocks = triton.cdiv(n_out, block_n)
     first = no_first_products(x2d)
     if any(lora is not None and lora[1] is None for lora in loras):
@@ -419,7 +424,7 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         UP_BLOCK_R=max(2, triton.next_power_of_2(ranks[1])),
         LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=matvec.word_code_form(bf16_codes, x_pairs),
         PDL=pdl, WORDS=words,
-        STAGES=matvec.word_stages(n_out, n_in, "gated") if words else matvec.PIPELINE_STAGES,
+        STAGES=matvec.word_stages(n_out, n_in, "gated", adapted) if words else matvec.PIPELINE_STAGES,
         WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
         PREFETCH=matvec.REGISTER_PREFETCH, FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K,
         DOWN_BLOCK_R=max(2, triton.next_power_of_2(down_a.shape[0])) if down_a is not None else 0,

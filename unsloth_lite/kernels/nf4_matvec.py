@@ -129,24 +129,25 @@ WORD_KERNEL = True
 BF16_PAIR_PRODUCTS = True
 # With adapters whose first products are not given (`lora_a`, no `lora_t`; `lora_as` of the grouped and the
 # gate-and-up launches), the word walk's launch computes them itself: its first width · steps programs take x Aᵀ a
-# column and a step along K each (`lora_down`'s split), and the other programs await t only before their
-# epilogue, long after those few programs are done: no `lora_down_rows` launch before the output projections, and
-# the norms before the others alone (`decoder_layer.py`). Its GPU tests pass at every W3 shape. Measured on an
-# H200 (2026-12-06, rank-16 adapters on 7 projections): +1.5% at the Qwen3-8B shape, -1.6% at Qwen3.5-27B's, where
-# the down projection's 17 steps along K were the loss; with the down adapter's first product from the
-# gate-and-up launch instead (`decode.MLP_SHARES`), on an H100 (docs/benchmarks.md, "W3 with the adapters' first
-# products in their launches, and the down adapter's in shares"): a step with adapters 3.579 -> 3.432-3.446 ms at
-# the 8B shape, 9.668 -> 9.655 ms at the 27B's: on.
+# column and a step along K each (`lora_down`'s split); the others await t only before their epilogue. No
+# `lora_down_rows` launch before the output projections, the norms alone (`decoder_layer.py`). With
+# `decode.MLP_SHARES`, on an H100 (docs/benchmarks.md, 2026-12-06): a step with adapters 3.579 -> 3.432-3.446 ms at
+# the 8B shape, 9.668 -> 9.655 at the 27B's (without the shares, on an H200: +1.5% and -1.6%): on.
 FIRST_PRODUCTS_IN_LAUNCH = True
 # The word walk's tile and stages by launch ("words", "gated", "grouped") and shape, where one was measured faster
 # than `blocked_tile`'s with `PIPELINE_STAGES` (`scripts/bench_word_tiles.py`, which times every candidate of
 # each launch a decoding step makes): (launch, N, K) -> (features, weights along K, warps, tiles a split along K
 # (0: none; only the word kernel's own launch splits), stages). A launch and shape not in it takes those defaults.
 # From the sweep with the products in bf16 pairs (an H100, 2026-12-06, Qwen3-8B shape, docs/benchmarks.md): the
-# down projection with four stages (19.74 -> 19.16 us). Its other gain, gate and up at 32 x 256 (32.12 -> 30.99
-# us without adapters), made the step with adapters 0.13 ms slower (the sweep times no adapters): not entered.
+# down projection with four stages (19.74 -> 19.16 us).
 WORD_TILES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {
     ("words", 4096, 12288): (8, 512, 4, False, 4),
+}
+# `WORD_TILES`' form for a launch without adapters, taken first. Gate and up at 32 x 256 (the same sweep: 32.12 ->
+# 30.99 us): on an H100 318.5 -> 325.4 tokens/s without adapters, 0.13 ms a step more with them (docs/benchmarks.md,
+# "The word walk's products in bf16 pairs", runs 4 and 5).
+WORD_TILES_WITHOUT_ADAPTERS: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {
+    ("gated", 12288, 4096): (32, 256, 4, False, 3),
 }
 
 
@@ -183,19 +184,27 @@ def blocked_tile(n_out: int) -> tuple[int, int, int, int]:
     return 4, 1024, 4, False
 
 
-def word_tile(n_out: int, n_in: int = 0, launch: str = "words") -> tuple[int, int, int, int]:
+def word_tile(n_out: int, n_in: int = 0, launch: str = "words", adapted: bool = True) -> tuple[int, int, int, int]:
     """`blocked_tile`'s form for the word kernel (`WORD_KERNEL`, launch "words") and the launches on its walk
-    ("gated": gate-and-up, "grouped": one input's projections, N the widest's): `WORD_TILES`' entry for the
-    launch at `n_out` x `n_in`, else the blocked kernel's tile, at which the word kernel was measured faster than
-    the blocked kernel at every W3 projection (2026-12-05)."""
-    found = None if INTERPRET else WORD_TILES.get((launch, n_out, n_in))
+    ("gated": gate-and-up, "grouped": one input's projections, N the widest's): the entry for the launch at
+    `n_out` x `n_in` (`_word_entry`), else the blocked kernel's tile, at which the word kernel was measured faster
+    than the blocked kernel at every W3 projection (2026-12-05)."""
+    found = _word_entry(n_out, n_in, launch, adapted)
     return found[:4] if found else blocked_tile(n_out)
 
 
-def word_stages(n_out: int, n_in: int = 0, launch: str = "words") -> int:
-    """`PIPELINE_STAGES` for the word walk of `launch` at `n_out` x `n_in`: `WORD_TILES`' where it has an entry."""
-    found = None if INTERPRET else WORD_TILES.get((launch, n_out, n_in))
+def word_stages(n_out: int, n_in: int = 0, launch: str = "words", adapted: bool = True) -> int:
+    """`PIPELINE_STAGES` for the word walk of `launch` at `n_out` x `n_in`, or its entry's (`_word_entry`)."""
+    found = _word_entry(n_out, n_in, launch, adapted)
     return found[4] if found else PIPELINE_STAGES
+
+
+def _word_entry(n_out: int, n_in: int, launch: str, adapted: bool) -> tuple | None:
+    """A compiled launch's entry (None interpreted): `WORD_TILES_WITHOUT_ADAPTERS`' if unadapted, else `WORD_TILES`'."""
+    if INTERPRET:
+        return None
+    key = (launch, n_out, n_in)
+    return (None if adapted else WORD_TILES_WITHOUT_ADAPTERS.get(key)) or WORD_TILES.get(key)
 
 
 @triton.jit
