@@ -40,7 +40,6 @@ from unsloth_lite.models.layers import (
     UnreadSum,
     _lora_projections,
     in_recomputation,
-    nf4_adapter,
     residual_streams,
     rms_norm_forward,
     use_kernels,
@@ -180,8 +179,7 @@ def _normed(norm, x: torch.Tensor, consumer, names,
         return norm(x), contextlib.nullcontext()
     lora_as = []  # with FIRST_PRODUCTS_IN_LAUNCH the projections' launch takes them itself
     if not nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH:
-        lora_as = [p.lora_a for p in _lora_projections(consumer, names, x) or ()
-                   if p.rank and getattr(p.base, "quant_state", None) is not None]
+        lora_as = [p.lora_a for p in _lora_projections(consumer, names, x) or () if _adapted_nf4(p)]
     if len(lora_as) > MAX_ADAPTERS_PER_LAUNCH:
         return norm(x), contextlib.nullcontext()
     eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
@@ -195,8 +193,8 @@ def _normed(norm, x: torch.Tensor, consumer, names,
 def _down_share_stripes(mlp, x: torch.Tensor) -> torch.Tensor | None:
     """Stripes for the down adapter's shares (`decode.mlp_rows`), fp32 `[DOWN_SHARE_STRIPES, rows, r]`, where
     `decode.MLP_SHARES` is on and the MLP's down projection is adapted over an NF4 base; else None."""
-    down = nf4_adapter(mlp.down_proj) if decode.MLP_SHARES else None
-    if down is None:
+    down = (_lora_projections(mlp, ("down_proj",), x) or (None,))[0] if decode.MLP_SHARES else None
+    if down is None or not _adapted_nf4(down):
         return None
     rows = x.numel() // x.shape[-1]
     return torch.empty((decode.DOWN_SHARE_STRIPES, rows, down.rank), dtype=torch.float32, device=x.device)
@@ -211,3 +209,8 @@ def _pending_for(y: torch.Tensor, lora_as: list[torch.Tensor], t, stripes):
         if stripes is not None:
             stack.enter_context(decode.zeroed_stripes_for(y, stripes))
         yield
+
+
+def _adapted_nf4(projection) -> bool:
+    """Whether a fused LoRA projection has an adapter over an NF4 base (whose first products the kernels take)."""
+    return bool(projection.rank) and getattr(projection.base, "quant_state", None) is not None

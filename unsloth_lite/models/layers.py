@@ -396,14 +396,6 @@ def attend(self, query, key, value, attention_mask, cache, kwargs, input_shape, 
     return output_projection(self, "o_proj", attn_output), attn_weights
 
 
-def nf4_adapter(layer) -> LoRAProjection | None:
-    """`layer` as a fused LoRA projection where it has an adapter over an NF4 base, else None."""
-    projection = _lora_projection(layer)
-    if projection is None or not projection.rank or getattr(projection.base, "quant_state", None) is None:
-        return None
-    return projection
-
-
 def output_projection(self, name: str, x: torch.Tensor) -> torch.Tensor:
     """A token mixer's output projection, whose product a checkpoint's recomputation that kept the residual
     stream after it leaves uncomputed."""
