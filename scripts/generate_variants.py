@@ -22,7 +22,9 @@ each full-attention layer's cache update, attention and output gate in one launc
 norms alone), `norm_bound=1` (`screened_logits.NORM_BOUND`: the screen's bound also by Cauchy–Schwarz),
 `pair_products=0` (`nf4_matvec.BF16_PAIR_PRODUCTS`: the word walk's products in bf16 pairs, else in fp32),
 `mlp_shares=1` (`decode.MLP_SHARES`: down_proj's adapter's first product from the gate-and-up launch, in
-stripes). A
+stripes), `screen_int8=1` (`screened_logits.INT8_PRODUCTS`: the screen's integer products of x's int8
+parts) and the number `screen_block=N` (`screened_logits.INT8_BLOCK_N`, the head's rows a program of that
+screen). A
 suffixed adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix, less `adapted`:
 `unsloth_lite_lora@adapted=N` puts adapters on some projections only, N the sum of 1 (q, k, v), 2 (o), 4 (gate,
 up) and 8 (down; 15, the default: all seven), so that one run splits the adapter's cost by projection.
@@ -62,6 +64,8 @@ DECODE_SETTINGS = {
     "norm_bound": ("unsloth_lite.kernels.screened_logits", "NORM_BOUND", 0),
     "pair_products": ("unsloth_lite.kernels.nf4_matvec", "BF16_PAIR_PRODUCTS", 0),
     "mlp_shares": ("unsloth_lite.models.decode", "MLP_SHARES", 0),
+    "screen_int8": ("unsloth_lite.kernels.screened_logits", "INT8_PRODUCTS", 0),
+    "screen_block": ("unsloth_lite.kernels.screened_logits", "INT8_BLOCK_N", 16),
 }
 # `@adapted=N`'s groups of adapted projections: bit -> their names (module docstring)
 ADAPTED_GROUPS = {1: ("q_proj", "k_proj", "v_proj"), 2: ("o_proj",), 4: ("gate_proj", "up_proj"), 8: ("down_proj",)}
