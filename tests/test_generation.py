@@ -358,7 +358,7 @@ def assert_greedy_path_followed(arch, variant, cache_implementation, new_tokens,
     unpatched model's greedy path (teacher forcing, through its own cache and decode path), as does the same
     unpatched model in float32 with 4-bit weights dequantised in float32 (the exact reference, `model_trio`),
     and the patched model's logits over the whole path must be as close to the exact ones as the unpatched
-    model's own bf16 logits are (within 2x, or 1e-2)."""
+    model's own bf16 logits are (within 2x, 4x with the GPU's bf16 pair products of 4-bit weights, or 1e-2)."""
     from helpers import relative_error
 
     reference, patched, exact = model_trio(arch, variant, device, dtype)
@@ -370,7 +370,12 @@ def assert_greedy_path_followed(arch, variant, cache_implementation, new_tokens,
     exact_logits = forced_logits(exact, prompt, path, **kwargs)
     ours = forced_logits(patched, prompt, path, **kwargs)
     assert ours.shape == exact_logits.shape == (new_tokens, 2, 151)
-    bound = max(2 * relative_error(torch.stack(expected.logits).float(), exact_logits), 1e-2)
+    # On the GPU the word walk rounds each word's products in bf16 (`nf4_matvec.BF16_PAIR_PRODUCTS`): about 1.5x
+    # Hugging Face's error a product (docs/benchmarks.md, "The word walk's products in bf16 pairs"); along a path
+    # at Qwen3.5 with adapters two random seeds measured 2.5x and 2.6x Hugging Face's (2026-12-07): 4x for them.
+    pair_products = device == "cuda" and variant.startswith("4bit") and nf4_matvec_module.BF16_PAIR_PRODUCTS
+    factor = 4 if pair_products else 2
+    bound = max(factor * relative_error(torch.stack(expected.logits).float(), exact_logits), 1e-2)
     assert_close(ours, exact_logits, bound, f"{arch} {variant} {cache_implementation}: logits along the path")
     return patched
 

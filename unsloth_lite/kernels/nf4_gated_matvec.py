@@ -37,7 +37,8 @@ from unsloth_lite.kernels.lora_down import (
 )
 from unsloth_lite.kernels.matvec_epilogue import _output_values
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, _nf4_word_codes, code_pairs
-from unsloth_lite.kernels.nf4_matvec import _blocked_tile_loads, packed_words, word_kernel_rows
+from unsloth_lite.kernels.nf4_matvec import packed_words, word_kernel_rows
+from unsloth_lite.kernels.nf4_matvec_blocked import _blocked_tile_loads
 from unsloth_lite.kernels.nf4_matvec_state import lane_tables
 from unsloth_lite.kernels.nf4_matvec_words import (
     _accumulate,

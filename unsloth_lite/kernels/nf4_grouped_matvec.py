@@ -37,7 +37,8 @@ from unsloth_lite.kernels.lora_down import (
 )
 from unsloth_lite.kernels.matvec_epilogue import _finish_product
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
-from unsloth_lite.kernels.nf4_matvec import _blocked_sums, packed_words, word_kernel_rows
+from unsloth_lite.kernels.nf4_matvec import packed_words, word_kernel_rows
+from unsloth_lite.kernels.nf4_matvec_blocked import _blocked_sums
 from unsloth_lite.kernels.nf4_matvec_state import lane_tables
 from unsloth_lite.kernels.nf4_matvec_words import _word_walk
 from unsloth_lite.kernels.utils import INTERPRET, empty
