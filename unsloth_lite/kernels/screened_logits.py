@@ -166,7 +166,7 @@ def _screen_kernel(
     rows = tl.arange(0, ROWS)
     mask_rows = rows < n_rows
     scale = tl.load(scale_ptr + features, mask=mask_features, other=0.0)
-    if INT8_PRODUCTS:  # x as two int8 parts: their residual's products bounded by 127 s_n Σ_k |x_k − x̂_k|
+    if INT8_PRODUCTS:  # x as three int8 parts: their residual's products bounded by 127 s_n Σ_k |x_k − x̂_k|
         acc, absolute, squares, residual = _row_block_int8_products(x_ptr, x_row_stride, q_ptr, n_rows, features,
                                                                     mask_features, n_in, ROWS, BLOCK_K)
         representation = 127.0 * (1 + 2.0**-10) * scale[None, :] * residual[:, None]
