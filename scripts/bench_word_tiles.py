@@ -2,7 +2,8 @@
 (`nf4_matvec` of the output projections: o_proj, out_proj, down_proj), the gate-and-up launch (`nf4_gated_matvec`)
 and the grouped launch of one input's projections (`nf4_grouped_matvec`). All three read `nf4_matvec.word_tile`
 (features x weights along K / warps of a program, split along K) and `word_stages` by launch and shape:
-`nf4_matvec.WORD_TILES`' entry, else the blocked kernel's tile (`blocked_tile`) with `PIPELINE_STAGES`.
+`nf4_matvec.WORD_TILES`' entry (for a launch without adapters `WORD_TILES_WITHOUT_ADAPTERS`' first), else the
+blocked kernel's tile (`blocked_tile`) with `PIPELINE_STAGES`.
 
     python scripts/bench_word_tiles.py --out word_tiles.json                    # on a GPU: both W3 shapes
     python scripts/bench_word_tiles.py --shapes qwen3_8b --out word_tiles.json  # one model
@@ -19,7 +20,8 @@ copy of the weights (together more than the L2 cache holds), the chain's device 
 Per model, `ms_per_token` at a candidate: Σ over its launches of the time times the launches a token; "shipped":
 `word_tile` and `word_stages` as they are; "best per launch": each launch at its fastest candidate (what
 `WORD_TILES` entries would give). Printed last: the entries of the launches whose fastest candidate beats the
-default by more than `TABLE_MARGIN`, in `WORD_TILES`' form.
+default by more than `TABLE_MARGIN`, in the form of `WORD_TILES` (with `--adapters`) or of
+`WORD_TILES_WITHOUT_ADAPTERS`.
 """
 
 from __future__ import annotations
@@ -58,32 +60,50 @@ def output_shapes(shape: str, tiny: bool) -> list[tuple[str, int, int, int]]:
     return [(f"words {name} {n}x{k}", n, k, count) for (name, n, k), count in counts.items()]
 
 
-def launches(shape: str, device, tiny: bool) -> list[tuple[str, tuple[str, int, int], int, list]]:
+def launches(shape: str, device, tiny: bool, rank: int = 0) -> list[tuple[str, tuple[str, int, int], int, list]]:
     """(launch name, its key in `nf4_matvec.WORD_TILES` (launch, N, K), launches a token, its calls: one per copy
-    of its weights) of a model's decoding step."""
+    of its weights) of a model's decoding step; `rank` > 0: each weight with a rank-`rank` adapter (A and B
+    shared by the copies), its first products left to the launch."""
     from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
     from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
     from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 
     dtype = torch.float32 if tiny else torch.bfloat16
+
+    def adapter(n_out, n_in):  # (A, B) or None
+        if not rank:
+            return None
+        return (torch.randn(rank, n_in, device=device, dtype=dtype) * 0.02,
+                torch.randn(n_out, rank, device=device, dtype=dtype) * 0.02)
+
     found = []
     for name, n_out, n_in, count in output_shapes(shape, tiny):
         x = torch.randn(1, n_in, device=device, dtype=dtype)
         copies = weight_copies(nf4_weight(n_out, n_in, device, dtype), tiny)
-        found.append((name, ("words", n_out, n_in), count, [lambda w=w, x=x: nf4_matvec(x, w) for w in copies]))
+        ab = adapter(n_out, n_in)
+        lora = {} if ab is None else dict(lora_a=ab[0], lora_b=ab[1])
+        found.append((name, ("words", n_out, n_in), count,
+                      [lambda w=w, x=x, lora=lora: nf4_matvec(x, w, **lora) for w in copies]))
     for _, n_out, n_in, count in mlp_shapes([shape], tiny):
         x = torch.randn(1, n_in, device=device, dtype=dtype)
         pairs = zip(weight_copies(nf4_weight(n_out, n_in, device, dtype), tiny),
                     weight_copies(nf4_weight(n_out, n_in, device, dtype), tiny), strict=True)
+        adapters = [adapter(n_out, n_in) for _ in range(2)]
+        loras = [None if ab is None else (ab[1], None, 2.0) for ab in adapters]
+        lora_as = [ab[0] for ab in adapters if ab is not None] or None
         found.append((f"gated {n_out}x{n_in}", ("gated", n_out, n_in), count,
-                      [lambda g=g, u=u, x=x: nf4_gated_matvec(x, g, u) for g, u in pairs]))
+                      [lambda g=g, u=u, x=x, loras=loras, lora_as=lora_as:
+                       nf4_gated_matvec(x, g, u, None, None, *loras, lora_as=lora_as) for g, u in pairs]))
     for _, group, widths, n_in, count in projection_groups([shape], tiny):
         x = torch.randn(1, n_in, device=device, dtype=dtype)
         # as many sets as the widest weight has copies (the narrower ones have more)
         sets = list(zip(*(weight_copies(nf4_weight(n, n_in, device, dtype), tiny) for n in widths), strict=False))
+        adapters = [adapter(n, n_in) for n in widths]
+        loras = [None if ab is None else (ab[1], 2.0) for ab in adapters]
+        lora_as = [ab[0] for ab in adapters if ab is not None] or None
         found.append((f"grouped {group} {'/'.join(map(str, widths))}x{n_in}", ("grouped", max(widths), n_in), count,
-                      [lambda ws=ws, x=x: nf4_grouped_matvec(x, list(ws), [None] * len(ws), [None] * len(ws))
-                       for ws in sets]))
+                      [lambda ws=ws, x=x, loras=loras, lora_as=lora_as:
+                       nf4_grouped_matvec(x, list(ws), [None] * len(ws), loras, None, lora_as) for ws in sets]))
     return found
 
 
@@ -120,16 +140,17 @@ def time_us(calls, tile, stages, device) -> float | None:
     return None if ms is None else round(1e3 * ms / len(calls), 2)
 
 
-def sweep(shape: str, device, tiny: bool, tiles=None, stages=(3,)) -> tuple[list[dict], dict]:
+def sweep(shape: str, device, tiny: bool, tiles=None, stages=(3,), rank: int = 0) -> tuple[list[dict], dict]:
     """(a row per launch: us at each candidate, the shipped setting and the fastest; the model's ms a token at
     the shipped setting, at each candidate everywhere and at each launch's fastest)."""
     from unsloth_lite.kernels import nf4_matvec as matvec
 
     rows, totals = [], {"model": shape}
-    for name, key, count, calls in launches(shape, device, tiny):
-        shipped_tile = matvec.word_tile(key[1], key[2], key[0], False)  # the calls have no adapters
+    for name, key, count, calls in launches(shape, device, tiny, rank):
+        adapted = rank > 0
+        shipped_tile = matvec.word_tile(key[1], key[2], key[0], adapted)
         row = {"model": shape, "launch": name, "per_token": count,
-               "shipped": time_us(calls, shipped_tile, matvec.word_stages(key[1], key[2], key[0], False), device)}
+               "shipped": time_us(calls, shipped_tile, matvec.word_stages(key[1], key[2], key[0], adapted), device)}
         default = matvec.blocked_tile(key[1])
         options = {candidate: (tile, n) for candidate, tile, n in candidates(default, tiny, tiles, stages)}
         for candidate, (tile, n) in options.items():
@@ -159,7 +180,12 @@ def main(argv=None) -> int:
     parser.add_argument("--tiles", default=None,
                         help=f"comma-separated tiles to time (all by default), of: {', '.join(names)}")
     parser.add_argument("--stages", default="3", help="comma-separated pipeline stages to time each tile at")
+    parser.add_argument("--adapters", type=int, default=0, metavar="R",
+                        help="a rank-R adapter on every weight (0: none, the default)")
     args = parser.parse_args(argv)
+    if args.adapters < 0:
+        print(f"bench_word_tiles.py: --adapters {args.adapters}: expected a rank >= 0", file=sys.stderr)
+        return 2
     tiles = None if args.tiles is None else args.tiles.split(",")
     if tiles is not None and report_unknown("tiles", tiles, names):
         return 2
@@ -179,19 +205,21 @@ def main(argv=None) -> int:
         return 2
     rows, totals = [], []
     for shape in shapes:
-        shape_rows, shape_totals = sweep(shape, device, args.tiny, tiles and [names[t] for t in tiles], stages)
+        shape_rows, shape_totals = sweep(shape, device, args.tiny, tiles and [names[t] for t in tiles], stages,
+                                         args.adapters)
         rows += shape_rows
         totals.append(shape_totals)
         columns = [k for k in shape_rows[0] if k not in ("model", "best", "word_tiles_entry")] + ["best"]
         print(markdown_table(shape_rows, columns))
         print(markdown_table([shape_totals], list(shape_totals)))
     entries = [row["word_tiles_entry"] for row in rows if "word_tiles_entry" in row]
-    print("nf4_matvec.WORD_TILES entries (faster than the default tile with three stages by more than "
+    table = "WORD_TILES" if args.adapters else "WORD_TILES_WITHOUT_ADAPTERS"
+    print(f"nf4_matvec.{table} entries (faster than the default tile with three stages by more than "
           f"{TABLE_MARGIN:.0%}):")
     for (launch, n_out, n_in), (features, tile_k, warps, split_k, stages) in entries:
         print(f"    ({launch!r}, {n_out}, {n_in}): ({features}, {tile_k}, {warps}, {split_k}, {stages}),")
     write_json(args.out, dict(environment=environment(device, ("torch", "triton", "bitsandbytes")), rows=rows,
-                              ms_per_token=totals))
+                              ms_per_token=totals, adapter_rank=args.adapters))
     return 0
 
 

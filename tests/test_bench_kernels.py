@@ -102,7 +102,21 @@ def test_bench_word_tiles_tiny_mode_runs(tmp_path):
     assert all(row["shipped"] > 0 and row["best"] for row in result["rows"]), result["rows"]
     totals = result["ms_per_token"][0]
     assert totals["model"] == "qwen3_8b" and 0 < totals["best per launch"] <= totals["shipped"]
+    assert "nf4_matvec.WORD_TILES_WITHOUT_ADAPTERS entries" in out
+
+
+def test_bench_word_tiles_with_adapters(tmp_path):
+    """`--adapters R`: every launch with rank-R adapters (first products in the launch), the entries printed for
+    `WORD_TILES`; a negative rank refused."""
+    out = run_tiny("bench_word_tiles.py", "--shapes", "qwen3_8b", "--tiles", "8x512/4w", "--adapters", "4",
+                   "--out", str(tmp_path / "tiles.json"))
+    result = json.loads((tmp_path / "tiles.json").read_text())
+    assert result["adapter_rank"] == 4 and all(row["shipped"] > 0 for row in result["rows"]), result["rows"]
     assert "nf4_matvec.WORD_TILES entries" in out
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "scripts"), str(ROOT)]))
+    done = subprocess.run([sys.executable, "scripts/bench_word_tiles.py", "--tiny", "--adapters", "-1"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--adapters -1" in done.stderr, done.stderr
 
 
 def test_bench_word_tiles_chosen_tiles_and_stages(tmp_path):
