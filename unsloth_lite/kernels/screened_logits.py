@@ -288,18 +288,19 @@ def screened_logits(x: torch.Tensor, weight: torch.Tensor, quantized: torch.Tens
     block_lower = empty((n_rows, blocks), torch.float32, device)
     lower = empty((n_rows,), torch.float32, device)
     out = empty((n_rows, n_out), weight.dtype, device)
-    precision = dict(DOT_F32=INTERPRET or x.dtype == torch.float32, IEEE=x.dtype == torch.float32,
-                     ROWS=4 if n_rows <= 4 else MAX_ROWS)  # the kernels' row arrays
+    # both kernels' products' precision, and their row arrays: 4 or MAX_ROWS rows
+    shared = dict(DOT_F32=INTERPRET or x.dtype == torch.float32, IEEE=x.dtype == torch.float32,
+                  ROWS=4 if n_rows <= 4 else MAX_ROWS)
     norm_bound = NORM_BOUND and error_norm is not None
     _screen_kernel[(blocks,)](
         x2d, x2d.stride(0), quantized, scale, error_norm if norm_bound else scale, exempt, exempt.numel(), upper,
         block_lower, lower, _arrival_counters(device, 1), n_rows, n_out, n_in, bound_factor(n_in),
         rounding_factor(n_in),
         BLOCK_N=screen_block, BLOCK_K=BLOCK_K, BLOCK_P=1024, BLOCK_E=MAX_EXEMPT, NORM_BOUND=norm_bound,
-        INT8_PRODUCTS=int8_products, num_warps=4, **precision,
+        INT8_PRODUCTS=int8_products, num_warps=4, **shared,
     )
     _exact_kernel[(triton.cdiv(n_out, BLOCK_N),)](
         x2d, x2d.stride(0), weight, upper, lower, out, n_rows, n_out, n_in,
-        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, **precision,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, **shared,
     )
     return out.view(*x.shape[:-1], n_out)
