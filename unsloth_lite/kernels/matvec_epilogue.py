@@ -5,6 +5,12 @@ a second launch, each stores its sums `[rows, features]` to its slot of an fp32 
 and counts itself on the feature block's counter; the last to arrive adds the slots in split order and writes y.
 Then y = acc + b + s · t Bᵀ with t = x Aᵀ (`lora_down_rows`): the unmerged adapter's second product, rank r; b
 a bias `[N]` or an addend `[rows, N]` (the residual stream, which an output projection's result joins).
+
+A decoder layer's RMSNorm between two products folds into their epilogues (`decode.normed_input`): with
+y = RMSNorm(h) = h · rstd · w, rstd = rsqrt(mean(h²) + eps) a row, the product before (which writes h, the
+residual stream) also writes x̃ = h · w (`_store_rows`' NORMED), and the product after walks x̃ and scales its
+sums by each row's rstd before the bias (`_output_values`' RSTD), its adapters' t = x̃ Aᵀ with them; rstd comes
+from h itself, read in the epilogue (`_rows_rstd`), so no launch stands between the two.
 """
 
 from __future__ import annotations
@@ -12,11 +18,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda.gdc import gdc_launch_dependents
+from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
 # What the products' epilogue adds (`_output_values`' BIAS): nothing, a bias a feature, an addend a row and feature.
 BIAS_NONE, BIAS_FEATURES, BIAS_ROWS = 0, 1, 2
 _ARRIVALS: dict = {}
+# A folded norm's h loaded before the consumer's walk (one row, whole), reduced after it, so that the walk hides the
+# load instead of the epilogue waiting for it (`_early_rows`); off, h is read in the epilogue.
+NORM_EARLY = True
+EARLY_WIDTH = 8192
 
 
 def _arrival_counters(device: torch.device, blocks: int, use: str = "splits") -> torch.Tensor:
@@ -54,18 +64,61 @@ def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr
 
 
 @triton.jit
+def _rows_rstd(h_ptr, h_row_stride, width, eps, rows, n_rows, BLOCK_K: tl.constexpr):
+    """rsqrt(mean(h²) + eps) in fp32 for the rows `rows` of h `[n_rows, width]` (1 past n_rows), BLOCK_K columns
+    at a time."""
+    columns = tl.arange(0, BLOCK_K)
+    total = tl.sum(tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32), axis=1)
+    for k0 in range(0, width, BLOCK_K):
+        h = tl.load(h_ptr + rows[:, None] * h_row_stride + (k0 + columns)[None, :],
+                    mask=(rows < n_rows)[:, None] & (k0 + columns < width)[None, :], other=0.0).to(tl.float32)
+        total += tl.sum(h * h, axis=1)
+    return 1.0 / tl.sqrt(total / width + eps)
+
+
+@triton.jit
+def _early_rows(norm, rows, n_rows, PDL: tl.constexpr, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr):
+    """NORM_EARLY: h's rows `[BLOCK_M, NORM_IN]` (NORM_IN covering the width) loaded before a product's walk, after
+    its `gdc_wait`, their latency hidden by the walk (`_norm_rstd` reduces them after it); else 0.0."""
+    early = 0.0
+    if NORM_EARLY:
+        h_ptr, h_row_stride, h_width, _, _, _, _, _, _ = norm
+        if PDL:
+            gdc_wait()
+        columns = tl.arange(0, NORM_IN)
+        early = tl.load(h_ptr + rows[:, None] * h_row_stride + columns[None, :],
+                        mask=(rows < n_rows)[:, None] & (columns < h_width)[None, :], other=0.0)
+    return early
+
+
+@triton.jit
+def _norm_rstd(norm, early, rows, n_rows, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr):
+    """Each row's rstd of a folded norm (NORM_IN > 0): from `_early_rows`' values, or read from h now; else 0.0."""
+    h_ptr, h_row_stride, h_width, eps, _, _, _, _, _ = norm
+    rstd = 0.0
+    if NORM_EARLY:
+        h = early.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / h_width + eps)
+    elif NORM_IN > 0:
+        rstd = _rows_rstd(h_ptr, h_row_stride, h_width, eps, rows, n_rows, NORM_IN)
+    return rstd
+
+
+@triton.jit
 def _output_values(
     acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
     lora_b_col_stride, scale, BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-    t_part_stride, T_PARTS: tl.constexpr,
+    t_part_stride, T_PARTS: tl.constexpr, rstd, RSTD: tl.constexpr,
 ):
     """y = acc + b + s · t Bᵀ in fp32 for the program's rows and features, with t = x Aᵀ from `lora_down_rows`
     (or any fp32 `[rows, r]`; with T_PARTS > 1 the sum, in order, of T_PARTS such parts `t_part_stride` apart:
     shares of x Aᵀ written by the launch before). BIAS: `BIAS_NONE`, `BIAS_FEATURES` (b `[N]`) or `BIAS_ROWS`
     (b `[rows, N]`, contiguous: an addend of each row, such as the residual stream an output projection's result
-    joins)."""
+    joins). RSTD: x is x̃ of a folded norm (module docstring): acc and t scaled by `rstd` `[BLOCK_M]` first."""
     mask_rows = rows < n_rows
     mask_features = features < n_out
+    if RSTD:
+        acc = acc * rstd[:, None]
     if BIAS == 1:
         acc += tl.load(bias_ptr + features, mask=mask_features, other=0.0).to(tl.float32)[None, :]
     if BIAS == 2:
@@ -78,6 +131,8 @@ def _output_values(
         t = tl.load(t_rows, mask=mask_rows[:, None] & mask_ranks[None, :], other=0.0)
         for part in tl.static_range(1, T_PARTS):
             t += tl.load(t_rows + part * t_part_stride, mask=mask_rows[:, None] & mask_ranks[None, :], other=0.0)
+        if RSTD:
+            t = t * rstd[:, None]
         lora_b = tl.load(
             lora_b_ptr + features[:, None] * lora_b_row_stride + ranks[None, :] * lora_b_col_stride,
             mask=mask_features[:, None] & mask_ranks[None, :], other=0.0,
@@ -90,14 +145,37 @@ def _output_values(
 def _store_rows(
     acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
     lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr, t_part_stride, T_PARTS: tl.constexpr,
+    BLOCK_R: tl.constexpr, t_part_stride, T_PARTS: tl.constexpr, norm, early, NORM_IN: tl.constexpr,
+    NORM_EARLY: tl.constexpr, NORMED: tl.constexpr,
 ):
-    """`_output_values` stored in y's dtype: the end of a decoding matrix-vector product (`nf4_matvec`)."""
+    """`_output_values` stored in y's dtype: the end of a decoding matrix-vector product (`nf4_matvec`). `norm`:
+    the folded norms' arguments (h_ptr, h_row_stride, h_width, eps, normed_ptr, norm_w_ptr, norm_offset,
+    zeroed_ptr, zeroed_count; `norm_args`): NORM_IN > 0, the input is x̃ of h's norm, rstd from `early`
+    (NORM_EARLY, `_early_rows`) or read NORM_IN columns at a time; NORMED: x̃ = y · (w + offset) of the next norm
+    also written, `[rows, N]` contiguous, and the program of the first features sets `zeroed_count` fp32 at
+    `zeroed_ptr` to 0 (the stripes the products after the norm add into, which its launch zeroed)."""
+    _, _, _, _, normed_ptr, norm_w_ptr, norm_offset, zeroed_ptr, zeroed_count = norm
+    rstd = _norm_rstd(norm, early, rows, n_rows, NORM_IN, NORM_EARLY)
     y = _output_values(acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr,
                        lora_b_row_stride, lora_b_col_stride, scale, BIAS, HAS_LORA, BLOCK_R, t_part_stride,
-                       T_PARTS)
-    out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (features < n_out)[None, :])
+                       T_PARTS, rstd, NORM_IN > 0)
+    mask = (rows < n_rows)[:, None] & (features < n_out)[None, :]
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * out_row_stride + features[None, :], y, mask=mask)
+    if NORMED:
+        w = tl.load(norm_w_ptr + features, mask=features < n_out, other=0.0).to(tl.float32) + norm_offset
+        tl.store(normed_ptr + rows[:, None] * n_out + features[None, :], (y.to(tl.float32) * w[None, :]).to(y.dtype),
+                 mask=mask)
+        if tl.min(features, axis=0) == 0:
+            for z0 in range(0, zeroed_count, 256):
+                zeros = z0 + tl.arange(0, 256)
+                tl.store(zeroed_ptr + zeros, tl.zeros([256], dtype=tl.float32), mask=zeros < zeroed_count)
+
+
+@triton.jit
+def no_norm(ptr):
+    """The folded-norm arguments of a product without one (NORM_IN = 0, NORMED off): placeholders."""
+    return ptr, 0, 1, 0.0, ptr, ptr, 0.0, ptr, 0
 
 
 @triton.jit
@@ -118,11 +196,13 @@ def _finish_product(
     acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
     lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
     BLOCK_M: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
-    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, t_part_stride, T_PARTS: tl.constexpr,
+    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, t_part_stride, T_PARTS: tl.constexpr, norm, early,
+    NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr, NORMED: tl.constexpr,
 ):
     """The end of a program of the blocked or the word kernel: one row's elementwise `partial` sums reduced into
     `acc`, the next kernel let launch (PDL), the K splits summed (`_sum_of_splits`) and y written by the program
-    that finishes the feature block (`_store_rows`)."""
+    that finishes the feature block (`_store_rows`, with the folded norms' `norm`, `early`, NORM_IN, NORM_EARLY and
+    NORMED)."""
     if BLOCK_M == 1:
         acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
     if PDL:
@@ -136,5 +216,50 @@ def _finish_product(
         _store_rows(
             acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr,
             lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS, HAS_LORA, BLOCK_R,
-            t_part_stride, T_PARTS,
+            t_part_stride, T_PARTS, norm, early, NORM_IN, NORM_EARLY, NORMED,
         )
+
+
+def norm_args(x: torch.Tensor, norm_in=None, normed=None) -> tuple[tuple, int, bool, bool]:
+    """(the kernels' nine folded-norm arguments, NORM_IN, NORM_EARLY, NORMED) for a product of x's rows: `norm_in`
+    (h, eps): x is x̃ of h's RMSNorm (rstd from h `[rows, K]`, unit column stride; one row of up to EARLY_WIDTH
+    columns loaded before the walk where `NORM_EARLY` is on); `normed` (out, w, offset, zeroed): the
+    product also writes x̃ = y · (w + offset) of its result into out `[rows, N]`, contiguous, and sets the fp32
+    tensor `zeroed` (contiguous, or None) to 0. Placeholders where None."""
+    h, eps = norm_in if norm_in is not None else (x, 0.0)
+    out, weight, offset, zeroed = normed if normed is not None else (x, x, 0.0, None)
+    norm_in_block = 0
+    if norm_in is not None:
+        if h.stride(-1) != 1 or h.shape[-1] != x.shape[-1]:
+            raise ValueError(f"a folded norm's h has shape {tuple(h.shape)} and strides {h.stride()}; expected "
+                             f"{x.shape[-1]} contiguous columns")
+        rows = h.numel() // h.shape[-1]
+        whole = triton.next_power_of_2(h.shape[-1])
+        # one row whole (up to 8192 columns: 64 values a thread of 128 at the 27B's 5120), else 2048 values a block
+        norm_in_block = whole if rows == 1 and whole <= EARLY_WIDTH else max(
+            16, min(whole, 2048 // triton.next_power_of_2(rows)))
+    h2d = h.reshape(-1, h.shape[-1])
+    if zeroed is not None and (zeroed.dtype != torch.float32 or not zeroed.is_contiguous()):
+        raise ValueError(f"a folded norm's zeroed tensor must be contiguous fp32; got {zeroed.dtype}")
+    zeroed_args = (zeroed, zeroed.numel()) if zeroed is not None else (x, 0)
+    early = NORM_EARLY and norm_in is not None and norm_in_block >= h.shape[-1]
+    return ((h2d, h2d.stride(0), h2d.shape[-1], float(eps), out, weight, float(offset), *zeroed_args), norm_in_block,
+            early, normed is not None)
+
+
+def scaled_by_rstd(x: torch.Tensor, h: torch.Tensor, eps: float, t: torch.Tensor | None = None):
+    """(x̃ · rstd, t · rstd): the rows of x (and of the adapters' first products t = x̃ Aᵀ, fp32 `[rows, r]` or
+    parts `[P, rows, r]`, if given) scaled by the rstd of h's rows, x rounded to its dtype: a folded norm's output
+    for a product that does not scale its sums."""
+    rows = x.numel() // x.shape[-1]
+    rstd = torch.rsqrt(h.reshape(rows, -1).float().pow(2).mean(-1, keepdim=True) + eps)
+    scaled = (x.reshape(rows, -1).float() * rstd).to(x.dtype).view(x.shape)
+    return scaled, None if t is None else t * rstd
+
+
+def normed_rows(y: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, offset: float, zeroed=None) -> None:
+    """x̃ = y · (w + offset) into out, and `zeroed` set to 0 (`_store_rows`' NORMED), for a product that does not
+    write them."""
+    out.view(y.shape).copy_(y.float() * (weight.float() + offset))
+    if zeroed is not None:
+        zeroed.zero_()

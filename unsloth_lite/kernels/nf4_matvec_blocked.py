@@ -12,7 +12,7 @@ import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_wait
 
 from unsloth_lite.kernels.dequantize_nf4 import _block_absmax, _fp32_to_bf16_rne
-from unsloth_lite.kernels.matvec_epilogue import _finish_product, _store_rows, _tile_range
+from unsloth_lite.kernels.matvec_epilogue import _finish_product, _store_rows, _tile_range, no_norm
 from unsloth_lite.kernels.nf4_codes import _nf4_codes
 
 
@@ -77,7 +77,7 @@ def _nf4_matvec_blocked_kernel(
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
         lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-        BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R, 0, 1,
+        BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R, 0, 1, no_norm(out_ptr), 0.0, 0, False, False,
     )
 
 
@@ -165,5 +165,6 @@ def _nf4_matvec_kernel(
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     _store_rows(
         acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
-        lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS, HAS_LORA, BLOCK_R, 0, 1,
+        lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS, HAS_LORA, BLOCK_R, 0, 1, no_norm(out_ptr), 0.0, 0,
+        False, False,
     )
