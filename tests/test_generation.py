@@ -292,26 +292,6 @@ def test_greedy_tokens_match_with_the_down_projections_first_product_from_the_ga
     assert shared and all(shared)
 
 
-@pytest.mark.parametrize("arch,shares", [("qwen3", False), ("qwen3_5", True), ("qwen2", False)])
-def test_greedy_tokens_match_with_folded_norms(arch, shares, device, monkeypatch):
-    """`decode.FOLDED_NORMS` (with the residual in the products, the grouped and gate-and-up launches and, for the
-    tiny Qwen3.5, the down adapter's shares, which its o_proj and out_proj zero): no norm launch in a decoding
-    step but the first layer's input norm; the greedy tokens those of the unpatched model."""
-    fused = ["FOLDED_NORMS", "RESIDUAL_IN_PRODUCTS", "NORM_FIRST_PRODUCTS", "GROUPED_MATVEC", "GATED_MATVEC"]
-    set_fused_launches(monkeypatch, on=(*fused, "MLP_SHARES") if shares else fused)
-    monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
-    norms, folded = [], []
-    monkeypatch.setattr(decoder_layer, "rms_norm_lora_down_rows",
-                        lambda *args, **kwargs: norms.append(1) or rms_norm_lora_down_rows(*args, **kwargs))
-    original = decode.normed_input
-    monkeypatch.setattr(decode, "normed_input", lambda *args: folded.append(1) or original(*args))
-    patched = assert_same_greedy_tokens(arch, "4bit+lora", "static", 3, device, prompt_shape=(2, 4))
-    layers_count = patched.config.num_hidden_layers
-    # each forward (the prompt's 8 rows are decoding rows too): the first layer's input norm launched, the other
-    # 2L - 1 folded
-    assert folded and len(folded) == (2 * layers_count - 1) * len(norms), (len(folded), len(norms))
-
-
 def test_greedy_tokens_match_with_every_fused_launch(device, monkeypatch):
     """Every fused decoding launch at once (the tiny Qwen3.5: gated attention and DeltaNet layers), the output
     projections' first products in their own launches, the greedy tokens those of the unpatched model."""

@@ -235,8 +235,8 @@ def _reads_folded_input(layer, mixer_name: str, mixer_kwargs: dict, cache, x: to
 
 @contextlib.contextmanager
 def _folded(norm, normed: torch.Tensor, h: torch.Tensor, stripes):
-    """The context of a folded norm's consumer: `decode.normed_input` of x̃ on h, with the stripes an output
-    projection zeroed (`decode.zeroed_stripes_for`); the norm must be taken (`decode.norm_taken`)."""
+    """The context of a folded norm's consumer: `decode.normed_input` of x̃ on h (which its products must read),
+    with the stripes an output projection zeroed (`decode.zeroed_stripes_for`)."""
     eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
     with contextlib.ExitStack() as stack:
         stack.enter_context(decode.normed_input(normed, h, eps))
