@@ -208,7 +208,7 @@ def _fold_request(norm, consumer, names, x: torch.Tensor, down_shares: bool = Fa
     if any(p.rank for p in projections) and not nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH:
         return None  # the norm's launch computes the first products
     stripes = _down_share_stripes(consumer, x) if down_shares else None
-    return torch.empty_like(x), norm.weight, offset, stripes
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), norm.weight, offset, stripes  # contiguous
 
 
 def _next_layer_fold(layer, x: torch.Tensor) -> tuple | None:
