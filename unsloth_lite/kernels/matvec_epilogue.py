@@ -10,7 +10,8 @@ A decoder layer's RMSNorm between two products folds into their epilogues (`deco
 y = RMSNorm(h) = h · rstd · w, rstd = rsqrt(mean(h²) + eps) a row, the product before (which writes h, the
 residual stream) also writes x̃ = h · w (`_store_rows`' NORMED), and the product after walks x̃ and scales its
 sums by each row's rstd before the bias (`_output_values`' RSTD), its adapters' t = x̃ Aᵀ with them; rstd comes
-from h itself, read in the epilogue (`_rows_rstd`), so no launch stands between the two.
+from h itself, loaded before the walk (`_early_rows`, NORM_EARLY) or read in the epilogue (`_rows_rstd`), so no
+launch stands between the two.
 """
 
 from __future__ import annotations
