@@ -10,7 +10,7 @@ A decoder layer's RMSNorm between two products folds into their epilogues (`deco
 y = RMSNorm(h) = h · rstd · w, rstd = rsqrt(mean(h²) + eps) a row, the product before (which writes h, the
 residual stream) also writes x̃ = h · w (`_store_rows`' NORMED), and the product after walks x̃ and scales its
 sums by each row's rstd before the bias (`_output_values`' RSTD), its adapters' t = x̃ Aᵀ with them; rstd comes
-from h itself, loaded before the walk (`_early_rows`, NORM_EARLY) or read in the epilogue (`_rows_rstd`), so no
+from h itself, loaded before the walk (`_early_rows`, NORM_EARLY) or read in the epilogue (`_rows_squares`), so no
 launch stands between the two.
 """
 
@@ -65,16 +65,15 @@ def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr
 
 
 @triton.jit
-def _rows_rstd(h_ptr, h_row_stride, width, eps, rows, n_rows, BLOCK_K: tl.constexpr):
-    """rsqrt(mean(h²) + eps) in fp32 for the rows `rows` of h `[n_rows, width]` (1 past n_rows), BLOCK_K columns
-    at a time."""
+def _rows_squares(h_ptr, h_row_stride, width, rows, n_rows, BLOCK_K: tl.constexpr):
+    """Σ h² in fp32 for the rows `rows` of h `[n_rows, width]` (0 past n_rows), BLOCK_K columns at a time."""
     columns = tl.arange(0, BLOCK_K)
     total = tl.sum(tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32), axis=1)
     for k0 in range(0, width, BLOCK_K):
         h = tl.load(h_ptr + rows[:, None] * h_row_stride + (k0 + columns)[None, :],
                     mask=(rows < n_rows)[:, None] & (k0 + columns < width)[None, :], other=0.0).to(tl.float32)
         total += tl.sum(h * h, axis=1)
-    return 1.0 / tl.sqrt(total / width + eps)
+    return total
 
 
 @triton.jit
@@ -94,14 +93,17 @@ def _early_rows(norm, rows, n_rows, PDL: tl.constexpr, NORM_IN: tl.constexpr, NO
 
 @triton.jit
 def _norm_rstd(norm, early, rows, n_rows, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr):
-    """Each row's rstd of a folded norm (NORM_IN > 0): from `_early_rows`' values, or read from h now; else 0.0."""
+    """Each row's rstd = rsqrt(mean(h²) + eps) of a folded norm (NORM_IN > 0): from `_early_rows`' values, or
+    read from h now; else 0.0."""
     h_ptr, h_row_stride, h_width, eps, _, _, _, _, _ = norm
     rstd = 0.0
-    if NORM_EARLY:
-        h = early.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / h_width + eps)
-    elif NORM_IN > 0:
-        rstd = _rows_rstd(h_ptr, h_row_stride, h_width, eps, rows, n_rows, NORM_IN)
+    if NORM_IN > 0:
+        if NORM_EARLY:
+            h = early.to(tl.float32)
+            squares = tl.sum(h * h, axis=1)
+        else:
+            squares = _rows_squares(h_ptr, h_row_stride, h_width, rows, n_rows, NORM_IN)
+        rstd = 1.0 / tl.sqrt(squares / h_width + eps)
     return rstd
 
 
@@ -177,6 +179,12 @@ def _store_rows(
 def no_norm(ptr):
     """The folded-norm arguments of a product without one (NORM_IN = 0, NORMED off): placeholders."""
     return ptr, 0, 1, 0.0, ptr, ptr, 0.0, ptr, 0
+
+
+@triton.jit
+def input_norm(h_ptr, h_row_stride, h_width, eps):
+    """The folded-norm arguments of a product whose input is x̃ of h's norm and that writes no x̃ (NORMED off)."""
+    return h_ptr, h_row_stride, h_width, eps, h_ptr, h_ptr, 0.0, h_ptr, 0
 
 
 @triton.jit

@@ -35,7 +35,7 @@ from unsloth_lite.kernels.lora_down import (
     lora_down_rows,
     no_first_products,
 )
-from unsloth_lite.kernels.matvec_epilogue import _early_rows, _norm_rstd, _output_values, norm_args
+from unsloth_lite.kernels.matvec_epilogue import _early_rows, _norm_rstd, _output_values, input_norm, norm_args
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, _nf4_word_codes, code_pairs
 from unsloth_lite.kernels.nf4_matvec import packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_blocked import _blocked_tile_loads
@@ -236,7 +236,7 @@ def _nf4_gated_matvec_kernel(
     kernel's FIRST_PRODUCTS; the feature blocks' programs come after them. DOWN_BLOCK_R > 0: each program adds
     its share of the down projection's first product h A_dᵀ into a stripe (`nf4_gated_matvec`'s `down_shares`).
     h_ptr to eps, NORM_IN and NORM_EARLY: x is x̃ of h's RMSNorm, folded (`matvec_epilogue`)."""
-    norm = (h_ptr, h_row_stride, h_width, eps, h_ptr, h_ptr, 0.0, h_ptr, 0)
+    norm = input_norm(h_ptr, h_row_stride, h_width, eps)
     if FIRST_PRODUCTS:
         writers = width * first_splits
         if tl.program_id(0) < writers:

@@ -35,7 +35,7 @@ from unsloth_lite.kernels.lora_down import (
     lora_down_rows,
     no_first_products,
 )
-from unsloth_lite.kernels.matvec_epilogue import _early_rows, _finish_product, norm_args
+from unsloth_lite.kernels.matvec_epilogue import _early_rows, _finish_product, input_norm, norm_args
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
 from unsloth_lite.kernels.nf4_matvec import packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_blocked import _blocked_sums
@@ -69,7 +69,7 @@ def _nf4_grouped_matvec_kernel(
     FIRST_PRODUCTS (the word walk): the adapters' first products t in the launch, by its first width ·
     first_splits programs, as the word kernel's FIRST_PRODUCTS; the weights' programs come after them. h_ptr to
     eps, NORM_IN and NORM_EARLY: x is x̃ of h's RMSNorm, folded (`matvec_epilogue`)."""
-    norm = (h_ptr, h_row_stride, h_width, eps, h_ptr, h_ptr, 0.0, h_ptr, 0)
+    norm = input_norm(h_ptr, h_row_stride, h_width, eps)
     if FIRST_PRODUCTS:
         writers = width * first_splits
         if tl.program_id(0) < writers:

@@ -245,8 +245,8 @@ def nf4_matvec(
     output projection's result joins the residual stream. `norm_in` (h, eps): x is x̃ = h · w of h's RMSNorm, the
     products (and t) scaled by each row's rstd from h (`matvec_epilogue`'s folded norms); `normed` (out, w,
     offset, zeroed): x̃ = y · (w + offset) of the result also written into out `[rows, N]` (contiguous, x's dtype),
-    and `zeroed` (fp32, or None) set to 0. The
-    word kernel folds both; for the others x̃ is scaled before and multiplied after (`matvec_epilogue`)."""
+    and `zeroed` (fp32, or None) set to 0. The word kernel folds both; for the others x̃ is scaled before and
+    multiplied after (`matvec_epilogue`)."""
     launch = _launch(weight, quant_state)
     if len(launch.shape) != 2:
         raise ValueError(f"nf4_matvec needs a 2-D weight; quant_state.shape is {tuple(launch.shape)}")
@@ -273,7 +273,6 @@ def nf4_matvec(
     blocked = n_in % blocksize == 0 and tile_k % blocksize == 0
     if norm_in is not None and not (blocked and words):  # the other kernels walk the norm's output, and its t
         x2d, lora_t = scaled_by_rstd(x2d, *norm_in, lora_t)
-        norm_in = None
     feature_blocks, splits = triton.cdiv(n_out, block_n), triton.cdiv(n_in, tile_k * max(int(tiles_a_split), 1))
     split_k = int(tiles_a_split) if blocked and splits > 1 else 0  # tiles a split, 0: K not split
     first_in_launch = (FIRST_PRODUCTS_IN_LAUNCH and lora_t is None and lora_a is not None and lora_a.shape[0] > 0

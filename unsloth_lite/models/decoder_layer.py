@@ -146,10 +146,15 @@ def residual_fused_forward(self, hidden_states, **kwargs):
 
 def _add_norm(norm, x, delta, kept_sum=None, sum_into=None):
     """`add_rms_norm` with a fused norm module's weight, epsilon and offset."""
-    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+    eps = _epsilon(norm)
     offset = NORM_OFFSETS[norm.forward.__func__]
     into = sum_into if delta is not None and sum_into is not None and sum_into.dtype == x.dtype else None
     return add_rms_norm(x, delta, norm.weight, eps, offset, kept_sum=kept_sum, sum_into=into)
+
+
+def _epsilon(norm) -> float:
+    """A fused norm module's epsilon (Qwen2's and Qwen3's `variance_epsilon`, Qwen3.5's `eps`)."""
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
 
 
 def _cache_of(kwargs: dict):
@@ -237,9 +242,8 @@ def _reads_folded_input(layer, mixer_name: str, mixer_kwargs: dict, cache, x: to
 def _folded(norm, normed: torch.Tensor, h: torch.Tensor, stripes):
     """The context of a folded norm's consumer: `decode.normed_input` of x̃ on h (which its products must read),
     with the stripes an output projection zeroed (`decode.zeroed_stripes_for`)."""
-    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
     with contextlib.ExitStack() as stack:
-        stack.enter_context(decode.normed_input(normed, h, eps))
+        stack.enter_context(decode.normed_input(normed, h, _epsilon(norm)))
         if stripes is not None:
             stack.enter_context(decode.zeroed_stripes_for(normed, stripes))
         yield
@@ -261,7 +265,7 @@ def _normed(norm, x: torch.Tensor, consumer, names,
         lora_as = [p.lora_a for p in _lora_projections(consumer, names, x) or () if _adapted_nf4(p)]
     if len(lora_as) > MAX_ADAPTERS_PER_LAUNCH:
         return norm(x), contextlib.nullcontext()
-    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+    eps = _epsilon(norm)
     stripes = _down_share_stripes(consumer, x) if down_shares else None
     y, t = rms_norm_lora_down_rows(x.reshape(-1, x.shape[-1]), norm.weight, eps, offset, lora_as,
                                    **({"zeroed": stripes} if stripes is not None else {}))
