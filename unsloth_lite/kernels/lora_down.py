@@ -14,9 +14,10 @@ above, the last of a column counting it on the launch's ready flag (a release at
 projection's programs walk their weights meanwhile and only before their epilogue await the flag (an acquire).
 The writers have the launch's lowest program ids, so they are scheduled before any program that waits, and wait
 for nothing of their launch themselves; the readers count themselves in groups (a counter a group, on its own
-line), and the last group's count sets every counter and the flag back to 0. The await is a plain acquire load
-and the counters are spread because a launch has up to a few thousand readers: read-modify-writes of one address
-would queue them in L2 one after another.
+line) as soon as their load of t is issued (the count's round trip beside the load's), and the last group's
+count sets every counter and the flag back to 0 (no reader reads the flag any more, and t is not written again
+before the launch ends). The await is a plain acquire load and the counters are spread because a launch has up
+to a few thousand readers: read-modify-writes of one address would queue them in L2 one after another.
 """
 
 from __future__ import annotations

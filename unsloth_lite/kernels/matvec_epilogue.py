@@ -4,7 +4,8 @@ With the K split, program (i, j) of a product holds the sums of feature block i 
 a second launch, each stores its sums `[rows, features]` to its slot of an fp32 scratch `[splits, rows, N]`
 and counts itself on the feature block's counter; the last to arrive adds the slots in split order and writes y.
 Then y = acc + b + s · t Bᵀ with t = x Aᵀ (`lora_down_rows`): the unmerged adapter's second product, rank r; b
-a bias `[N]` or an addend `[rows, N]` (the residual stream, which an output projection's result joins).
+a bias `[N]` or an addend `[rows, N]` (the residual stream, which an output projection's result joins). B's rows
+are loaded before the walk, t after it (`_adapter_b`, `_adapter_t`): only t's load is left to the epilogue.
 
 A decoder layer's RMSNorm between two products folds into their epilogues (`decode.normed_input`): with
 y = RMSNorm(h) = h · rstd · w, rstd = rsqrt(mean(h²) + eps) a row, the product before (which writes h, the
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda.gdc import gdc_wait
 
 # What the products' epilogue adds (`_output_values`' BIAS): nothing, a bias a feature, an addend a row and feature.
 BIAS_NONE, BIAS_FEATURES, BIAS_ROWS = 0, 1, 2
@@ -108,16 +109,45 @@ def _norm_rstd(norm, early, rows, n_rows, NORM_IN: tl.constexpr, NORM_EARLY: tl.
 
 
 @triton.jit
-def _output_values(
-    acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
-    lora_b_col_stride, scale, BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-    t_part_stride, T_PARTS: tl.constexpr, rstd, RSTD: tl.constexpr,
-):
-    """y = acc + b + s · t Bᵀ in fp32 for the program's rows and features, with t = x Aᵀ from `lora_down_rows`
-    (or any fp32 `[rows, r]`; with T_PARTS > 1 the sum, in order, of T_PARTS such parts `t_part_stride` apart:
-    shares of x Aᵀ written by the launch before). BIAS: `BIAS_NONE`, `BIAS_FEATURES` (b `[N]`) or `BIAS_ROWS`
-    (b `[rows, N]`, contiguous: an addend of each row, such as the residual stream an output projection's result
-    joins). RSTD: x is x̃ of a folded norm (module docstring): acc and t scaled by `rstd` `[BLOCK_M]` first."""
+def _adapter_b(lora_b_ptr, lora_b_row_stride, lora_b_col_stride, features, n_out, rank, HAS_LORA: tl.constexpr,
+               BLOCK_R: tl.constexpr):
+    """The adapter's B rows of the program's features, fp32 `[BLOCK_N, BLOCK_R]` (0.0 without an adapter). B is
+    a weight no kernel writes: the products load it before their walk (and their `gdc_wait`), so that its
+    latency hides behind the walk instead of adding to the epilogue's."""
+    lora_b = 0.0
+    if HAS_LORA:
+        ranks = tl.arange(0, BLOCK_R)
+        lora_b = tl.load(
+            lora_b_ptr + features[:, None] * lora_b_row_stride + ranks[None, :] * lora_b_col_stride,
+            mask=(features < n_out)[:, None] & (ranks < rank)[None, :], other=0.0,
+        ).to(tl.float32)
+    return lora_b
+
+
+@triton.jit
+def _adapter_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+               t_part_stride, T_PARTS: tl.constexpr):
+    """The adapter's first products t = x Aᵀ of the program's rows, fp32 `[BLOCK_M, BLOCK_R]` (0.0 without an
+    adapter): from `lora_down_rows` or the launch's first programs, or any fp32 `[rows, r]`; with T_PARTS > 1 the
+    sum, in order, of T_PARTS such parts `t_part_stride` apart (shares of x Aᵀ written by the launch before)."""
+    t = 0.0
+    if HAS_LORA:
+        ranks = tl.arange(0, BLOCK_R)
+        mask = (rows < n_rows)[:, None] & (ranks < rank)[None, :]
+        t_rows = t_ptr + rows[:, None] * t_row_stride + ranks[None, :]
+        t = tl.load(t_rows, mask=mask, other=0.0)
+        for part in tl.static_range(1, T_PARTS):
+            t += tl.load(t_rows + part * t_part_stride, mask=mask, other=0.0)
+    return t
+
+
+@triton.jit
+def _output_values(acc, rows, features, n_rows, n_out, bias_ptr, t, lora_b, scale, BIAS: tl.constexpr,
+                   HAS_LORA: tl.constexpr, rstd, RSTD: tl.constexpr):
+    """y = acc + b + s · t Bᵀ in fp32 for the program's rows and features, with t (`_adapter_t`) and B's rows
+    (`_adapter_b`) as loaded. BIAS: `BIAS_NONE`, `BIAS_FEATURES` (b `[N]`) or `BIAS_ROWS` (b `[rows, N]`,
+    contiguous: an addend of each row, such as the residual stream an output projection's result joins). RSTD:
+    x is x̃ of a folded norm (module docstring): acc and t scaled by `rstd` `[BLOCK_M]` first."""
     mask_rows = rows < n_rows
     mask_features = features < n_out
     if RSTD:
@@ -128,28 +158,16 @@ def _output_values(
         acc += tl.load(bias_ptr + rows[:, None] * n_out + features[None, :],
                        mask=mask_rows[:, None] & mask_features[None, :], other=0.0).to(tl.float32)
     if HAS_LORA:
-        ranks = tl.arange(0, BLOCK_R)
-        mask_ranks = ranks < rank
-        t_rows = t_ptr + rows[:, None] * t_row_stride + ranks[None, :]
-        t = tl.load(t_rows, mask=mask_rows[:, None] & mask_ranks[None, :], other=0.0)
-        for part in tl.static_range(1, T_PARTS):
-            t += tl.load(t_rows + part * t_part_stride, mask=mask_rows[:, None] & mask_ranks[None, :], other=0.0)
         if RSTD:
             t = t * rstd[:, None]
-        lora_b = tl.load(
-            lora_b_ptr + features[:, None] * lora_b_row_stride + ranks[None, :] * lora_b_col_stride,
-            mask=mask_features[:, None] & mask_ranks[None, :], other=0.0,
-        ).to(tl.float32)
         acc += scale * tl.sum(t[:, None, :] * lora_b[None, :, :], axis=2)
     return acc
 
 
 @triton.jit
 def _store_rows(
-    acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
-    lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-    BLOCK_R: tl.constexpr, t_part_stride, T_PARTS: tl.constexpr, norm, early, NORM_IN: tl.constexpr,
-    NORM_EARLY: tl.constexpr, NORMED: tl.constexpr,
+    acc, rows, features, n_rows, n_out, bias_ptr, t, lora_b, scale, out_ptr, out_row_stride, BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr, norm, early, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr, NORMED: tl.constexpr,
 ):
     """`_output_values` stored in y's dtype: the end of a decoding matrix-vector product (`nf4_matvec`). `norm`:
     the folded norms' arguments (h_ptr, h_row_stride, h_width, eps, normed_ptr, norm_w_ptr, norm_offset,
@@ -159,9 +177,8 @@ def _store_rows(
     `zeroed_ptr` to 0 (the stripes the products after the norm add into, which its launch zeroed)."""
     _, _, _, _, normed_ptr, norm_w_ptr, norm_offset, zeroed_ptr, zeroed_count = norm
     rstd = _norm_rstd(norm, early, rows, n_rows, NORM_IN, NORM_EARLY)
-    y = _output_values(acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr,
-                       lora_b_row_stride, lora_b_col_stride, scale, BIAS, HAS_LORA, BLOCK_R, t_part_stride,
-                       T_PARTS, rstd, NORM_IN > 0)
+    y = _output_values(acc, rows, features, n_rows, n_out, bias_ptr, t, lora_b, scale, BIAS, HAS_LORA, rstd,
+                       NORM_IN > 0)
     mask = (rows < n_rows)[:, None] & (features < n_out)[None, :]
     y = y.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * out_row_stride + features[None, :], y, mask=mask)
@@ -202,31 +219,24 @@ def _tile_range(blocks_per_row, BLOCKS_PER_TILE: tl.constexpr, SPLIT_K: tl.const
 
 @triton.jit
 def _finish_product(
-    acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
-    lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-    BLOCK_M: tl.constexpr, PDL: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
-    HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, t_part_stride, T_PARTS: tl.constexpr, norm, early,
-    NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr, NORMED: tl.constexpr,
+    acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t, lora_b, scale, out_ptr,
+    out_row_stride, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr, HAS_LORA: tl.constexpr, norm,
+    early, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr, NORMED: tl.constexpr,
 ):
-    """The end of a program of the blocked or the word kernel: one row's elementwise `partial` sums reduced into
-    `acc`, the next kernel let launch (PDL), the K splits summed (`_sum_of_splits`) and y written by the program
-    that finishes the feature block (`_store_rows`, with the folded norms' `norm`, `early`, NORM_IN, NORM_EARLY and
-    NORMED)."""
+    """The end of a program of the blocked or the word kernel, once its walk is done (and the next kernel let
+    launch): one row's elementwise `partial` sums reduced into `acc`, the K splits summed (`_sum_of_splits`) and
+    y written by the program that finishes the feature block (`_store_rows`, with the adapter's t and B rows as
+    loaded and the folded norms' `norm`, `early`, NORM_IN, NORM_EARLY and NORMED)."""
     if BLOCK_M == 1:
         acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
-    if PDL:
-        gdc_launch_dependents()
     if SPLIT_K:
         acc, last = _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, tl.program_id(1),
                                    tl.num_programs(1), tl.program_id(0), BLOCK_M)
     else:
         last = True
     if last:
-        _store_rows(
-            acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr,
-            lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS, HAS_LORA, BLOCK_R,
-            t_part_stride, T_PARTS, norm, early, NORM_IN, NORM_EARLY, NORMED,
-        )
+        _store_rows(acc, rows, features, n_rows, n_out, bias_ptr, t, lora_b, scale, out_ptr, out_row_stride, BIAS,
+                    HAS_LORA, norm, early, NORM_IN, NORM_EARLY, NORMED)
 
 
 def norm_args(x: torch.Tensor, norm_in=None, normed=None) -> tuple[tuple, int, bool, bool]:

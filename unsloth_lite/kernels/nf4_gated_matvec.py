@@ -35,7 +35,15 @@ from unsloth_lite.kernels.lora_down import (
     lora_down_rows,
     no_first_products,
 )
-from unsloth_lite.kernels.matvec_epilogue import _early_rows, _norm_rstd, _output_values, input_norm, norm_args
+from unsloth_lite.kernels.matvec_epilogue import (
+    _adapter_b,
+    _adapter_t,
+    _early_rows,
+    _norm_rstd,
+    _output_values,
+    input_norm,
+    norm_args,
+)
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, _nf4_codes, _nf4_word_codes, code_pairs
 from unsloth_lite.kernels.nf4_matvec import packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_blocked import _blocked_tile_loads
@@ -288,13 +296,17 @@ def _gated_program(
     AWAIT_T: tl.constexpr, DOWN_BLOCK_R: tl.constexpr, norm, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr,
 ):
     """Feature block `block` of the gate-and-up launch (`_nf4_gated_matvec_kernel`). AWAIT_T: t comes from the
-    launch's first programs (awaited before the epilogue, the program counted after it). DOWN_BLOCK_R > 0: the
+    launch's first programs (awaited before t's load, the program counted once it is issued, as in the word
+    kernel's `_word_program`); the adapters' B rows are loaded before the walk. DOWN_BLOCK_R > 0: the
     block's columns of the down adapter's A (`[r, N]`, contiguous), which no kernel writes, read first (read in
     the epilogue, the kernel took 72 registers a thread instead of 64, compiled for sm_90); h's share of h Aᵀ
     added into stripe `block % n_stripes` of `shares_ptr` (`[n_stripes, rows, r]`) at the end. `norm`, NORM_IN and
     NORM_EARLY: the folded norm's (`_nf4_gated_matvec_kernel`)."""
     features = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
+    gate_b = _adapter_b(gate_b_ptr, gate_b_row_stride, gate_b_col_stride, features, n_out, gate_rank, GATE_LORA,
+                        GATE_BLOCK_R)
+    up_b = _adapter_b(up_b_ptr, up_b_row_stride, up_b_col_stride, features, n_out, up_rank, UP_LORA, UP_BLOCK_R)
     if DOWN_BLOCK_R > 0:
         down_ranks = tl.arange(0, DOWN_BLOCK_R)
         down_a = tl.load(down_a_ptr + down_ranks[None, :] * n_out + features[:, None],
@@ -312,17 +324,19 @@ def _gated_program(
             table_ptr, features, n_rows, n_out, n_in, BLOCKSIZE, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP,
             BF16_CODES, PDL,
         )
-    if AWAIT_T:
-        _await_first_products(flags_ptr, width)
     if PDL:
         gdc_launch_dependents()
+    if AWAIT_T:
+        _await_first_products(flags_ptr, width)
+    gate_t = _adapter_t(gate_t_ptr, t_row_stride, gate_rank, rows, n_rows, GATE_LORA, GATE_BLOCK_R, 0, 1)
+    up_t = _adapter_t(up_t_ptr, t_row_stride, up_rank, rows, n_rows, UP_LORA, UP_BLOCK_R, 0, 1)
+    if AWAIT_T:
+        _count_reader(flags_ptr, block, readers)
     dtype = out_ptr.dtype.element_ty
     rstd = _norm_rstd(norm, early, rows, n_rows, NORM_IN, NORM_EARLY)
-    g = _output_values(acc_gate, rows, features, n_rows, n_out, gate_bias_ptr, gate_t_ptr, t_row_stride, gate_rank,
-                       gate_b_ptr, gate_b_row_stride, gate_b_col_stride, gate_scale, GATE_BIAS, GATE_LORA, GATE_BLOCK_R,
-                       0, 1, rstd, NORM_IN > 0)
-    u = _output_values(acc_up, rows, features, n_rows, n_out, up_bias_ptr, up_t_ptr, t_row_stride, up_rank,
-                       up_b_ptr, up_b_row_stride, up_b_col_stride, up_scale, UP_BIAS, UP_LORA, UP_BLOCK_R, 0, 1,
+    g = _output_values(acc_gate, rows, features, n_rows, n_out, gate_bias_ptr, gate_t, gate_b, gate_scale,
+                       GATE_BIAS, GATE_LORA, rstd, NORM_IN > 0)
+    u = _output_values(acc_up, rows, features, n_rows, n_out, up_bias_ptr, up_t, up_b, up_scale, UP_BIAS, UP_LORA,
                        rstd, NORM_IN > 0)
     g = g.to(dtype).to(tl.float32)  # as the two products would write them
     u = u.to(dtype).to(tl.float32)
@@ -336,8 +350,6 @@ def _gated_program(
         stripe = shares_ptr + (block % n_stripes) * n_rows * down_rank
         tl.atomic_add(stripe + rows[:, None] * down_rank + down_ranks[None, :], share,
                       mask=(rows < n_rows)[:, None] & (down_ranks < down_rank)[None, :], sem="relaxed", scope="gpu")
-    if AWAIT_T:
-        _count_reader(flags_ptr, block, readers)
 
 
 def gated_matvec_supported(x: torch.Tensor, gate, up) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda.gdc import gdc_launch_dependents
 
 from unsloth_lite.kernels import nf4_matvec as matvec  # its settings (tiles, lookup, PDL) are read at each call
 from unsloth_lite.kernels.dequantize_nf4 import _launch
@@ -35,7 +36,14 @@ from unsloth_lite.kernels.lora_down import (
     lora_down_rows,
     no_first_products,
 )
-from unsloth_lite.kernels.matvec_epilogue import _early_rows, _finish_product, input_norm, norm_args
+from unsloth_lite.kernels.matvec_epilogue import (
+    _adapter_b,
+    _adapter_t,
+    _early_rows,
+    _finish_product,
+    input_norm,
+    norm_args,
+)
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
 from unsloth_lite.kernels.nf4_matvec import packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_blocked import _blocked_sums
@@ -119,7 +127,8 @@ def _grouped_program(
     NORM_EARLY: tl.constexpr,
 ):
     """The grouped launch's program `pid` among the weights' programs (`_nf4_grouped_matvec_kernel`). AWAIT_T: t
-    comes from the launch's first programs (awaited before the epilogue, the program counted after it)."""
+    comes from the launch's first programs (awaited before t's load, the program counted once it is issued, as in
+    the word kernel's `_word_program`)."""
     if pid < end0:
         packed, absmax, bias, lora_b, scale, out, n_out = packed0, absmax0, bias0, b0, scale0, out0, n_out0
         b_row_stride, b_col_stride, t_col, rank, start = b0_row_stride, b0_col_stride, t_col0, rank0, 0
@@ -134,6 +143,7 @@ def _grouped_program(
         b_row_stride, b_col_stride, t_col, rank, start = b3_row_stride, b3_col_stride, t_col3, rank3, end2
     features = (pid - start) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
+    b_rows = _adapter_b(lora_b, b_row_stride, b_col_stride, features, n_out, rank, HAS_LORA, BLOCK_R)
     early = _early_rows(norm, rows, n_rows, PDL, NORM_IN, NORM_EARLY)
     if WORDS:
         acc, partial = _word_walk(
@@ -147,15 +157,17 @@ def _grouped_program(
             n_rows, n_out, n_in, 0, n_in // BLOCKSIZE, BLOCKSIZE, False, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP,
             BF16_CODES, PDL, STAGES,
         )
+    if PDL:
+        gdc_launch_dependents()
     if AWAIT_T:
         _await_first_products(flags_ptr, width)
-    _finish_product(
-        acc, partial, rows, features, n_rows, n_out, absmax, absmax, bias, t_ptr + t_col, t_row_stride, rank,
-        lora_b, b_row_stride, b_col_stride, scale, out, n_out, BLOCK_M, PDL, False, HAS_BIAS, HAS_LORA, BLOCK_R,
-        0, 1, norm, early, NORM_IN, NORM_EARLY, False,
-    )
+    t = _adapter_t(t_ptr + t_col, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, 0, 1)
     if AWAIT_T:
         _count_reader(flags_ptr, pid, readers)
+    _finish_product(
+        acc, partial, rows, features, n_rows, n_out, absmax, absmax, bias, t, b_rows, scale, out, n_out, BLOCK_M,
+        False, HAS_BIAS, HAS_LORA, norm, early, NORM_IN, NORM_EARLY, False,
+    )
 
 
 def grouped_matvec_supported(x: torch.Tensor, weights, biases, loras) -> bool:

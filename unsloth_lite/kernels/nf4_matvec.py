@@ -133,9 +133,11 @@ FIRST_PRODUCTS_IN_LAUNCH = True
 # each launch a decoding step makes): (launch, N, K) -> (features, weights along K, warps, tiles a split along K
 # (0: none; only the word kernel's own launch splits), stages). A launch and shape not in it takes those defaults.
 # From the sweep with the products in bf16 pairs (an H100, 2026-12-06, Qwen3-8B shape, docs/benchmarks.md): the
-# down projection with four stages (19.74 -> 19.16 us).
+# down projection with four stages (19.74 -> 19.16 us). From the sweep of the adapted launches (`--adapters 16`,
+# an H100, 2026-12-07): gate and up with two warps a program (34.67 -> 33.37 us).
 WORD_TILES: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {
     ("words", 4096, 12288): (8, 512, 4, False, 4),
+    ("gated", 12288, 4096): (8, 512, 2, False, 3),
 }
 # `WORD_TILES`' form for a launch without adapters, taken first. Gate and up at 32 x 256 (the same sweep: 32.12 ->
 # 30.99 us): on an H100 318.5 -> 325.4 tokens/s without adapters, 0.13 ms a step more with them (docs/benchmarks.md,

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda.gdc import gdc_wait
+from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
 from unsloth_lite.kernels.dequantize_nf4 import _block_absmax, _fp32_to_bf16_rne
-from unsloth_lite.kernels.matvec_epilogue import _finish_product, _store_rows, _tile_range, no_norm
+from unsloth_lite.kernels.matvec_epilogue import (
+    _adapter_b,
+    _adapter_t,
+    _finish_product,
+    _store_rows,
+    _tile_range,
+    no_norm,
+)
 from unsloth_lite.kernels.nf4_codes import _nf4_codes
 
 
@@ -60,24 +67,27 @@ def _nf4_matvec_blocked_kernel(
 
     PDL (launched as a programmatic dependent launch): nothing the kernel before may still write or read is
     touched before `gdc_wait` (x, the adapter's t, bias, the outputs and the split scratch all come after it);
-    only the frozen weight's bytes and absmax are loaded ahead of it. Every program waits once it has issued its
-    first tile's weight loads (before the loop when it is pipelined), and lets the next kernel launch once its
-    loop is done.
+    only the frozen weight's bytes and absmax, and the adapter's B rows, are loaded ahead of it. Every program
+    waits once it has issued its first tile's weight loads (before the loop when it is pipelined), and lets the
+    next kernel launch once its loop is done.
 
     STAGES (`PIPELINE_STAGES`): the loop's loads issued that many tiles ahead, as asynchronous copies to shared
     memory (Triton's software pipelining); 1 loads each tile in its own step."""
     features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     first_block, end_block = _tile_range(n_in // BLOCKSIZE, BLOCKS_PER_TILE, SPLIT_K)
+    lora_b = _adapter_b(lora_b_ptr, lora_b_row_stride, lora_b_col_stride, features, n_out, rank, HAS_LORA, BLOCK_R)
     acc, partial = _blocked_sums(
         x_ptr, x_row_stride, x_col_stride, packed_ptr, absmax_ptr, table_ptr, nested_code_ptr, nested_absmax_ptr,
         offset_ptr, nested_blocksize, features, n_rows, n_out, n_in, first_block, end_block,
         BLOCKSIZE, NESTED, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, LOOKUP, BF16_CODES, PDL, STAGES,
     )
+    if PDL:
+        gdc_launch_dependents()
+    t = _adapter_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, 0, 1)
     _finish_product(
-        acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
-        lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-        BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R, 0, 1, no_norm(out_ptr), 0.0, 0, False, False,
+        acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t, lora_b, scale, out_ptr,
+        out_row_stride, BLOCK_M, SPLIT_K, BIAS, HAS_LORA, no_norm(out_ptr), 0.0, 0, False, False,
     )
 
 
@@ -164,7 +174,8 @@ def _nf4_matvec_kernel(
         ).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     _store_rows(
-        acc, rows, features, n_rows, n_out, bias_ptr, t_ptr, t_row_stride, rank, lora_b_ptr, lora_b_row_stride,
-        lora_b_col_stride, scale, out_ptr, out_row_stride, BIAS, HAS_LORA, BLOCK_R, 0, 1, no_norm(out_ptr), 0.0, 0,
-        False, False,
+        acc, rows, features, n_rows, n_out, bias_ptr,
+        _adapter_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, 0, 1),
+        _adapter_b(lora_b_ptr, lora_b_row_stride, lora_b_col_stride, features, n_out, rank, HAS_LORA, BLOCK_R),
+        scale, out_ptr, out_row_stride, BIAS, HAS_LORA, no_norm(out_ptr), 0.0, 0, False, False,
     )

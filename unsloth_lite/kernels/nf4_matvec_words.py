@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda.gdc import gdc_wait
+from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
 from unsloth_lite.kernels.dequantize_nf4 import _block_absmax
 from unsloth_lite.kernels.lora_down import _await_first_products, _count_reader, _first_product_program
-from unsloth_lite.kernels.matvec_epilogue import _early_rows, _finish_product, _tile_range
+from unsloth_lite.kernels.matvec_epilogue import _adapter_b, _adapter_t, _early_rows, _finish_product, _tile_range
 from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, _nf4_word_codes, code_pair_sums
 
 
@@ -346,23 +346,26 @@ def _word_program(
     t_part_stride, T_PARTS: tl.constexpr, norm, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr, NORMED: tl.constexpr,
 ):
     """Feature block `block` of the word kernel: its walk and its epilogue. AWAIT_T: t comes from the launch's
-    first programs (`_await_first_products` before the epilogue, `_count_reader` after it)."""
+    first programs (`_await_first_products` before t's load, `_count_reader` once it is issued, the count's round
+    trip overlapping the load's)."""
     features = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     first_block, end_block = _tile_range(n_in // BLOCKSIZE, BLOCKS_PER_TILE, SPLIT_K)
+    lora_b = _adapter_b(lora_b_ptr, lora_b_row_stride, lora_b_col_stride, features, n_out, rank, HAS_LORA, BLOCK_R)
     early = _early_rows(norm, rows, n_rows, PDL, NORM_IN, NORM_EARLY)
     acc, partial = _word_walk(
         x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
         offset_ptr, nested_blocksize, features, n_rows, n_out, n_in, first_block, end_block, BLOCKSIZE, NESTED,
         BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, PTX, BF16_CODES, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH,
     )
+    if PDL:
+        gdc_launch_dependents()
     if AWAIT_T:
         _await_first_products(flags_ptr, rank)
-    _finish_product(
-        acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t_ptr, t_row_stride, rank,
-        lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride,
-        BLOCK_M, PDL, SPLIT_K, BIAS, HAS_LORA, BLOCK_R, t_part_stride, T_PARTS, norm, early, NORM_IN, NORM_EARLY,
-        NORMED,
-    )
+    t = _adapter_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, t_part_stride, T_PARTS)
     if AWAIT_T:
         _count_reader(flags_ptr, block, readers)
+    _finish_product(
+        acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t, lora_b, scale, out_ptr,
+        out_row_stride, BLOCK_M, SPLIT_K, BIAS, HAS_LORA, norm, early, NORM_IN, NORM_EARLY, NORMED,
+    )
