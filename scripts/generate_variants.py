@@ -69,6 +69,7 @@ DECODE_SETTINGS = {
     "screen_block": ("unsloth_lite.kernels.screened_logits", "INT8_BLOCK_N", 16),
     "folded_norms": ("unsloth_lite.models.decode", "FOLDED_NORMS", 0),
     "norm_early": ("unsloth_lite.kernels.matvec_epilogue", "NORM_EARLY", 0),
+    "monotonic_flags": ("unsloth_lite.kernels.lora_down", "MONOTONIC_FLAGS", 0),
 }
 # `@adapted=N`'s groups of adapted projections: bit -> their names (module docstring)
 ADAPTED_GROUPS = {1: ("q_proj", "k_proj", "v_proj"), 2: ("o_proj",), 4: ("gate_proj", "up_proj"), 8: ("down_proj",)}

@@ -309,3 +309,23 @@ def hf_cos_sin(seq, rotary_dim, base=10000.0, batch=1, device="cpu", dtype=torch
     cos = emb.cos().to(dtype)[None].expand(batch, seq, rotary_dim).contiguous()
     sin = emb.sin().to(dtype)[None].expand(batch, seq, rotary_dim).contiguous()
     return cos, sin
+
+
+def assert_first_product_flags_settled(device) -> None:
+    """The first products' flags (`lora_down.first_product_flags`) between launches: the set that each launch
+    resets at 0; each set that is never reset (`MONOTONIC_FLAGS`) in the state of n whole launches: its ready
+    flag n · width and its readers' counters n · readers together."""
+    from unsloth_lite.kernels import lora_down, matvec_epilogue
+
+    line = lora_down._LINE.value
+    for (flags_device, _, use), flags in matvec_epilogue._ARRIVALS.items():
+        if flags_device.type != torch.device(device).type or not use.startswith("first products"):
+            continue
+        if flags.dtype == torch.int32:
+            assert not flags.any(), f"{use}: flags left at {flags.nonzero().flatten().tolist()}"
+            continue
+        readers, width = (int(n) for n in use.split()[2::2])  # "first products R x W"
+        launches, rest = divmod(int(flags[0]), width)
+        counted = int(flags[line:line * (lora_down.READER_GROUP + 1):line].sum())
+        assert rest == 0 and counted == launches * readers, (
+            f"{use}: ready flag {int(flags[0])}, {counted} readers counted")

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, assert_first_product_flags_settled
 from peft import LoraConfig, get_peft_model
 from test_patch_model import tiny_model, tiny_qwen3_5
 
@@ -292,12 +292,19 @@ def test_greedy_tokens_match_with_the_down_projections_first_product_from_the_ga
     assert shared and all(shared)
 
 
-def test_greedy_tokens_match_with_every_fused_launch(device, monkeypatch):
+@pytest.mark.parametrize("monotonic", [False, True], ids=["reset_flags", "monotonic_flags"])
+def test_greedy_tokens_match_with_every_fused_launch(monotonic, device, monkeypatch):
     """Every fused decoding launch at once (the tiny Qwen3.5: gated attention and DeltaNet layers), the output
-    projections' first products in their own launches, the greedy tokens those of the unpatched model."""
+    projections' first products in their own launches, their readers' flags reset by each launch or never
+    (`lora_down.MONOTONIC_FLAGS`: sets shared by the layers' launches), the greedy tokens those of the unpatched
+    model."""
+    from unsloth_lite.kernels import lora_down
+
     set_fused_launches(monkeypatch, on=FUSED_LAUNCHES)
     monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
+    monkeypatch.setattr(lora_down, "MONOTONIC_FLAGS", monotonic)
     assert_same_greedy_tokens("qwen3_5", "4bit+lora", "static", 3, device, prompt_shape=(2, 4))
+    assert_first_product_flags_settled(device)
 
 
 def test_greedy_tokens_match_with_the_gated_deltanet_step(device, monkeypatch):
@@ -453,14 +460,17 @@ def test_bf16_greedy_path_matches_cuda_with_the_down_adapters_shares(arch, torch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("monotonic", [False, True], ids=["reset_flags", "monotonic_flags"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
-def test_bf16_greedy_path_matches_cuda_with_every_fused_launch(arch, torch_delta_rule, monkeypatch):
+def test_bf16_greedy_path_matches_cuda_with_every_fused_launch(arch, monotonic, torch_delta_rule, monkeypatch):
     """Every fused decoding launch on at once, the small kernels and `lora_down` (split along K) as programmatic
-    dependent launches: 32 bf16 tokens along the reference's greedy path through the captured step."""
+    dependent launches, the first products' flags reset or never (`lora_down.MONOTONIC_FLAGS`): 32 bf16 tokens
+    along the reference's greedy path through the captured step."""
     from unsloth_lite.kernels import lora_down, utils
 
     set_fused_launches(monkeypatch, on=FUSED_LAUNCHES)
     monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
+    monkeypatch.setattr(lora_down, "MONOTONIC_FLAGS", monotonic)
     monkeypatch.setattr(utils, "DECODE_PDL", True)
     monkeypatch.setattr(lora_down, "SPLIT_K", True)
     monkeypatch.setattr(lora_down, "PDL", True)

@@ -4,10 +4,11 @@ biases on all or none, 1 to 8 rows; and what it refuses."""
 
 import pytest
 import torch
-from helpers import TOLERANCE, assert_close, dtype_id
+from helpers import TOLERANCE, assert_close, assert_first_product_flags_settled, dtype_id
 from test_dequantize_nf4 import quantize
 from test_nf4_matvec import float64_reference
 
+from unsloth_lite.kernels import lora_down as lora_down_module
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.lora_down import lora_down_rows
 from unsloth_lite.kernels.nf4_grouped_matvec import grouped_matvec_supported, nf4_grouped_matvec
@@ -109,11 +110,16 @@ def check_first_products_in_the_launch(widths, ranks, rows, n_in, device, walk, 
         assert_close(y, expected, TOLERANCE[torch.bfloat16], f"y{i}")
 
 
+@pytest.mark.parametrize("monotonic", [False, True], ids=["reset_flags", "monotonic_flags"])
 @pytest.mark.parametrize("ranks", [(4, 0, 8, 4), (4, 4, 4, 4)], ids=str)
 @pytest.mark.parametrize("rows", [1, 3])
-def test_grouped_matvec_takes_the_first_products_in_its_launch(rows, ranks, device, walk, monkeypatch):
-    """Three adapters of different ranks (one weight without): in the launch; four: one launch before it."""
-    check_first_products_in_the_launch((96, 40, 8, 130), ranks, rows, 64 * 5, device, walk, monkeypatch)
+def test_grouped_matvec_takes_the_first_products_in_its_launch(rows, ranks, monotonic, device, walk, monkeypatch):
+    """Three adapters of different ranks (one weight without): in the launch; four: one launch before it. The
+    readers' flags reset by each launch or never (`lora_down.MONOTONIC_FLAGS`): settled after each of two."""
+    monkeypatch.setattr(lora_down_module, "MONOTONIC_FLAGS", monotonic)
+    for _ in range(2):
+        check_first_products_in_the_launch((96, 40, 8, 130), ranks, rows, 64 * 5, device, walk, monkeypatch)
+        assert_first_product_flags_settled(device)
 
 
 W3_GROUPS = {"qwen3_8b_qkv": ((4096, 1024, 1024), 4096), "qwen3_5_27b_attention": ((12288, 1024, 1024), 5120),
@@ -131,13 +137,16 @@ def test_grouped_matvec_cuda(group, rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("monotonic", [False, True], ids=["reset_flags", "monotonic_flags"])
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("group", list(W3_GROUPS))
-def test_grouped_matvec_takes_the_first_products_in_its_launch_cuda(group, rows, walk, monkeypatch):
+def test_grouped_matvec_takes_the_first_products_in_its_launch_cuda(group, rows, monotonic, walk, monkeypatch):
     widths, n_in = W3_GROUPS[group]
     ranks = (16,) * min(len(widths), 3) + (0,) * (len(widths) - 3)
-    for _ in range(3):  # the launch leaves its flags at 0 for the next
+    monkeypatch.setattr(lora_down_module, "MONOTONIC_FLAGS", monotonic)
+    for _ in range(3):  # each launch leaves its flags settled for the next
         check_first_products_in_the_launch(widths, ranks, rows, n_in, "cuda", walk, monkeypatch)
+        assert_first_product_flags_settled("cuda")
 
 
 @pytest.mark.gpu

@@ -31,15 +31,16 @@ NORM_EARLY = True
 EARLY_WIDTH = 8192
 
 
-def _arrival_counters(device: torch.device, blocks: int, use: str = "splits") -> torch.Tensor:
-    """int32 zeros, at least `blocks` of them, one set per (device, stream, use): the split kernel's arrival
-    counters (or another `use`'s), which each launch leaves at 0. Launches on one stream run in order; another
-    stream gets its own set."""
+def _arrival_counters(device: torch.device, blocks: int, use: str = "splits",
+                      dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Zeros of `dtype`, at least `blocks` of them, one set per (device, stream, use): the split kernel's arrival
+    counters (or another `use`'s), which each launch leaves at 0 (or, for counters that only grow, in a state
+    the next launch reads). Launches on one stream run in order; another stream gets its own set."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     key = (device, stream, use)
     counters = _ARRIVALS.get(key)
-    if counters is None or counters.numel() < blocks:
-        counters = _ARRIVALS[key] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+    if counters is None or counters.numel() < blocks or counters.dtype != dtype:
+        counters = _ARRIVALS[key] = torch.zeros(max(blocks, 4096), dtype=dtype, device=device)
     return counters
 
 

@@ -30,7 +30,12 @@ import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
 from unsloth_lite.kernels.dequantize_nf4 import _block_absmax
-from unsloth_lite.kernels.lora_down import _await_first_products, _count_reader, _first_product_program
+from unsloth_lite.kernels.lora_down import (
+    _await_first_products,
+    _count_reader,
+    _first_product_program,
+    _reader_target,
+)
 from unsloth_lite.kernels.matvec_epilogue import _adapter_b, _adapter_t, _early_rows, _finish_product, _tile_range
 from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, _nf4_word_codes, code_pair_sums
 
@@ -352,6 +357,7 @@ def _word_program(
     rows = tl.arange(0, BLOCK_M)
     first_block, end_block = _tile_range(n_in // BLOCKSIZE, BLOCKS_PER_TILE, SPLIT_K)
     lora_b = _adapter_b(lora_b_ptr, lora_b_row_stride, lora_b_col_stride, features, n_out, rank, HAS_LORA, BLOCK_R)
+    ready_at = _reader_target(flags_ptr, block, readers, rank, AWAIT_T)
     early = _early_rows(norm, rows, n_rows, PDL, NORM_IN, NORM_EARLY)
     acc, partial = _word_walk(
         x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
@@ -361,7 +367,7 @@ def _word_program(
     if PDL:
         gdc_launch_dependents()
     if AWAIT_T:
-        _await_first_products(flags_ptr, rank)
+        _await_first_products(flags_ptr, ready_at)
     t = _adapter_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, t_part_stride, T_PARTS)
     if AWAIT_T:
         _count_reader(flags_ptr, block, readers)
