@@ -311,18 +311,19 @@ def hf_cos_sin(seq, rotary_dim, base=10000.0, batch=1, device="cpu", dtype=torch
     return cos, sin
 
 
-def assert_first_product_flags_settled(device) -> None:
-    """The first products' flags (`lora_down.first_product_flags`) between launches: the set that each launch
-    resets at 0; each set that is never reset (`MONOTONIC_FLAGS`) in the state of n whole launches: its ready
-    flag n · width and its readers' counters n · readers together."""
+def assert_counters_settled(device=None) -> None:
+    """The kernels' arrival counters and flags (`matvec_epilogue._arrival_counters`, on `device`'s type or every
+    device) between launches: each set that its launches reset at 0; each set of first-product flags that is never
+    reset (`lora_down.MONOTONIC_FLAGS`, int64) in the state of n whole launches: its ready flag n · width and its
+    readers' counters n · readers together."""
     from unsloth_lite.kernels import lora_down, matvec_epilogue
 
     line = lora_down._LINE.value
     for (flags_device, _, use), flags in matvec_epilogue._ARRIVALS.items():
-        if flags_device.type != torch.device(device).type or not use.startswith("first products"):
+        if device is not None and flags_device.type != torch.device(device).type:
             continue
-        if flags.dtype == torch.int32:
-            assert not flags.any(), f"{use}: flags left at {flags.nonzero().flatten().tolist()}"
+        if flags.dtype != torch.int64:
+            assert not flags.any(), f"{use}: counters left at {flags.nonzero().flatten().tolist()}"
             continue
         readers, width = (int(n) for n in use.split()[2::2])  # "first products R x W"
         launches, rest = divmod(int(flags[0]), width)

@@ -4,7 +4,7 @@ launches it replaces, `nf4_matvec` twice and `swiglu`: the same bits in the inte
 
 import pytest
 import torch
-from helpers import TOLERANCE, assert_close, assert_first_product_flags_settled, dtype_id
+from helpers import TOLERANCE, assert_close, assert_counters_settled, dtype_id
 from test_dequantize_nf4 import quantize
 
 from unsloth_lite.kernels import lora_down as lora_down_module
@@ -125,7 +125,7 @@ def test_gated_matvec_takes_the_first_products_in_its_launch(rows, adapters, mon
     monkeypatch.setattr(lora_down_module, "MONOTONIC_FLAGS", monotonic)
     for _ in range(2):
         check_first_products_in_the_launch((40, 64 * 5), rows, adapters, device, walk, monkeypatch, exact=False)
-        assert_first_product_flags_settled(device)
+        assert_counters_settled(device)
 
 
 def check_down_shares(shape, rows, dtype, device, stripes=3):
@@ -191,7 +191,7 @@ def test_gated_matvec_takes_the_first_products_in_its_launch_cuda(shape, rows, m
     monkeypatch.setattr(lora_down_module, "MONOTONIC_FLAGS", monotonic)
     for _ in range(3):  # each launch leaves its flags settled for the next
         check_first_products_in_the_launch(shape, rows, (True, True), "cuda", walk, monkeypatch, exact=False)
-        assert_first_product_flags_settled("cuda")
+        assert_counters_settled("cuda")
 
 
 @pytest.mark.gpu

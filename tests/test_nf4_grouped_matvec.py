@@ -4,7 +4,7 @@ biases on all or none, 1 to 8 rows; and what it refuses."""
 
 import pytest
 import torch
-from helpers import TOLERANCE, assert_close, assert_first_product_flags_settled, dtype_id
+from helpers import TOLERANCE, assert_close, assert_counters_settled, dtype_id
 from test_dequantize_nf4 import quantize
 from test_nf4_matvec import float64_reference
 
@@ -119,7 +119,7 @@ def test_grouped_matvec_takes_the_first_products_in_its_launch(rows, ranks, mono
     monkeypatch.setattr(lora_down_module, "MONOTONIC_FLAGS", monotonic)
     for _ in range(2):
         check_first_products_in_the_launch((96, 40, 8, 130), ranks, rows, 64 * 5, device, walk, monkeypatch)
-        assert_first_product_flags_settled(device)
+        assert_counters_settled(device)
 
 
 W3_GROUPS = {"qwen3_8b_qkv": ((4096, 1024, 1024), 4096), "qwen3_5_27b_attention": ((12288, 1024, 1024), 5120),
@@ -146,7 +146,7 @@ def test_grouped_matvec_takes_the_first_products_in_its_launch_cuda(group, rows,
     monkeypatch.setattr(lora_down_module, "MONOTONIC_FLAGS", monotonic)
     for _ in range(3):  # each launch leaves its flags settled for the next
         check_first_products_in_the_launch(widths, ranks, rows, n_in, "cuda", walk, monkeypatch)
-        assert_first_product_flags_settled("cuda")
+        assert_counters_settled("cuda")
 
 
 @pytest.mark.gpu

@@ -5,12 +5,12 @@ import itertools
 
 import pytest
 import torch
-from helpers import TOLERANCE, assert_close, dtype_id
+from helpers import TOLERANCE, assert_close, assert_counters_settled, dtype_id
 from test_dequantize_nf4 import quantize
 
 from unsloth_lite.kernels import lora_down as lora_down_module
-from unsloth_lite.kernels import matvec_epilogue, nf4_matvec_state
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
+from unsloth_lite.kernels import nf4_matvec_state
 from unsloth_lite.kernels import utils as kernel_utils
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.lora_down import lora_down_rows, rms_norm_lora_down_rows
@@ -90,7 +90,7 @@ def check_split_along_k(rows, device):
     x, weight, bias, lora_a, lora_b = make_case((40, 64 * 37), rows, torch.float32, True, 64, True, 4, device)
     first = nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5)
     assert torch.equal(first, nf4_matvec(x, weight, bias, lora_a, lora_b, scale=0.5))
-    assert all(int(counters.abs().sum()) == 0 for counters in matvec_epilogue._ARRIVALS.values())
+    assert_counters_settled()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
@@ -321,7 +321,7 @@ def test_lora_down_rows_several_adapters(split, rows, stages, device, monkeypatc
     assert got.dtype == torch.float32 and got.shape == (rows, 30)
     assert_close(got, expected, 1e-5, "t")
     assert torch.equal(got, lora_down_rows(x, adapters))
-    assert all(int(counters.abs().sum()) == 0 for counters in matvec_epilogue._ARRIVALS.values())
+    assert_counters_settled()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TOLERANCE, assert_close, assert_first_product_flags_settled, dtype_id
+from helpers import TOLERANCE, assert_close, assert_counters_settled, dtype_id
 from test_nf4_matvec import check, check_split_along_k, float64_reference, make_case
 
 from unsloth_lite.kernels import lora_down as lora_down_module
@@ -94,7 +94,7 @@ def assert_first_products_in_the_launch(shape, rows, rank, device, launches):
     steps = -(-shape[1] // lora_down_module.LORA_BLOCK_K)
     block_n = nf4_matvec_module.word_tile(*shape)[0]
     assert [grid[0] for grid in launches] == [rank * steps + -(-shape[0] // block_n)]
-    assert_first_product_flags_settled(device)
+    assert_counters_settled(device)
     assert not matvec_epilogue._arrival_counters(torch.device(device), rank).any()
 
 
