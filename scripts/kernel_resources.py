@@ -228,6 +228,12 @@ def tile_name(tile) -> str:
     return f"{tile[0]}x{tile[1]}/{tile[2]}w"
 
 
+def launch_tile(launches) -> str:
+    """The tile of the one captured launch, as `tile_name` writes it (the launch's own, whichever table chose it)."""
+    (_, _, kwargs), = launches
+    return tile_name((kwargs["BLOCK_N"], kwargs["BLOCKS_PER_TILE"] * kwargs["BLOCKSIZE"], kwargs["num_warps"]))
+
+
 def matvec_rows(shapes, arch: int) -> list[dict]:
     """One row per (projection shape, kernel): `nf4_matvec`'s launches compiled for `arch` (module docstring)."""
     rows = []
@@ -253,9 +259,7 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
                         nf4_matvec.nf4_matvec(x, packed, quant_state=state, **fold)
             finally:
                 nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH = saved
-            launch = "gated" if name.startswith("gated") else "words"
-            tile = nf4_matvec.word_tile(n_out, n_in, launch) if words else nf4_matvec.blocked_tile(n_out)
-            rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=tile_name(tile),
+            rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=launch_tile(launches),
                              **launch_figures(launches, arch, 2 if name.startswith("gated") else 1)))
     return rows
 
