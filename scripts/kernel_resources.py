@@ -280,9 +280,7 @@ def grouped_rows(groups, arch: int) -> list[dict]:
                                                           norm_in=(x, 1e-6) if name.endswith("folded") else None)
             finally:
                 nf4_matvec.WORD_KERNEL = saved
-            widest = max(widths)
-            tile = nf4_matvec.word_tile(widest, n_in, "grouped") if words else nf4_matvec.blocked_tile(widest)
-            rows.append(dict(out="/".join(map(str, widths)), **{"in": n_in}, kernel=name, tile=tile_name(tile),
+            rows.append(dict(out="/".join(map(str, widths)), **{"in": n_in}, kernel=name, tile=launch_tile(launches),
                              **launch_figures(launches, arch)))
     return rows
 
