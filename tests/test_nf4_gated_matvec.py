@@ -8,6 +8,7 @@ from helpers import TOLERANCE, assert_close, assert_counters_settled, dtype_id
 from test_dequantize_nf4 import quantize
 
 from unsloth_lite.kernels import lora_down as lora_down_module
+from unsloth_lite.kernels import matvec_epilogue
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
 from unsloth_lite.kernels.lora_down import lora_down_rows, rms_norm_lora_down_rows
@@ -94,6 +95,23 @@ def test_gated_matvec_has_the_bits_of_three_launches(rows, dtype, nested, device
 @pytest.mark.parametrize("adapters", [(True, False), (False, True), (False, False)], ids=str)
 def test_gated_matvec_with_one_or_no_adapter(adapters, device):
     check((40, 64 * 5), 2, torch.bfloat16, True, adapters, False, device, exact=device == "cpu")
+
+
+def check_t_before_the_walk(shape, rows, device, monkeypatch):
+    """The adapters' t, given (written by `lora_down_rows` just before), loaded before the walk
+    (`matvec_epilogue.T_BEFORE_WALK`): the same bits as loaded in the epilogue."""
+    case = gated_case(shape, rows, torch.bfloat16, True, (True, True), True, device)
+    monkeypatch.setattr(matvec_epilogue, "T_BEFORE_WALK", False)
+    late = fused(*case)
+    monkeypatch.setattr(matvec_epilogue, "T_BEFORE_WALK", True)
+    early = fused(*case)
+    assert torch.equal(early, late)
+    assert_close(early, float64_gated(*case), 2 * TOLERANCE[torch.bfloat16], "h")
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gated_matvec_loads_a_given_t_before_the_walk(rows, device, monkeypatch):
+    check_t_before_the_walk((40, 64 * 5), rows, device, monkeypatch)
 
 
 def check_first_products_in_the_launch(shape, rows, adapters, device, walk, monkeypatch, exact):
@@ -192,6 +210,13 @@ def test_gated_matvec_takes_the_first_products_in_its_launch_cuda(shape, rows, m
     for _ in range(3):  # each launch leaves its flags settled for the next
         check_first_products_in_the_launch(shape, rows, (True, True), "cuda", walk, monkeypatch, exact=False)
         assert_counters_settled("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("shape", [(12288, 4096), (17408, 5120)], ids=str)
+def test_gated_matvec_loads_a_given_t_before_the_walk_cuda(shape, rows, monkeypatch):
+    check_t_before_the_walk(shape, rows, "cuda", monkeypatch)
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ from test_dequantize_nf4 import quantize
 from test_nf4_matvec import float64_reference
 
 from unsloth_lite.kernels import lora_down as lora_down_module
+from unsloth_lite.kernels import matvec_epilogue
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.lora_down import lora_down_rows
 from unsloth_lite.kernels.nf4_grouped_matvec import grouped_matvec_supported, nf4_grouped_matvec
@@ -110,6 +111,26 @@ def check_first_products_in_the_launch(widths, ranks, rows, n_in, device, walk, 
         assert_close(y, expected, TOLERANCE[torch.bfloat16], f"y{i}")
 
 
+def check_t_before_the_walk(widths, ranks, rows, n_in, device, monkeypatch):
+    """The adapters' t, given (written by `lora_down_rows` just before), loaded before the walk
+    (`matvec_epilogue.T_BEFORE_WALK`): the same bits as loaded in the epilogue."""
+    x, weights, biases, loras, t, a = group_case(widths, n_in, ranks, rows, torch.bfloat16, True, True, device)
+    monkeypatch.setattr(matvec_epilogue, "T_BEFORE_WALK", False)
+    late = nf4_grouped_matvec(x, weights, biases, loras, t)
+    monkeypatch.setattr(matvec_epilogue, "T_BEFORE_WALK", True)
+    early = nf4_grouped_matvec(x, weights, biases, loras, t)
+    for i, (weight, bias, lora, y, z) in enumerate(zip(weights, biases, loras, early, late, strict=True)):
+        assert torch.equal(y, z), i
+        expected = float64_reference(x, weight, bias, a.get(i), lora[0] if lora else None, lora[1] if lora else 0)
+        assert_close(y, expected, TOLERANCE[torch.bfloat16], f"y{i}")
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_grouped_matvec_loads_a_given_t_before_the_walk(rows, device, monkeypatch):
+    """Adapters of different ranks, one weight without."""
+    check_t_before_the_walk((96, 40, 8, 130), (4, 0, 8, 4), rows, 64 * 5, device, monkeypatch)
+
+
 @pytest.mark.parametrize("monotonic", [False, True], ids=["reset_flags", "monotonic_flags"])
 @pytest.mark.parametrize("ranks", [(4, 0, 8, 4), (4, 4, 4, 4)], ids=str)
 @pytest.mark.parametrize("rows", [1, 3])
@@ -147,6 +168,15 @@ def test_grouped_matvec_takes_the_first_products_in_its_launch_cuda(group, rows,
     for _ in range(3):  # each launch leaves its flags settled for the next
         check_first_products_in_the_launch(widths, ranks, rows, n_in, "cuda", walk, monkeypatch)
         assert_counters_settled("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("group", list(W3_GROUPS))
+def test_grouped_matvec_loads_a_given_t_before_the_walk_cuda(group, rows, monkeypatch):
+    widths, n_in = W3_GROUPS[group]
+    ranks = (16,) * (len(widths) - 1) + (0,)
+    check_t_before_the_walk(widths, ranks, rows, n_in, "cuda", monkeypatch)
 
 
 @pytest.mark.gpu

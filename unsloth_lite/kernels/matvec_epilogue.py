@@ -5,7 +5,8 @@ a second launch, each stores its sums `[rows, features]` to its slot of an fp32 
 and counts itself on the feature block's counter; the last to arrive adds the slots in split order and writes y.
 Then y = acc + b + s · t Bᵀ with t = x Aᵀ (`lora_down_rows`): the unmerged adapter's second product, rank r; b
 a bias `[N]` or an addend `[rows, N]` (the residual stream, which an output projection's result joins). B's rows
-are loaded before the walk, t after it (`_adapter_b`, `_adapter_t`): only t's load is left to the epilogue.
+are loaded before the walk, t after it (`_adapter_b`, `_adapter_t`): only t's load is left to the epilogue
+(with `T_BEFORE_WALK`, where another launch wrote t, none).
 
 A decoder layer's RMSNorm between two products folds into their epilogues (`decode.normed_input`): with
 y = RMSNorm(h) = h · rstd · w, rstd = rsqrt(mean(h²) + eps) a row, the product before (which writes h, the
@@ -29,6 +30,16 @@ _ARRIVALS: dict = {}
 # load instead of the epilogue waiting for it (`_early_rows`); off, h is read in the epilogue.
 NORM_EARLY = True
 EARLY_WIDTH = 8192
+# An adapter's t given by a launch before (not the launch's own first products) loaded before the walk, once
+# `gdc_wait` returns, where a pipelined walk waits before its first load anyway (`t_before_walk`), instead of in
+# the epilogue: the walk hides the load, and the epilogue's only load of another kernel's output is gone.
+T_BEFORE_WALK = False
+
+
+def t_before_walk(has_lora: bool, t_given: bool, stages: int, prefetch: bool) -> bool:
+    """Whether a product's launch loads its adapters' given t before the walk (`T_BEFORE_WALK`): only where the
+    walk is pipelined (its `gdc_wait` comes before any load, so waiting earlier delays nothing)."""
+    return T_BEFORE_WALK and has_lora and t_given and stages > 1 and not prefetch
 
 
 def _arrival_counters(device: torch.device, blocks: int, use: str = "splits",
@@ -139,6 +150,19 @@ def _adapter_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA: tl.constexpr, 
         t = tl.load(t_rows, mask=mask, other=0.0)
         for part in tl.static_range(1, T_PARTS):
             t += tl.load(t_rows + part * t_part_stride, mask=mask, other=0.0)
+    return t
+
+
+@triton.jit
+def _early_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, t_part_stride,
+             T_PARTS: tl.constexpr, PDL: tl.constexpr, T_EARLY: tl.constexpr):
+    """T_EARLY (`t_before_walk`): `_adapter_t` before the walk, after `gdc_wait` (t is the output of a launch
+    before); else 0.0, t read in the epilogue."""
+    t = 0.0
+    if T_EARLY:
+        if PDL:
+            gdc_wait()
+        t = _adapter_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, t_part_stride, T_PARTS)
     return t
 
 

@@ -40,10 +40,12 @@ from unsloth_lite.kernels.matvec_epilogue import (
     _adapter_b,
     _adapter_t,
     _early_rows,
+    _early_t,
     _norm_rstd,
     _output_values,
     input_norm,
     norm_args,
+    t_before_walk,
 )
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
 from unsloth_lite.kernels.nf4_gated_walks import _gated_blocked_sums, _gated_word_sums
@@ -70,7 +72,7 @@ def _nf4_gated_matvec_kernel(
     PDL: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
     PREFETCH: tl.constexpr,
     FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr, DOWN_BLOCK_R: tl.constexpr, NORM_IN: tl.constexpr,
-    NORM_EARLY: tl.constexpr,
+    NORM_EARLY: tl.constexpr, T_EARLY: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) of both projections for all rows (module docstring).
     PDL as in `nf4_matvec`'s blocked kernel: only the frozen weights are read before `gdc_wait`. WORDS: the word
@@ -79,7 +81,8 @@ def _nf4_gated_matvec_kernel(
     the adapters' first products t in the launch, by its first width · first_splits programs, as the word
     kernel's FIRST_PRODUCTS; the feature blocks' programs come after them. DOWN_BLOCK_R > 0: each program adds
     its share of the down projection's first product h A_dᵀ into a stripe (`nf4_gated_matvec`'s `down_shares`).
-    h_ptr to eps, NORM_IN and NORM_EARLY: x is x̃ of h's RMSNorm, folded (`matvec_epilogue`)."""
+    h_ptr to eps, NORM_IN and NORM_EARLY: x is x̃ of h's RMSNorm, folded (`matvec_epilogue`). T_EARLY: t, given,
+    loaded before the walk (`matvec_epilogue.t_before_walk`)."""
     norm = input_norm(h_ptr, h_row_stride, h_width, eps)
     if FIRST_PRODUCTS:
         writers = width * first_splits
@@ -99,7 +102,7 @@ def _nf4_gated_matvec_kernel(
                 n_stripes,
                 BLOCKSIZE, GATE_BIAS, UP_BIAS, GATE_LORA, UP_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, GATE_BLOCK_R,
                 UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, True, DOWN_BLOCK_R,
-                norm, NORM_IN, NORM_EARLY,
+                norm, NORM_IN, NORM_EARLY, False,
             )
     else:
         _gated_program(
@@ -110,7 +113,7 @@ def _nf4_gated_matvec_kernel(
             flags_ptr, 0, 0, down_a_ptr, down_rank, shares_ptr, n_stripes,
             BLOCKSIZE, GATE_BIAS, UP_BIAS, GATE_LORA, UP_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, GATE_BLOCK_R,
             UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False, DOWN_BLOCK_R,
-            norm, NORM_IN, NORM_EARLY,
+            norm, NORM_IN, NORM_EARLY, T_EARLY,
         )
 
 
@@ -130,6 +133,7 @@ def _gated_program(
     PDL: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
     PREFETCH: tl.constexpr,
     AWAIT_T: tl.constexpr, DOWN_BLOCK_R: tl.constexpr, norm, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr,
+    T_EARLY: tl.constexpr,
 ):
     """Feature block `block` of the gate-and-up launch (`_nf4_gated_matvec_kernel`). AWAIT_T: t comes from the
     launch's first programs (awaited before t's load, the program counted once it is issued, as in the word
@@ -149,6 +153,8 @@ def _gated_program(
                          mask=(features < n_out)[:, None] & (down_ranks < down_rank)[None, :], other=0.0)
     ready_at = _reader_target(flags_ptr, block, readers, width, AWAIT_T)
     early = _early_rows(norm, rows, n_rows, PDL, NORM_IN, NORM_EARLY)
+    gate_t = _early_t(gate_t_ptr, t_row_stride, gate_rank, rows, n_rows, GATE_LORA, GATE_BLOCK_R, 0, 1, PDL, T_EARLY)
+    up_t = _early_t(up_t_ptr, t_row_stride, up_rank, rows, n_rows, UP_LORA, UP_BLOCK_R, 0, 1, PDL, T_EARLY)
     if WORDS:
         acc_gate, acc_up = _gated_word_sums(
             x_ptr, x_row_stride, gate_packed_ptr, gate_absmax_ptr, up_packed_ptr, up_absmax_ptr, table_ptr,
@@ -165,8 +171,9 @@ def _gated_program(
         gdc_launch_dependents()
     if AWAIT_T:
         _await_first_products(flags_ptr, ready_at)
-    gate_t = _adapter_t(gate_t_ptr, t_row_stride, gate_rank, rows, n_rows, GATE_LORA, GATE_BLOCK_R, 0, 1)
-    up_t = _adapter_t(up_t_ptr, t_row_stride, up_rank, rows, n_rows, UP_LORA, UP_BLOCK_R, 0, 1)
+    if not T_EARLY:
+        gate_t = _adapter_t(gate_t_ptr, t_row_stride, gate_rank, rows, n_rows, GATE_LORA, GATE_BLOCK_R, 0, 1)
+        up_t = _adapter_t(up_t_ptr, t_row_stride, up_rank, rows, n_rows, UP_LORA, UP_BLOCK_R, 0, 1)
     if AWAIT_T:
         _count_reader(flags_ptr, block, readers)
     dtype = out_ptr.dtype.element_ty
@@ -270,6 +277,7 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     ranks = [a[1] for a in adapters]
     down_a, stripes = _checked_down_shares(down_shares, n_rows, n_out, x.device)
     norm, norm_in_block, norm_early, _ = norm_args(x2d, norm_in)
+    stages = matvec.word_stages(n_out, n_in, "gated", adapted) if words else matvec.PIPELINE_STAGES
     _nf4_gated_matvec_kernel[(first.programs + feature_blocks,)](
         x_rows, x_rows.stride(0), x_rows.stride(1),
         packed[0], matvec.fp32_absmax(gate), packed[1], matvec.fp32_absmax(up), table, tables if words else table,
@@ -287,7 +295,8 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         UP_BLOCK_R=max(2, triton.next_power_of_2(ranks[1])),
         LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=matvec.word_code_form(bf16_codes, x_pairs),
         PDL=pdl, WORDS=words,
-        STAGES=matvec.word_stages(n_out, n_in, "gated", adapted) if words else matvec.PIPELINE_STAGES,
+        STAGES=stages, T_EARLY=words and t_before_walk(
+            ranks[0] + ranks[1] > 0, first.programs == 0, stages, matvec.REGISTER_PREFETCH),
         WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
         PREFETCH=matvec.REGISTER_PREFETCH, FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K,
         DOWN_BLOCK_R=max(2, triton.next_power_of_2(down_a.shape[0])) if down_a is not None else 0,

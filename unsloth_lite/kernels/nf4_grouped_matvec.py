@@ -41,9 +41,11 @@ from unsloth_lite.kernels.matvec_epilogue import (
     _adapter_b,
     _adapter_t,
     _early_rows,
+    _early_t,
     _finish_product,
     input_norm,
     norm_args,
+    t_before_walk,
 )
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
 from unsloth_lite.kernels.nf4_matvec import packed_words, word_kernel_rows
@@ -69,7 +71,7 @@ def _nf4_grouped_matvec_kernel(
     BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr,
     BF16_CODES: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr,
     WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr,
-    NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr,
+    NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr, T_EARLY: tl.constexpr,
 ):
     """Program p: weight i, the first with p < end_i (the slots past the last weight repeat it and are never
     reached), features [(p - end_{i-1}) · BLOCK_N, ...) of it for all rows. WORDS: the word kernel's walk (the
@@ -77,7 +79,8 @@ def _nf4_grouped_matvec_kernel(
     lane tables; WHOLE_TILES and X_PAIRS as in `_nf4_matvec_words_kernel`), else the blocked kernel's.
     FIRST_PRODUCTS (the word walk): the adapters' first products t in the launch, by its first width ·
     first_splits programs, as the word kernel's FIRST_PRODUCTS; the weights' programs come after them. h_ptr to
-    eps, NORM_IN and NORM_EARLY: x is x̃ of h's RMSNorm, folded (`matvec_epilogue`)."""
+    eps, NORM_IN and NORM_EARLY: x is x̃ of h's RMSNorm, folded (`matvec_epilogue`). T_EARLY: t, given, loaded
+    before the walk (`matvec_epilogue.t_before_walk`)."""
     norm = input_norm(h_ptr, h_row_stride, h_width, eps)
     if FIRST_PRODUCTS:
         writers = width * first_splits
@@ -97,7 +100,7 @@ def _nf4_grouped_matvec_kernel(
                 packed3, absmax3, bias3, b3, b3_row_stride, b3_col_stride, scale3, out3, n_out3, t_col3, rank3,
                 n_rows, n_in, flags_ptr, width, tl.num_programs(0) - writers,
                 BLOCKSIZE, HAS_BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, LOOKUP, BF16_CODES, PDL,
-                STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, True, norm, NORM_IN, NORM_EARLY,
+                STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, True, norm, NORM_IN, NORM_EARLY, False,
             )
     else:
         _grouped_program(
@@ -108,7 +111,7 @@ def _nf4_grouped_matvec_kernel(
             packed3, absmax3, bias3, b3, b3_row_stride, b3_col_stride, scale3, out3, n_out3, t_col3, rank3,
             n_rows, n_in, flags_ptr, 0, 0,
             BLOCKSIZE, HAS_BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, LOOKUP, BF16_CODES, PDL,
-            STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, False, norm, NORM_IN, NORM_EARLY,
+            STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, False, norm, NORM_IN, NORM_EARLY, T_EARLY,
         )
 
 
@@ -125,7 +128,7 @@ def _grouped_program(
     BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr,
     BF16_CODES: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr,
     WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, AWAIT_T: tl.constexpr, norm, NORM_IN: tl.constexpr,
-    NORM_EARLY: tl.constexpr,
+    NORM_EARLY: tl.constexpr, T_EARLY: tl.constexpr,
 ):
     """The grouped launch's program `pid` among the weights' programs (`_nf4_grouped_matvec_kernel`). AWAIT_T: t
     comes from the launch's first programs (awaited before t's load, the program counted once it is issued, as in
@@ -147,6 +150,7 @@ def _grouped_program(
     b_rows = _adapter_b(lora_b, b_row_stride, b_col_stride, features, n_out, rank, HAS_LORA, BLOCK_R)
     ready_at = _reader_target(flags_ptr, pid, readers, width, AWAIT_T)
     early = _early_rows(norm, rows, n_rows, PDL, NORM_IN, NORM_EARLY)
+    t = _early_t(t_ptr + t_col, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, 0, 1, PDL, T_EARLY)
     if WORDS:
         acc, partial = _word_walk(
             x_ptr, x_row_stride, packed, absmax, table_ptr, tables_ptr, absmax, absmax, absmax, 1, features, n_rows,
@@ -163,7 +167,8 @@ def _grouped_program(
         gdc_launch_dependents()
     if AWAIT_T:
         _await_first_products(flags_ptr, ready_at)
-    t = _adapter_t(t_ptr + t_col, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, 0, 1)
+    if not T_EARLY:
+        t = _adapter_t(t_ptr + t_col, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, 0, 1)
     if AWAIT_T:
         _count_reader(flags_ptr, pid, readers)
     _finish_product(
@@ -260,6 +265,7 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     x_rows, x_pairs = word_kernel_rows(x2d) if words else (x2d, False)
     table = code_pairs(code) if matvec.LOOKUP == "pairs" and not words else code
     norm, norm_in_block, norm_early, _ = norm_args(x2d, norm_in)
+    stages = matvec.word_stages(widest, n_in, "grouped") if words else matvec.PIPELINE_STAGES
     _nf4_grouped_matvec_kernel[(first.programs + end,)](
         x_rows, x_rows.stride(0), x_rows.stride(1), table,
         tables if words else code, t, t.stride(0), *(arg for slot in slots[:-1] for arg in slot), *slots[-1][:-1],
@@ -269,8 +275,8 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
         BLOCK_R=max(2, triton.next_power_of_2(max(ranks))), LOOKUP=LOOKUPS.index(matvec.LOOKUP),
         BF16_CODES=matvec.word_code_form(bf16_codes, x_pairs), PDL=pdl, WORDS=words,
-        STAGES=matvec.word_stages(widest, n_in, "grouped") if words else matvec.PIPELINE_STAGES,
-        PREFETCH=matvec.REGISTER_PREFETCH,
+        STAGES=stages, PREFETCH=matvec.REGISTER_PREFETCH,
+        T_EARLY=t_before_walk(sum(ranks) > 0, first.programs == 0, stages, matvec.REGISTER_PREFETCH),
         WHOLE_TILES=all(n % block_n == 0 for n in widths) and n_in % tile_k == 0, X_PAIRS=x_pairs,
         FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K, num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),

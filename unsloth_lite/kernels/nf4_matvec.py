@@ -63,6 +63,7 @@ from unsloth_lite.kernels.matvec_epilogue import (
     norm_args,
     normed_rows,
     scaled_by_rstd,
+    t_before_walk,
 )
 from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, LOOKUPS, code_pairs
 from unsloth_lite.kernels.nf4_matvec_blocked import _nf4_matvec_blocked_kernel, _nf4_matvec_kernel
@@ -323,14 +324,16 @@ def nf4_matvec(
         pdl = uses_pdl(x.device)
         x_rows, x_pairs = word_kernel_rows(x2d)
         norm, norm_in_block, norm_early, norm_out = norm_args(x2d, norm_in, normed)
+        stages = word_stages(n_out, n_in)
         _nf4_matvec_words_kernel[(first.programs + feature_blocks, splits if split_k else 1)](
             x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],
             *((partial, arrivals) if split_k else (out, out)), *sizes, *first,
             part_stride, *norm, T_PARTS=parts, NORM_IN=norm_in_block, NORM_EARLY=norm_early, NORMED=norm_out,
+            T_EARLY=t_before_walk(has_lora, not first_in_launch, stages, REGISTER_PREFETCH),
             FIRST_PRODUCTS=first_in_launch, FIRST_BLOCK_K=LORA_BLOCK_K,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             PTX=LOOKUP == "registers", BF16_CODES=word_code_form(bf16_codes, x_pairs),
-            SPLIT_K=split_k, PDL=pdl, STAGES=word_stages(n_out, n_in), num_warps=warps,
+            SPLIT_K=split_k, PDL=pdl, STAGES=stages, num_warps=warps,
             WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs, PREFETCH=REGISTER_PREFETCH,
             **({"launch_pdl": True} if pdl else {}), **meta,
         )

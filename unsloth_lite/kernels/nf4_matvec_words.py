@@ -36,7 +36,14 @@ from unsloth_lite.kernels.lora_down import (
     _first_product_program,
     _reader_target,
 )
-from unsloth_lite.kernels.matvec_epilogue import _adapter_b, _adapter_t, _early_rows, _finish_product, _tile_range
+from unsloth_lite.kernels.matvec_epilogue import (
+    _adapter_b,
+    _adapter_t,
+    _early_rows,
+    _early_t,
+    _finish_product,
+    _tile_range,
+)
 from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, _nf4_word_codes, code_pair_sums
 
 
@@ -295,7 +302,7 @@ def _nf4_matvec_words_kernel(
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
     FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr, T_PARTS: tl.constexpr, NORM_IN: tl.constexpr,
-    NORM_EARLY: tl.constexpr, NORMED: tl.constexpr,
+    NORM_EARLY: tl.constexpr, NORMED: tl.constexpr, T_EARLY: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) for all rows, walking K BLOCKS_PER_TILE quantisation
     blocks at a time (with SPLIT_K, tiles a split, program (i, j) takes tiles [j · SPLIT_K, (j + 1) · SPLIT_K),
@@ -309,7 +316,7 @@ def _nf4_matvec_words_kernel(
     other program awaits before its epilogue (`_await_first_products`). T_PARTS: t given as that many parts
     `t_part_stride` apart, summed in the epilogue (`matvec_epilogue._output_values`). h_ptr to zeroed_count,
     NORM_IN, NORM_EARLY and NORMED: the folded norms' (`matvec_epilogue`: x is x̃ of h's norm; x̃ of the result's
-    written)."""
+    written). T_EARLY: t, given, loaded before the walk (`matvec_epilogue.t_before_walk`)."""
     norm = (h_ptr, h_row_stride, h_width, eps, normed_ptr, norm_w_ptr, norm_offset, zeroed_ptr, zeroed_count)
     if FIRST_PRODUCTS:
         writers = width * first_splits
@@ -326,7 +333,7 @@ def _nf4_matvec_words_kernel(
                 lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr,
                 arrivals_ptr, n_rows, n_out, n_in, rank, flags_ptr, tl.num_programs(0) - writers, BLOCKSIZE, NESTED,
                 BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES,
-                WHOLE_TILES, X_PAIRS, PREFETCH, True, t_part_stride, 1, norm, NORM_IN, NORM_EARLY, NORMED,
+                WHOLE_TILES, X_PAIRS, PREFETCH, True, t_part_stride, 1, norm, NORM_IN, NORM_EARLY, NORMED, False,
             )
     else:
         _word_program(
@@ -335,7 +342,7 @@ def _nf4_matvec_words_kernel(
             lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr, arrivals_ptr, n_rows,
             n_out, n_in, rank, flags_ptr, 0, BLOCKSIZE, NESTED, BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE,
             BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False, t_part_stride,
-            T_PARTS, norm, NORM_IN, NORM_EARLY, NORMED,
+            T_PARTS, norm, NORM_IN, NORM_EARLY, NORMED, T_EARLY,
         )
 
 
@@ -349,16 +356,18 @@ def _word_program(
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
     WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, AWAIT_T: tl.constexpr,
     t_part_stride, T_PARTS: tl.constexpr, norm, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr, NORMED: tl.constexpr,
+    T_EARLY: tl.constexpr,
 ):
     """Feature block `block` of the word kernel: its walk and its epilogue. AWAIT_T: t comes from the launch's
     first programs (`_await_first_products` before t's load, `_count_reader` once it is issued, the count's round
-    trip overlapping the load's)."""
+    trip overlapping the load's). T_EARLY: t, given, loaded before the walk."""
     features = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     first_block, end_block = _tile_range(n_in // BLOCKSIZE, BLOCKS_PER_TILE, SPLIT_K)
     lora_b = _adapter_b(lora_b_ptr, lora_b_row_stride, lora_b_col_stride, features, n_out, rank, HAS_LORA, BLOCK_R)
     ready_at = _reader_target(flags_ptr, block, readers, rank, AWAIT_T)
     early = _early_rows(norm, rows, n_rows, PDL, NORM_IN, NORM_EARLY)
+    t = _early_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, t_part_stride, T_PARTS, PDL, T_EARLY)
     acc, partial = _word_walk(
         x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
         offset_ptr, nested_blocksize, features, n_rows, n_out, n_in, first_block, end_block, BLOCKSIZE, NESTED,
@@ -368,7 +377,8 @@ def _word_program(
         gdc_launch_dependents()
     if AWAIT_T:
         _await_first_products(flags_ptr, ready_at)
-    t = _adapter_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, t_part_stride, T_PARTS)
+    if not T_EARLY:
+        t = _adapter_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, t_part_stride, T_PARTS)
     if AWAIT_T:
         _count_reader(flags_ptr, block, readers)
     _finish_product(
