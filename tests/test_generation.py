@@ -292,27 +292,16 @@ def test_greedy_tokens_match_with_the_down_projections_first_product_from_the_ga
     assert shared and all(shared)
 
 
-EPILOGUE_SETTINGS = {"reset_flags": (False, False), "monotonic_flags": (True, False), "t_before_walk": (False, True)}
-
-
-def set_epilogue(monkeypatch, setting: str) -> None:
-    """`lora_down.MONOTONIC_FLAGS` and `matvec_epilogue.T_BEFORE_WALK` as `EPILOGUE_SETTINGS[setting]`."""
-    from unsloth_lite.kernels import lora_down, matvec_epilogue
-
-    monotonic, t_early = EPILOGUE_SETTINGS[setting]
-    monkeypatch.setattr(lora_down, "MONOTONIC_FLAGS", monotonic)
-    monkeypatch.setattr(matvec_epilogue, "T_BEFORE_WALK", t_early)
-
-
-@pytest.mark.parametrize("setting", list(EPILOGUE_SETTINGS))
-def test_greedy_tokens_match_with_every_fused_launch(setting, device, monkeypatch):
+@pytest.mark.parametrize("t_early", [False, True], ids=["t_in_epilogue", "t_before_walk"])
+def test_greedy_tokens_match_with_every_fused_launch(t_early, device, monkeypatch):
     """Every fused decoding launch at once (the tiny Qwen3.5: gated attention and DeltaNet layers), the output
-    projections' first products in their own launches, their readers' flags reset by each launch or never
-    (`lora_down.MONOTONIC_FLAGS`: sets shared by the layers' launches), or the given t loaded before the walks
+    projections' first products in their own launches, the given t loaded in the epilogues or before the walks
     (`matvec_epilogue.T_BEFORE_WALK`), the greedy tokens those of the unpatched model."""
+    from unsloth_lite.kernels import matvec_epilogue
+
     set_fused_launches(monkeypatch, on=FUSED_LAUNCHES)
     monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
-    set_epilogue(monkeypatch, setting)
+    monkeypatch.setattr(matvec_epilogue, "T_BEFORE_WALK", t_early)
     assert_same_greedy_tokens("qwen3_5", "4bit+lora", "static", 3, device, prompt_shape=(2, 4))
     assert_counters_settled(device)
 
@@ -470,17 +459,17 @@ def test_bf16_greedy_path_matches_cuda_with_the_down_adapters_shares(arch, torch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("setting", list(EPILOGUE_SETTINGS))
+@pytest.mark.parametrize("t_early", [False, True], ids=["t_in_epilogue", "t_before_walk"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
-def test_bf16_greedy_path_matches_cuda_with_every_fused_launch(arch, setting, torch_delta_rule, monkeypatch):
+def test_bf16_greedy_path_matches_cuda_with_every_fused_launch(arch, t_early, torch_delta_rule, monkeypatch):
     """Every fused decoding launch on at once, the small kernels and `lora_down` (split along K) as programmatic
-    dependent launches, the first products' flags reset or never, or the given t loaded before the walks
-    (`set_epilogue`): 32 bf16 tokens along the reference's greedy path through the captured step."""
-    from unsloth_lite.kernels import lora_down, utils
+    dependent launches, the given t loaded in the epilogues or before the walks (`matvec_epilogue.
+    T_BEFORE_WALK`): 32 bf16 tokens along the reference's greedy path through the captured step."""
+    from unsloth_lite.kernels import lora_down, matvec_epilogue, utils
 
     set_fused_launches(monkeypatch, on=FUSED_LAUNCHES)
     monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
-    set_epilogue(monkeypatch, setting)
+    monkeypatch.setattr(matvec_epilogue, "T_BEFORE_WALK", t_early)
     monkeypatch.setattr(utils, "DECODE_PDL", True)
     monkeypatch.setattr(lora_down, "SPLIT_K", True)
     monkeypatch.setattr(lora_down, "PDL", True)

@@ -7,7 +7,6 @@ import torch
 from helpers import TOLERANCE, assert_close, assert_counters_settled, dtype_id
 from test_dequantize_nf4 import quantize
 
-from unsloth_lite.kernels import lora_down as lora_down_module
 from unsloth_lite.kernels import matvec_epilogue
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.dequantize_nf4 import dequantize_nf4_reference
@@ -134,13 +133,10 @@ def check_first_products_in_the_launch(shape, rows, adapters, device, walk, monk
     assert_close(got, float64_gated(*case), 2 * TOLERANCE[torch.bfloat16], "h")
 
 
-@pytest.mark.parametrize("monotonic", [False, True], ids=["reset_flags", "monotonic_flags"])
 @pytest.mark.parametrize("adapters", [(True, True), (False, True)], ids=str)
 @pytest.mark.parametrize("rows", [1, 3])
-def test_gated_matvec_takes_the_first_products_in_its_launch(rows, adapters, monotonic, device, walk, monkeypatch):
-    """The first products in the launch, its readers' flags reset by each launch or never
-    (`lora_down.MONOTONIC_FLAGS`): settled after each of two launches."""
-    monkeypatch.setattr(lora_down_module, "MONOTONIC_FLAGS", monotonic)
+def test_gated_matvec_takes_the_first_products_in_its_launch(rows, adapters, device, walk, monkeypatch):
+    """The first products in the launch, its readers' flags back at 0 after each of two launches."""
     for _ in range(2):
         check_first_products_in_the_launch((40, 64 * 5), rows, adapters, device, walk, monkeypatch, exact=False)
         assert_counters_settled(device)
@@ -202,11 +198,9 @@ def test_gated_matvec_cuda(shape, rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("monotonic", [False, True], ids=["reset_flags", "monotonic_flags"])
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("shape", [(12288, 4096), (17408, 5120)], ids=str)
-def test_gated_matvec_takes_the_first_products_in_its_launch_cuda(shape, rows, monotonic, walk, monkeypatch):
-    monkeypatch.setattr(lora_down_module, "MONOTONIC_FLAGS", monotonic)
+def test_gated_matvec_takes_the_first_products_in_its_launch_cuda(shape, rows, walk, monkeypatch):
     for _ in range(3):  # each launch leaves its flags settled for the next
         check_first_products_in_the_launch(shape, rows, (True, True), "cuda", walk, monkeypatch, exact=False)
         assert_counters_settled("cuda")

@@ -8,7 +8,6 @@ from helpers import TOLERANCE, assert_close, assert_counters_settled, dtype_id
 from test_dequantize_nf4 import quantize
 from test_nf4_matvec import float64_reference
 
-from unsloth_lite.kernels import lora_down as lora_down_module
 from unsloth_lite.kernels import matvec_epilogue
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels.lora_down import lora_down_rows
@@ -131,13 +130,11 @@ def test_grouped_matvec_loads_a_given_t_before_the_walk(rows, device, monkeypatc
     check_t_before_the_walk((96, 40, 8, 130), (4, 0, 8, 4), rows, 64 * 5, device, monkeypatch)
 
 
-@pytest.mark.parametrize("monotonic", [False, True], ids=["reset_flags", "monotonic_flags"])
 @pytest.mark.parametrize("ranks", [(4, 0, 8, 4), (4, 4, 4, 4)], ids=str)
 @pytest.mark.parametrize("rows", [1, 3])
-def test_grouped_matvec_takes_the_first_products_in_its_launch(rows, ranks, monotonic, device, walk, monkeypatch):
+def test_grouped_matvec_takes_the_first_products_in_its_launch(rows, ranks, device, walk, monkeypatch):
     """Three adapters of different ranks (one weight without): in the launch; four: one launch before it. The
-    readers' flags reset by each launch or never (`lora_down.MONOTONIC_FLAGS`): settled after each of two."""
-    monkeypatch.setattr(lora_down_module, "MONOTONIC_FLAGS", monotonic)
+    readers' flags back at 0 after each of two."""
     for _ in range(2):
         check_first_products_in_the_launch((96, 40, 8, 130), ranks, rows, 64 * 5, device, walk, monkeypatch)
         assert_counters_settled(device)
@@ -158,13 +155,11 @@ def test_grouped_matvec_cuda(group, rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("monotonic", [False, True], ids=["reset_flags", "monotonic_flags"])
 @pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("group", list(W3_GROUPS))
-def test_grouped_matvec_takes_the_first_products_in_its_launch_cuda(group, rows, monotonic, walk, monkeypatch):
+def test_grouped_matvec_takes_the_first_products_in_its_launch_cuda(group, rows, walk, monkeypatch):
     widths, n_in = W3_GROUPS[group]
     ranks = (16,) * min(len(widths), 3) + (0,) * (len(widths) - 3)
-    monkeypatch.setattr(lora_down_module, "MONOTONIC_FLAGS", monotonic)
     for _ in range(3):  # each launch leaves its flags settled for the next
         check_first_products_in_the_launch(widths, ranks, rows, n_in, "cuda", walk, monkeypatch)
         assert_counters_settled("cuda")

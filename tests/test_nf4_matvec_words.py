@@ -89,7 +89,7 @@ def test_word_kernel_with_register_prefetch(rows, split_k, device, word_kernel, 
 
 def assert_first_products_in_the_launch(shape, rows, rank, device, launches):
     """One word-kernel launch whose first rank x steps programs computed t = x Aᵀ (`FIRST_PRODUCTS_IN_LAUNCH`),
-    y against float64, the launch's column counters left at 0 and its flags settled for the next one."""
+    y against float64, the launch's column counters and its flags left at 0 for the next one."""
     check(shape, rows, torch.bfloat16, nested=True, blocksize=64, with_bias=True, rank=rank, device=device)
     steps = -(-shape[1] // lora_down_module.LORA_BLOCK_K)
     block_n = nf4_matvec_module.word_tile(*shape)[0]
@@ -98,30 +98,25 @@ def assert_first_products_in_the_launch(shape, rows, rank, device, launches):
     assert not matvec_epilogue._arrival_counters(torch.device(device), rank).any()
 
 
-@pytest.mark.parametrize("monotonic", [False, True], ids=["reset_flags", "monotonic_flags"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("shape,rank", [((40, 64 * 37), 4), ((130, 64), 16)], ids=str)
-def test_word_kernel_takes_the_first_product_in_its_launch(shape, rank, rows, monotonic, device, word_kernel,
+def test_word_kernel_takes_the_first_product_in_its_launch(shape, rank, rows, device, word_kernel,
                                                            monkeypatch):
     """An adapter given by A (no precomputed t): its first product by the launch's first programs (several steps
-    along K, or one), which the others await before adding t Bᵀ; the readers' flags reset by each launch or
-    never (`lora_down.MONOTONIC_FLAGS`)."""
+    along K, or one), which the others await before adding t Bᵀ."""
     monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
     monkeypatch.setattr(nf4_matvec_module, "lora_down_rows", None)  # no launch of its own
-    monkeypatch.setattr(lora_down_module, "MONOTONIC_FLAGS", monotonic)
     assert_first_products_in_the_launch(shape, rows, rank, device, word_kernel)
 
 
-@pytest.mark.parametrize("monotonic", [False, True], ids=["reset_flags", "monotonic_flags"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_first_products_readers_counted_in_groups(rows, monotonic, device, word_kernel, monkeypatch):
+def test_first_products_readers_counted_in_groups(rows, device, word_kernel, monkeypatch):
     """More programs await t than one reader group holds (`lora_down.READER_GROUP`; 4 features a program: 33
-    readers, a full group and one of 1, or a counter of 2 and 31 of 1): after each of three launches the flags
-    are settled (back at 0, or at the launches' counts)."""
+    readers, a full group and one of 1): every group counter and the flags are back at 0 after each of three
+    launches."""
     monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
     monkeypatch.setattr(nf4_matvec_module, "lora_down_rows", None)
     monkeypatch.setattr(nf4_matvec_module, "word_tile", lambda *_: (4, 256, 4, False))
-    monkeypatch.setattr(lora_down_module, "MONOTONIC_FLAGS", monotonic)
     assert -(-130 // 4) > lora_down_module.READER_GROUP
     for _ in range(3):
         word_kernel.clear()
@@ -221,15 +216,13 @@ def test_word_kernel_cuda(shape, rows, dtype, word_kernel):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("monotonic", [False, True], ids=["reset_flags", "monotonic_flags"])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("shape", W3_SHAPES, ids=str)
-def test_word_kernel_takes_the_first_product_in_its_launch_cuda(shape, rows, monotonic, word_kernel, monkeypatch):
+def test_word_kernel_takes_the_first_product_in_its_launch_cuda(shape, rows, word_kernel, monkeypatch):
     """Compiled, at the W3 models' shapes: the launch's first programs' t awaited by the others (one wave or
-    several), flags settled after each of three launches (reset, or never: `lora_down.MONOTONIC_FLAGS`)."""
+    several), flags back at 0 after each of three launches."""
     monkeypatch.setattr(nf4_matvec_module, "FIRST_PRODUCTS_IN_LAUNCH", True)
     monkeypatch.setattr(nf4_matvec_module, "lora_down_rows", None)
-    monkeypatch.setattr(lora_down_module, "MONOTONIC_FLAGS", monotonic)
     for _ in range(3):
         word_kernel.clear()
         assert_first_products_in_the_launch(shape, rows, 16, "cuda", word_kernel)

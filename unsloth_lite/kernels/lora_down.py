@@ -139,14 +139,11 @@ def _first_product_program(
 
 @triton.jit
 def _acquired(flags_ptr):
-    """flags_ptr[0] (int32, or int64: `MONOTONIC_FLAGS`) read with acquire semantics at GPU scope: compiled, a
-    plain `ld.acquire` (the launch's programs read the flag together; an atomic read-modify-write would queue them
-    at one L2 address); under the interpreter, an atomic add of 0."""
+    """flags_ptr[0] read with acquire semantics at GPU scope: compiled, a plain `ld.acquire` (the launch's
+    programs read the flag together; an atomic read-modify-write would queue them at one L2 address); under
+    the interpreter, an atomic add of 0."""
     if INTERPRETED:
         value = tl.atomic_add(flags_ptr, 0, sem="acquire", scope="gpu")
-    elif flags_ptr.dtype.element_ty == tl.int64:
-        value = tl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [flags_ptr],
-                                          dtype=tl.int64, is_pure=False, pack=1)
     else:
         value = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [flags_ptr],
                                           dtype=tl.int32, is_pure=False, pack=1)
@@ -154,12 +151,12 @@ def _acquired(flags_ptr):
 
 
 @triton.jit
-def _await_first_products(flags_ptr, ready_at):
-    """Wait until the launch's first-product programs have written every column of t (`flags_ptr[0]` reaches
-    `ready_at`, acquired at GPU scope: `_reader_target`'s). They are the launch's lowest program ids, so they are
-    scheduled before any program that waits, and they wait for nothing of their launch."""
+def _await_first_products(flags_ptr, width):
+    """Wait until the launch's first-product programs have written every column of t (`flags_ptr[0]` = width,
+    acquired at GPU scope). They are the launch's lowest program ids, so they are scheduled before any program
+    that waits, and they wait for nothing of their launch."""
     ready = _acquired(flags_ptr)
-    while ready < ready_at:
+    while ready < width:
         ready = _acquired(flags_ptr)
 
 
@@ -167,36 +164,6 @@ def _await_first_products(flags_ptr, ready_at):
 READER_GROUP = 32
 _READER_GROUP = tl.constexpr(READER_GROUP)
 _COUNTER_STRIDE = tl.constexpr(32)  # int32s: 128 bytes
-# Flags that are never reset (int64, `first_product_flags`): the ready flag and READER_GROUP counters, reader i on
-# counter i % READER_GROUP, each on its own 128-byte line (`_reader_target`). A reader counts itself when it
-# starts, while the kernel before it ends, and no program counts or resets anything after its walk: the launch
-# ends a round trip sooner than with `_count_reader` (the group's last reader's, then the last group's).
-# CPU-tested and compiled (triton 3.6, sm_90); not yet run or timed on a GPU: off.
-MONOTONIC_FLAGS = False
-_LINE = tl.constexpr(16)  # int64s: 128 bytes
-
-
-@triton.jit
-def _reader_target(flags_ptr, reader, readers, width, AWAIT_T: tl.constexpr):
-    """The value the ready flag reaches once the launch's first-product programs have written t (0 where the
-    program awaits nothing; `width` where each launch resets the flags, `_count_reader`). With `MONOTONIC_FLAGS`
-    (int64 flags, one set for each number of readers and width, `first_product_flags`) neither the flag nor the
-    readers' counters is ever reset: each launch on the set adds `width` to the flag (one a column, after its
-    `gdc_wait`) and 1 a reader to the reader's counter, at the reader's start, before anything else. A launch
-    starts only once every program of the one before has let it (`gdc_launch_dependents`, after its walk), so
-    every reader of an earlier launch has counted and none of a later one has: the count c a reader's atomic
-    returns lies in [n · R, (n + 1) · R) for the n launches before its own on the set (R: its counter's readers
-    a launch), and the flag it awaits is (n + 1) · width. The count's round trip overlaps the end of the kernel
-    before, which the walk awaits anyway."""
-    target = 0
-    if AWAIT_T:
-        target = width
-        if flags_ptr.dtype.element_ty == tl.int64:
-            counter = reader % _READER_GROUP
-            per_counter = (readers - counter + _READER_GROUP - 1) // _READER_GROUP
-            seen = tl.atomic_add(flags_ptr + (counter + 1) * _LINE, 1, sem="relaxed", scope="gpu")
-            target = (seen // per_counter + 1) * width
-    return target
 
 
 @triton.jit
@@ -204,30 +171,18 @@ def _count_reader(flags_ptr, reader, readers):
     """Count reader `reader` of the launch's `readers` programs that read t: on its group's counter
     (`READER_GROUP` readers a group, each counter on its own line, so that the launch's programs do not queue
     at one address), the group's last on `flags_ptr[1]`; the last group's count sets every counter and the
-    ready flag back to 0 for the next launch, when no program of this one reads them any more. Nothing with
-    flags that are never reset (int64, `MONOTONIC_FLAGS`: `_reader_target` counted the reader)."""
-    if flags_ptr.dtype.element_ty != tl.int64:
-        group = reader // _READER_GROUP
-        groups = (readers + _READER_GROUP - 1) // _READER_GROUP
-        in_group = tl.minimum(readers - group * _READER_GROUP, _READER_GROUP)
-        group_counter = flags_ptr + (group + 1) * _COUNTER_STRIDE
-        done = tl.atomic_add(group_counter, 1, sem="relaxed", scope="gpu")
-        if done == in_group - 1:
-            tl.atomic_xchg(group_counter, 0, sem="relaxed", scope="gpu")
-            groups_done = tl.atomic_add(flags_ptr + 1, 1, sem="relaxed", scope="gpu")
-            if groups_done == groups - 1:
-                tl.atomic_xchg(flags_ptr, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(flags_ptr + 1, 0, sem="relaxed", scope="gpu")
-
-
-def first_product_flags(device: torch.device, readers: int, width: int) -> torch.Tensor:
-    """The ready flag and the readers' counters of a launch of `readers` programs awaiting `width` columns of t:
-    int32, shared by every launch on the stream and left at 0 by each (`_count_reader`); with `MONOTONIC_FLAGS`
-    int64, one set for each (readers, width), never reset (`_reader_target`)."""
-    if MONOTONIC_FLAGS:
-        return _arrival_counters(device, (READER_GROUP + 1) * _LINE.value, f"first products {readers} x {width}",
-                                 torch.int64)
-    return _arrival_counters(device, reader_counters(readers), use="first products")
+    ready flag back to 0 for the next launch, when no program of this one reads them any more."""
+    group = reader // _READER_GROUP
+    groups = (readers + _READER_GROUP - 1) // _READER_GROUP
+    in_group = tl.minimum(readers - group * _READER_GROUP, _READER_GROUP)
+    group_counter = flags_ptr + (group + 1) * _COUNTER_STRIDE
+    done = tl.atomic_add(group_counter, 1, sem="relaxed", scope="gpu")
+    if done == in_group - 1:
+        tl.atomic_xchg(group_counter, 0, sem="relaxed", scope="gpu")
+        groups_done = tl.atomic_add(flags_ptr + 1, 1, sem="relaxed", scope="gpu")
+        if groups_done == groups - 1:
+            tl.atomic_xchg(flags_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(flags_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
 def reader_counters(programs: int) -> int:
@@ -295,7 +250,8 @@ def first_product_args(x2d: torch.Tensor, lora_as: list[torch.Tensor], block_m: 
     slots = empty((steps, block_m, width), torch.float32, x2d.device)
     return t, FirstProductArgs(x2d, x2d.stride(0), x2d.stride(1), *pointers, group[0].shape[0],
                                group[1].shape[0] if len(group) > 1 else 0, width, slots,
-                               _arrival_counters(x2d.device, width), first_product_flags(x2d.device, readers, width),
+                               _arrival_counters(x2d.device, width),
+                               _arrival_counters(x2d.device, reader_counters(readers), use="first products"),
                                steps)
 
 

@@ -32,8 +32,11 @@ NORM_EARLY = True
 EARLY_WIDTH = 8192
 # An adapter's t given by a launch before (not the launch's own first products) loaded before the walk, once
 # `gdc_wait` returns, where a pipelined walk waits before its first load anyway (`t_before_walk`), instead of in
-# the epilogue: the walk hides the load, and the epilogue's only load of another kernel's output is gone.
-T_BEFORE_WALK = False
+# the epilogue: the walk hides the load, and the epilogue's only load of another kernel's output is gone. Measured
+# on an H100 (docs/benchmarks.md, "W3 with the given t before the walk"; the down projection's stripes are the
+# t it moves by default): the Qwen3-8B step with adapters 3.363 -> 3.340, 3.379 -> 3.363 and 3.344 -> 3.318 ms
+# in three runs, the Qwen3.5-27B's 9.353 -> 9.320 ms: on.
+T_BEFORE_WALK = True
 
 
 def t_before_walk(has_lora: bool, t_given: bool, stages: int, prefetch: bool) -> bool:
@@ -42,16 +45,15 @@ def t_before_walk(has_lora: bool, t_given: bool, stages: int, prefetch: bool) ->
     return T_BEFORE_WALK and has_lora and t_given and stages > 1 and not prefetch
 
 
-def _arrival_counters(device: torch.device, blocks: int, use: str = "splits",
-                      dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """Zeros of `dtype`, at least `blocks` of them, one set per (device, stream, use): the split kernel's arrival
-    counters (or another `use`'s), which each launch leaves at 0 (or, for counters that only grow, in a state
-    the next launch reads). Launches on one stream run in order; another stream gets its own set."""
+def _arrival_counters(device: torch.device, blocks: int, use: str = "splits") -> torch.Tensor:
+    """int32 zeros, at least `blocks` of them, one set per (device, stream, use): the split kernel's arrival
+    counters (or another `use`'s), which each launch leaves at 0. Launches on one stream run in order; another
+    stream gets its own set."""
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
     key = (device, stream, use)
     counters = _ARRIVALS.get(key)
-    if counters is None or counters.numel() < blocks or counters.dtype != dtype:
-        counters = _ARRIVALS[key] = torch.zeros(max(blocks, 4096), dtype=dtype, device=device)
+    if counters is None or counters.numel() < blocks:
+        counters = _ARRIVALS[key] = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
     return counters
 
 

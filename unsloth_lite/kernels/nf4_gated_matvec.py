@@ -31,7 +31,6 @@ from unsloth_lite.kernels.lora_down import (
     _await_first_products,
     _count_reader,
     _first_product_program,
-    _reader_target,
     first_product_args,
     lora_down_rows,
     no_first_products,
@@ -151,7 +150,6 @@ def _gated_program(
         down_ranks = tl.arange(0, DOWN_BLOCK_R)
         down_a = tl.load(down_a_ptr + down_ranks[None, :] * n_out + features[:, None],
                          mask=(features < n_out)[:, None] & (down_ranks < down_rank)[None, :], other=0.0)
-    ready_at = _reader_target(flags_ptr, block, readers, width, AWAIT_T)
     early = _early_rows(norm, rows, n_rows, PDL, NORM_IN, NORM_EARLY)
     gate_t = _early_t(gate_t_ptr, t_row_stride, gate_rank, rows, n_rows, GATE_LORA, GATE_BLOCK_R, 0, 1, PDL, T_EARLY)
     up_t = _early_t(up_t_ptr, t_row_stride, up_rank, rows, n_rows, UP_LORA, UP_BLOCK_R, 0, 1, PDL, T_EARLY)
@@ -170,7 +168,7 @@ def _gated_program(
     if PDL:
         gdc_launch_dependents()
     if AWAIT_T:
-        _await_first_products(flags_ptr, ready_at)
+        _await_first_products(flags_ptr, width)
     if not T_EARLY:
         gate_t = _adapter_t(gate_t_ptr, t_row_stride, gate_rank, rows, n_rows, GATE_LORA, GATE_BLOCK_R, 0, 1)
         up_t = _adapter_t(up_t_ptr, t_row_stride, up_rank, rows, n_rows, UP_LORA, UP_BLOCK_R, 0, 1)

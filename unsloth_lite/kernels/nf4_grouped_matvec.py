@@ -32,7 +32,6 @@ from unsloth_lite.kernels.lora_down import (
     _await_first_products,
     _count_reader,
     _first_product_program,
-    _reader_target,
     first_product_args,
     lora_down_rows,
     no_first_products,
@@ -148,7 +147,6 @@ def _grouped_program(
     features = (pid - start) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     b_rows = _adapter_b(lora_b, b_row_stride, b_col_stride, features, n_out, rank, HAS_LORA, BLOCK_R)
-    ready_at = _reader_target(flags_ptr, pid, readers, width, AWAIT_T)
     early = _early_rows(norm, rows, n_rows, PDL, NORM_IN, NORM_EARLY)
     t = _early_t(t_ptr + t_col, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, 0, 1, PDL, T_EARLY)
     if WORDS:
@@ -166,7 +164,7 @@ def _grouped_program(
     if PDL:
         gdc_launch_dependents()
     if AWAIT_T:
-        _await_first_products(flags_ptr, ready_at)
+        _await_first_products(flags_ptr, width)
     if not T_EARLY:
         t = _adapter_t(t_ptr + t_col, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, 0, 1)
     if AWAIT_T:

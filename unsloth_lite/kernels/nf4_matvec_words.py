@@ -34,7 +34,6 @@ from unsloth_lite.kernels.lora_down import (
     _await_first_products,
     _count_reader,
     _first_product_program,
-    _reader_target,
 )
 from unsloth_lite.kernels.matvec_epilogue import (
     _adapter_b,
@@ -365,7 +364,6 @@ def _word_program(
     rows = tl.arange(0, BLOCK_M)
     first_block, end_block = _tile_range(n_in // BLOCKSIZE, BLOCKS_PER_TILE, SPLIT_K)
     lora_b = _adapter_b(lora_b_ptr, lora_b_row_stride, lora_b_col_stride, features, n_out, rank, HAS_LORA, BLOCK_R)
-    ready_at = _reader_target(flags_ptr, block, readers, rank, AWAIT_T)
     early = _early_rows(norm, rows, n_rows, PDL, NORM_IN, NORM_EARLY)
     t = _early_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, t_part_stride, T_PARTS, PDL, T_EARLY)
     acc, partial = _word_walk(
@@ -376,7 +374,7 @@ def _word_program(
     if PDL:
         gdc_launch_dependents()
     if AWAIT_T:
-        _await_first_products(flags_ptr, ready_at)
+        _await_first_products(flags_ptr, rank)
     if not T_EARLY:
         t = _adapter_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, t_part_stride, T_PARTS)
     if AWAIT_T:
