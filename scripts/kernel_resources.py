@@ -19,8 +19,7 @@ every DeltaNet kernel's registers and shared memory equal those the H200 reporte
 
 `--nf4-matvec`: `nf4_matvec` at every decoder projection shape of W3's models (bf16, one row, flat absmax as
 shipped; `--matvec-shapes` for others), through the blocked kernel, the word kernel (`WORD_KERNEL`; also with
-`REGISTER_PREFETCH`, `words_prefetch`; and writing a folded norm's x̃ with the residual, `words_folded`; the
-gate-and-up and grouped launches' `_folded` rows scale by its rstd) and the
+`REGISTER_PREFETCH`, `words_prefetch`) and the
 gate-and-up kernel (`nf4_gated_matvec`, the shape as both weights' and the instructions per weight over both; on
 the blocked walk and on the word walk, `gated_words`, also prefetched), each at its tile as shipped, and (without
 `--matvec-shapes`) `nf4_grouped_matvec` at W3's groups of projections of one input (both walks); the SASS
@@ -240,23 +239,17 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
     for n_out, n_in in shapes:
         packed, state = nf4_weight(n_out, n_in)
         x = torch.empty(1, n_in, dtype=torch.bfloat16)
-        for name, words in (("blocked", False), ("words", True), ("words_prefetch", True), ("words_folded", True),
-                            ("gated", False), ("gated_words", True), ("gated_words_prefetch", True),
-                            ("gated_words_folded", True)):
+        for name, words in (("blocked", False), ("words", True), ("words_prefetch", True), ("gated", False),
+                            ("gated_words", True), ("gated_words_prefetch", True)):
             saved = nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH
-            # "_folded": a folded norm's launches (`decode.FOLDED_NORMS`): the word kernel writing x̃ beside its
-            # residual, the gate-and-up launch scaling by rstd
-            folded = name.endswith("folded")
             try:
                 nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH = words, name.endswith("prefetch")
                 with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
                     if name.startswith("gated"):  # gate and up: two weights a program
                         weight = nf4_param(n_out, n_in)
-                        nf4_gated_matvec.nf4_gated_matvec(x, weight, weight, norm_in=(x, 1e-6) if folded else None)
+                        nf4_gated_matvec.nf4_gated_matvec(x, weight, weight)
                     else:
-                        rows_out = torch.empty(1, n_out, dtype=x.dtype)
-                        fold = dict(residual=rows_out, normed=(rows_out, rows_out[0], 0.0, None)) if folded else {}
-                        nf4_matvec.nf4_matvec(x, packed, quant_state=state, **fold)
+                        nf4_matvec.nf4_matvec(x, packed, quant_state=state)
             finally:
                 nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH = saved
             rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=launch_tile(launches),
@@ -271,13 +264,12 @@ def grouped_rows(groups, arch: int) -> list[dict]:
     for widths, n_in in groups:
         weights = [nf4_param(n_out, n_in) for n_out in widths]
         x = torch.empty(1, n_in, dtype=torch.bfloat16)
-        for name, words in (("grouped", False), ("grouped_words", True), ("grouped_words_folded", True)):
+        for name, words in (("grouped", False), ("grouped_words", True)):
             saved = nf4_matvec.WORD_KERNEL
             try:
                 nf4_matvec.WORD_KERNEL = words
                 with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
-                    nf4_grouped_matvec.nf4_grouped_matvec(x, weights, [None] * len(weights), [None] * len(weights),
-                                                          norm_in=(x, 1e-6) if name.endswith("folded") else None)
+                    nf4_grouped_matvec.nf4_grouped_matvec(x, weights, [None] * len(weights), [None] * len(weights))
             finally:
                 nf4_matvec.WORD_KERNEL = saved
             rows.append(dict(out="/".join(map(str, widths)), **{"in": n_in}, kernel=name, tile=launch_tile(launches),

@@ -210,16 +210,13 @@ def test_kernel_resources_counts_the_nf4_matvec_kernels_loops(tmp_path):
     result = run_compiled("--nf4-matvec", "--matvec-shapes", "4096x512", "--out", str(out))
     assert result.returncode == 0, result.stderr
     rows = {row["kernel"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"blocked", "words", "words_prefetch", "words_folded", "gated", "gated_words",
-                         "gated_words_prefetch", "gated_words_folded"}
+    assert set(rows) == {"blocked", "words", "words_prefetch", "gated", "gated_words", "gated_words_prefetch"}
     assert all(0 < row["registers"] <= 255 and 0 < row["loop"] < row["instructions"] for row in rows.values()), rows
     assert rows["words"]["per_8_weights"] < 0.85 * rows["blocked"]["per_8_weights"], rows
     assert rows["gated"]["per_8_weights"] < rows["blocked"]["per_8_weights"], rows  # x decoded once for two
     assert rows["gated_words"]["per_8_weights"] < rows["words"]["per_8_weights"], rows
     for kernel in ("words", "gated_words"):
         assert rows[f"{kernel}_prefetch"]["shared_bytes"] < rows[kernel]["shared_bytes"], rows
-        assert rows[f"{kernel}_folded"]["per_8_weights"] <= 1.05 * rows[kernel]["per_8_weights"], rows
-        assert rows[f"{kernel}_folded"]["instructions"] > rows[kernel]["instructions"], rows
 
 
 def test_kernel_resources_refuses_a_matvec_shape_off_the_blocks():

@@ -7,13 +7,6 @@ Then y = acc + b + s · t Bᵀ with t = x Aᵀ (`lora_down_rows`): the unmerged 
 a bias `[N]` or an addend `[rows, N]` (the residual stream, which an output projection's result joins). B's rows
 are loaded before the walk, t after it (`_adapter_b`, `_adapter_t`): only t's load is left to the epilogue
 (with `T_BEFORE_WALK`, where another launch wrote t, none).
-
-A decoder layer's RMSNorm between two products folds into their epilogues (`decode.normed_input`): with
-y = RMSNorm(h) = h · rstd · w, rstd = rsqrt(mean(h²) + eps) a row, the product before (which writes h, the
-residual stream) also writes x̃ = h · w (`_store_rows`' NORMED), and the product after walks x̃ and scales its
-sums by each row's rstd before the bias (`_output_values`' RSTD), its adapters' t = x̃ Aᵀ with them; rstd comes
-from h itself, loaded before the walk (`_early_rows`, NORM_EARLY) or read in the epilogue (`_rows_squares`), so no
-launch stands between the two.
 """
 
 from __future__ import annotations
@@ -26,10 +19,6 @@ from triton.language.extra.cuda.gdc import gdc_wait
 # What the products' epilogue adds (`_output_values`' BIAS): nothing, a bias a feature, an addend a row and feature.
 BIAS_NONE, BIAS_FEATURES, BIAS_ROWS = 0, 1, 2
 _ARRIVALS: dict = {}
-# A folded norm's h loaded before the consumer's walk (one row, whole), reduced after it, so that the walk hides the
-# load instead of the epilogue waiting for it (`_early_rows`); off, h is read in the epilogue.
-NORM_EARLY = True
-EARLY_WIDTH = 8192
 # An adapter's t given by a launch before (not the launch's own first products) loaded before the walk, once
 # `gdc_wait` returns, where a pipelined walk waits before its first load anyway (`t_before_walk`), instead of in
 # the epilogue: the walk hides the load, and the epilogue's only load of another kernel's output is gone. Measured
@@ -80,49 +69,6 @@ def _sum_of_splits(acc, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr
 
 
 @triton.jit
-def _rows_squares(h_ptr, h_row_stride, width, rows, n_rows, BLOCK_K: tl.constexpr):
-    """Σ h² in fp32 for the rows `rows` of h `[n_rows, width]` (0 past n_rows), BLOCK_K columns at a time."""
-    columns = tl.arange(0, BLOCK_K)
-    total = tl.sum(tl.zeros([rows.shape[0], BLOCK_K], dtype=tl.float32), axis=1)
-    for k0 in range(0, width, BLOCK_K):
-        h = tl.load(h_ptr + rows[:, None] * h_row_stride + (k0 + columns)[None, :],
-                    mask=(rows < n_rows)[:, None] & (k0 + columns < width)[None, :], other=0.0).to(tl.float32)
-        total += tl.sum(h * h, axis=1)
-    return total
-
-
-@triton.jit
-def _early_rows(norm, rows, n_rows, PDL: tl.constexpr, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr):
-    """NORM_EARLY: h's rows `[BLOCK_M, NORM_IN]` (NORM_IN covering the width) loaded before a product's walk, after
-    its `gdc_wait`, their latency hidden by the walk (`_norm_rstd` reduces them after it); else 0.0."""
-    early = 0.0
-    if NORM_EARLY:
-        h_ptr, h_row_stride, h_width, _, _, _, _, _, _ = norm
-        if PDL:
-            gdc_wait()
-        columns = tl.arange(0, NORM_IN)
-        early = tl.load(h_ptr + rows[:, None] * h_row_stride + columns[None, :],
-                        mask=(rows < n_rows)[:, None] & (columns < h_width)[None, :], other=0.0)
-    return early
-
-
-@triton.jit
-def _norm_rstd(norm, early, rows, n_rows, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr):
-    """Each row's rstd = rsqrt(mean(h²) + eps) of a folded norm (NORM_IN > 0): from `_early_rows`' values, or
-    read from h now; else 0.0."""
-    h_ptr, h_row_stride, h_width, eps, _, _, _, _, _ = norm
-    rstd = 0.0
-    if NORM_IN > 0:
-        if NORM_EARLY:
-            h = early.to(tl.float32)
-            squares = tl.sum(h * h, axis=1)
-        else:
-            squares = _rows_squares(h_ptr, h_row_stride, h_width, rows, n_rows, NORM_IN)
-        rstd = 1.0 / tl.sqrt(squares / h_width + eps)
-    return rstd
-
-
-@triton.jit
 def _adapter_b(lora_b_ptr, lora_b_row_stride, lora_b_col_stride, features, n_out, rank, HAS_LORA: tl.constexpr,
                BLOCK_R: tl.constexpr):
     """The adapter's B rows of the program's features, fp32 `[BLOCK_N, BLOCK_R]` (0.0 without an adapter). B is
@@ -170,65 +116,29 @@ def _early_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA: tl.constexpr, BL
 
 @triton.jit
 def _output_values(acc, rows, features, n_rows, n_out, bias_ptr, t, lora_b, scale, BIAS: tl.constexpr,
-                   HAS_LORA: tl.constexpr, rstd, RSTD: tl.constexpr):
+                   HAS_LORA: tl.constexpr):
     """y = acc + b + s · t Bᵀ in fp32 for the program's rows and features, with t (`_adapter_t`) and B's rows
     (`_adapter_b`) as loaded. BIAS: `BIAS_NONE`, `BIAS_FEATURES` (b `[N]`) or `BIAS_ROWS` (b `[rows, N]`,
-    contiguous: an addend of each row, such as the residual stream an output projection's result joins). RSTD:
-    x is x̃ of a folded norm (module docstring): acc and t scaled by `rstd` `[BLOCK_M]` first."""
+    contiguous: an addend of each row, such as the residual stream an output projection's result joins)."""
     mask_rows = rows < n_rows
     mask_features = features < n_out
-    if RSTD:
-        acc = acc * rstd[:, None]
     if BIAS == 1:
         acc += tl.load(bias_ptr + features, mask=mask_features, other=0.0).to(tl.float32)[None, :]
     if BIAS == 2:
         acc += tl.load(bias_ptr + rows[:, None] * n_out + features[None, :],
                        mask=mask_rows[:, None] & mask_features[None, :], other=0.0).to(tl.float32)
     if HAS_LORA:
-        if RSTD:
-            t = t * rstd[:, None]
         acc += scale * tl.sum(t[:, None, :] * lora_b[None, :, :], axis=2)
     return acc
 
 
 @triton.jit
-def _store_rows(
-    acc, rows, features, n_rows, n_out, bias_ptr, t, lora_b, scale, out_ptr, out_row_stride, BIAS: tl.constexpr,
-    HAS_LORA: tl.constexpr, norm, early, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr, NORMED: tl.constexpr,
-):
-    """`_output_values` stored in y's dtype: the end of a decoding matrix-vector product (`nf4_matvec`). `norm`:
-    the folded norms' arguments (h_ptr, h_row_stride, h_width, eps, normed_ptr, norm_w_ptr, norm_offset,
-    zeroed_ptr, zeroed_count; `norm_args`): NORM_IN > 0, the input is x̃ of h's norm, rstd from `early`
-    (NORM_EARLY, `_early_rows`) or read NORM_IN columns at a time; NORMED: x̃ = y · (w + offset) of the next norm
-    also written, `[rows, N]` contiguous, and the program of the first features sets `zeroed_count` fp32 at
-    `zeroed_ptr` to 0 (the stripes the products after the norm add into, which its launch zeroed)."""
-    _, _, _, _, normed_ptr, norm_w_ptr, norm_offset, zeroed_ptr, zeroed_count = norm
-    rstd = _norm_rstd(norm, early, rows, n_rows, NORM_IN, NORM_EARLY)
-    y = _output_values(acc, rows, features, n_rows, n_out, bias_ptr, t, lora_b, scale, BIAS, HAS_LORA, rstd,
-                       NORM_IN > 0)
-    mask = (rows < n_rows)[:, None] & (features < n_out)[None, :]
-    y = y.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * out_row_stride + features[None, :], y, mask=mask)
-    if NORMED:
-        w = tl.load(norm_w_ptr + features, mask=features < n_out, other=0.0).to(tl.float32) + norm_offset
-        tl.store(normed_ptr + rows[:, None] * n_out + features[None, :], (y.to(tl.float32) * w[None, :]).to(y.dtype),
-                 mask=mask)
-        if tl.min(features, axis=0) == 0:
-            for z0 in range(0, zeroed_count, 256):
-                zeros = z0 + tl.arange(0, 256)
-                tl.store(zeroed_ptr + zeros, tl.zeros([256], dtype=tl.float32), mask=zeros < zeroed_count)
-
-
-@triton.jit
-def no_norm(ptr):
-    """The folded-norm arguments of a product without one (NORM_IN = 0, NORMED off): placeholders."""
-    return ptr, 0, 1, 0.0, ptr, ptr, 0.0, ptr, 0
-
-
-@triton.jit
-def input_norm(h_ptr, h_row_stride, h_width, eps):
-    """The folded-norm arguments of a product whose input is x̃ of h's norm and that writes no x̃ (NORMED off)."""
-    return h_ptr, h_row_stride, h_width, eps, h_ptr, h_ptr, 0.0, h_ptr, 0
+def _store_rows(acc, rows, features, n_rows, n_out, bias_ptr, t, lora_b, scale, out_ptr, out_row_stride,
+                BIAS: tl.constexpr, HAS_LORA: tl.constexpr):
+    """`_output_values` stored in y's dtype: the end of a decoding matrix-vector product (`nf4_matvec`)."""
+    y = _output_values(acc, rows, features, n_rows, n_out, bias_ptr, t, lora_b, scale, BIAS, HAS_LORA)
+    out = out_ptr + rows[:, None] * out_row_stride + features[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (features < n_out)[None, :])
 
 
 @triton.jit
@@ -247,13 +157,12 @@ def _tile_range(blocks_per_row, BLOCKS_PER_TILE: tl.constexpr, SPLIT_K: tl.const
 @triton.jit
 def _finish_product(
     acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t, lora_b, scale, out_ptr,
-    out_row_stride, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr, HAS_LORA: tl.constexpr, norm,
-    early, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr, NORMED: tl.constexpr,
+    out_row_stride, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
 ):
     """The end of a program of the blocked or the word kernel, once its walk is done (and the next kernel let
     launch): one row's elementwise `partial` sums reduced into `acc`, the K splits summed (`_sum_of_splits`) and
     y written by the program that finishes the feature block (`_store_rows`, with the adapter's t and B rows as
-    loaded and the folded norms' `norm`, `early`, NORM_IN, NORM_EARLY and NORMED)."""
+    loaded)."""
     if BLOCK_M == 1:
         acc += tl.sum(tl.sum(partial, axis=2), axis=1)[None, :]
     if SPLIT_K:
@@ -263,49 +172,5 @@ def _finish_product(
         last = True
     if last:
         _store_rows(acc, rows, features, n_rows, n_out, bias_ptr, t, lora_b, scale, out_ptr, out_row_stride, BIAS,
-                    HAS_LORA, norm, early, NORM_IN, NORM_EARLY, NORMED)
+                    HAS_LORA)
 
-
-def norm_args(x: torch.Tensor, norm_in=None, normed=None) -> tuple[tuple, int, bool, bool]:
-    """(the kernels' nine folded-norm arguments, NORM_IN, NORM_EARLY, NORMED) for a product of x's rows: `norm_in`
-    (h, eps): x is x̃ of h's RMSNorm (rstd from h `[rows, K]`, unit column stride; one row of up to EARLY_WIDTH
-    columns loaded before the walk where `NORM_EARLY` is on); `normed` (out, w, offset, zeroed): the
-    product also writes x̃ = y · (w + offset) of its result into out `[rows, N]`, contiguous, and sets the fp32
-    tensor `zeroed` (contiguous, or None) to 0. Placeholders where None."""
-    h, eps = norm_in if norm_in is not None else (x, 0.0)
-    out, weight, offset, zeroed = normed if normed is not None else (x, x, 0.0, None)
-    norm_in_block = 0
-    if norm_in is not None:
-        if h.stride(-1) != 1 or h.shape[-1] != x.shape[-1]:
-            raise ValueError(f"a folded norm's h has shape {tuple(h.shape)} and strides {h.stride()}; expected "
-                             f"{x.shape[-1]} contiguous columns")
-        rows = h.numel() // h.shape[-1]
-        whole = triton.next_power_of_2(h.shape[-1])
-        # one row whole (up to 8192 columns: 64 values a thread of 128 at the 27B's 5120), else 2048 values a block
-        norm_in_block = whole if rows == 1 and whole <= EARLY_WIDTH else max(
-            16, min(whole, 2048 // triton.next_power_of_2(rows)))
-    h2d = h.reshape(-1, h.shape[-1])
-    if zeroed is not None and (zeroed.dtype != torch.float32 or not zeroed.is_contiguous()):
-        raise ValueError(f"a folded norm's zeroed tensor must be contiguous fp32; got {zeroed.dtype}")
-    zeroed_args = (zeroed, zeroed.numel()) if zeroed is not None else (x, 0)
-    early = NORM_EARLY and norm_in is not None and norm_in_block >= h.shape[-1]
-    return ((h2d, h2d.stride(0), h2d.shape[-1], float(eps), out, weight, float(offset), *zeroed_args), norm_in_block,
-            early, normed is not None)
-
-
-def scaled_by_rstd(x: torch.Tensor, h: torch.Tensor, eps: float, t: torch.Tensor | None = None):
-    """(x̃ · rstd, t · rstd): the rows of x (and of the adapters' first products t = x̃ Aᵀ, fp32 `[rows, r]` or
-    parts `[P, rows, r]`, if given) scaled by the rstd of h's rows, x rounded to its dtype: a folded norm's output
-    for a product that does not scale its sums."""
-    rows = x.numel() // x.shape[-1]
-    rstd = torch.rsqrt(h.reshape(rows, -1).float().pow(2).mean(-1, keepdim=True) + eps)
-    scaled = (x.reshape(rows, -1).float() * rstd).to(x.dtype).view(x.shape)
-    return scaled, None if t is None else t * rstd
-
-
-def normed_rows(y: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, offset: float, zeroed=None) -> None:
-    """x̃ = y · (w + offset) into out, and `zeroed` set to 0 (`_store_rows`' NORMED), for a product that does not
-    write them."""
-    out.view(y.shape).copy_(y.float() * (weight.float() + offset))
-    if zeroed is not None:
-        zeroed.zero_()

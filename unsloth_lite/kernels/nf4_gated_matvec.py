@@ -38,12 +38,8 @@ from unsloth_lite.kernels.lora_down import (
 from unsloth_lite.kernels.matvec_epilogue import (
     _adapter_b,
     _adapter_t,
-    _early_rows,
     _early_t,
-    _norm_rstd,
     _output_values,
-    input_norm,
-    norm_args,
     t_before_walk,
 )
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
@@ -64,14 +60,13 @@ def _nf4_gated_matvec_kernel(
     n_rows, n_out, n_in,
     xv_ptr, xv_row_stride, xv_col_stride, a0_ptr, a1_ptr, a2_ptr, first_rank0, first_rank1, width, first_partial_ptr,
     first_arrivals_ptr, flags_ptr, first_splits,
-    down_a_ptr, down_rank, shares_ptr, n_stripes, h_ptr, h_row_stride, h_width, eps,
+    down_a_ptr, down_rank, shares_ptr, n_stripes,
     BLOCKSIZE: tl.constexpr, GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr, GATE_LORA: tl.constexpr,
     UP_LORA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr,
     GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr,
     PDL: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
     PREFETCH: tl.constexpr,
-    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr, DOWN_BLOCK_R: tl.constexpr, NORM_IN: tl.constexpr,
-    NORM_EARLY: tl.constexpr, T_EARLY: tl.constexpr,
+    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr, DOWN_BLOCK_R: tl.constexpr, T_EARLY: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) of both projections for all rows (module docstring).
     PDL as in `nf4_matvec`'s blocked kernel: only the frozen weights are read before `gdc_wait`. WORDS: the word
@@ -80,9 +75,7 @@ def _nf4_gated_matvec_kernel(
     the adapters' first products t in the launch, by its first width · first_splits programs, as the word
     kernel's FIRST_PRODUCTS; the feature blocks' programs come after them. DOWN_BLOCK_R > 0: each program adds
     its share of the down projection's first product h A_dᵀ into a stripe (`nf4_gated_matvec`'s `down_shares`).
-    h_ptr to eps, NORM_IN and NORM_EARLY: x is x̃ of h's RMSNorm, folded (`matvec_epilogue`). T_EARLY: t, given,
-    loaded before the walk (`matvec_epilogue.t_before_walk`)."""
-    norm = input_norm(h_ptr, h_row_stride, h_width, eps)
+    T_EARLY: t, given, loaded before the walk (`matvec_epilogue.t_before_walk`)."""
     if FIRST_PRODUCTS:
         writers = width * first_splits
         if tl.program_id(0) < writers:
@@ -101,7 +94,7 @@ def _nf4_gated_matvec_kernel(
                 n_stripes,
                 BLOCKSIZE, GATE_BIAS, UP_BIAS, GATE_LORA, UP_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, GATE_BLOCK_R,
                 UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, True, DOWN_BLOCK_R,
-                norm, NORM_IN, NORM_EARLY, False,
+                False,
             )
     else:
         _gated_program(
@@ -112,7 +105,7 @@ def _nf4_gated_matvec_kernel(
             flags_ptr, 0, 0, down_a_ptr, down_rank, shares_ptr, n_stripes,
             BLOCKSIZE, GATE_BIAS, UP_BIAS, GATE_LORA, UP_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, GATE_BLOCK_R,
             UP_BLOCK_R, LOOKUP, BF16_CODES, PDL, WORDS, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False, DOWN_BLOCK_R,
-            norm, NORM_IN, NORM_EARLY, T_EARLY,
+            T_EARLY,
         )
 
 
@@ -131,16 +124,15 @@ def _gated_program(
     GATE_BLOCK_R: tl.constexpr, UP_BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr, BF16_CODES: tl.constexpr,
     PDL: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr,
     PREFETCH: tl.constexpr,
-    AWAIT_T: tl.constexpr, DOWN_BLOCK_R: tl.constexpr, norm, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr,
-    T_EARLY: tl.constexpr,
+    AWAIT_T: tl.constexpr, DOWN_BLOCK_R: tl.constexpr, T_EARLY: tl.constexpr,
 ):
     """Feature block `block` of the gate-and-up launch (`_nf4_gated_matvec_kernel`). AWAIT_T: t comes from the
     launch's first programs (awaited before t's load, the program counted once it is issued, as in the word
     kernel's `_word_program`); the adapters' B rows are loaded before the walk. DOWN_BLOCK_R > 0: the
     block's columns of the down adapter's A (`[r, N]`, contiguous), which no kernel writes, read first (read in
     the epilogue, the kernel took 72 registers a thread instead of 64, compiled for sm_90); h's share of h Aᵀ
-    added into stripe `block % n_stripes` of `shares_ptr` (`[n_stripes, rows, r]`) at the end. `norm`, NORM_IN and
-    NORM_EARLY: the folded norm's (`_nf4_gated_matvec_kernel`)."""
+    added into stripe `block % n_stripes` of `shares_ptr` (`[n_stripes, rows, r]`) at the end. T_EARLY: t, given,
+    loaded before the walk."""
     features = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     gate_b = _adapter_b(gate_b_ptr, gate_b_row_stride, gate_b_col_stride, features, n_out, gate_rank, GATE_LORA,
@@ -150,7 +142,6 @@ def _gated_program(
         down_ranks = tl.arange(0, DOWN_BLOCK_R)
         down_a = tl.load(down_a_ptr + down_ranks[None, :] * n_out + features[:, None],
                          mask=(features < n_out)[:, None] & (down_ranks < down_rank)[None, :], other=0.0)
-    early = _early_rows(norm, rows, n_rows, PDL, NORM_IN, NORM_EARLY)
     gate_t = _early_t(gate_t_ptr, t_row_stride, gate_rank, rows, n_rows, GATE_LORA, GATE_BLOCK_R, 0, 1, PDL, T_EARLY)
     up_t = _early_t(up_t_ptr, t_row_stride, up_rank, rows, n_rows, UP_LORA, UP_BLOCK_R, 0, 1, PDL, T_EARLY)
     if WORDS:
@@ -175,11 +166,9 @@ def _gated_program(
     if AWAIT_T:
         _count_reader(flags_ptr, block, readers)
     dtype = out_ptr.dtype.element_ty
-    rstd = _norm_rstd(norm, early, rows, n_rows, NORM_IN, NORM_EARLY)
     g = _output_values(acc_gate, rows, features, n_rows, n_out, gate_bias_ptr, gate_t, gate_b, gate_scale,
-                       GATE_BIAS, GATE_LORA, rstd, NORM_IN > 0)
-    u = _output_values(acc_up, rows, features, n_rows, n_out, up_bias_ptr, up_t, up_b, up_scale, UP_BIAS, UP_LORA,
-                       rstd, NORM_IN > 0)
+                       GATE_BIAS, GATE_LORA)
+    u = _output_values(acc_up, rows, features, n_rows, n_out, up_bias_ptr, up_t, up_b, up_scale, UP_BIAS, UP_LORA)
     g = g.to(dtype).to(tl.float32)  # as the two products would write them
     u = u.to(dtype).to(tl.float32)
     h = g * tl.sigmoid(g) * u
@@ -218,8 +207,7 @@ def gated_matvec_supported(x: torch.Tensor, gate, up) -> bool:
 
 def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None = None,
                      up_bias: torch.Tensor | None = None, gate_lora=None, up_lora=None,
-                     lora_as: list[torch.Tensor] | None = None, down_shares=None,
-                     norm_in: tuple | None = None) -> torch.Tensor:
+                     lora_as: list[torch.Tensor] | None = None, down_shares=None) -> torch.Tensor:
     """`silu(x Gᵀ + b_g + s_g t_g B_gᵀ) · (x Uᵀ + b_u + s_u t_u B_uᵀ)` for x `[..., K]` and NF4 `Params4bit`
     gate and up `[N, K]` (module docstring); returns `[..., N]` in x's dtype. `gate_lora`, `up_lora`: None or
     (B `[N, r]`, t `[rows, r]` fp32 with unit column stride, scale); t None in both with `lora_as`, the adapted
@@ -227,9 +215,8 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     by `lora_down_rows`. `down_shares`: None or (A_d `[r, N]`, the down projection's adapter; stripes, fp32
     `[S, rows, r]` at 0): each program adds its share of h A_dᵀ into one of the S stripes, whose sum is then the
     down projection's first product (`nf4_matvec`'s `lora_t` in parts; fp32 adds in the order the programs come,
-    so its last bits may differ from run to run). `norm_in` (h, eps): x is x̃ = h · w of h's RMSNorm, both products
-    and their t scaled by the rows' rstd from h (`matvec_epilogue`'s folded norms). Inputs `gated_matvec_supported`
-    refuses raise ValueError. No autograd."""
+    so its last bits may differ from run to run). Inputs `gated_matvec_supported` refuses raise ValueError. No
+    autograd."""
     if not gated_matvec_supported(x, gate, up):
         raise ValueError("nf4_gated_matvec takes 1 to 8 rows of x and two NF4 weights of one shape, dtype and "
                          "block size, whole blocks along K, on x's kernel device (gated_matvec_supported)")
@@ -274,7 +261,6 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     pdl = matvec.uses_pdl(x.device)
     ranks = [a[1] for a in adapters]
     down_a, stripes = _checked_down_shares(down_shares, n_rows, n_out, x.device)
-    norm, norm_in_block, norm_early, _ = norm_args(x2d, norm_in)
     stages = matvec.word_stages(n_out, n_in, "gated", adapted) if words else matvec.PIPELINE_STAGES
     _nf4_gated_matvec_kernel[(first.programs + feature_blocks,)](
         x_rows, x_rows.stride(0), x_rows.stride(1),
@@ -285,8 +271,8 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         out, out.stride(0),
         n_rows, n_out, n_in, *first,
         down_a if down_a is not None else out, down_a.shape[0] if down_a is not None else 0,
-        stripes if stripes is not None else out, stripes.shape[0] if stripes is not None else 1, *norm[:4],
-        NORM_IN=norm_in_block, NORM_EARLY=norm_early, BLOCKSIZE=blocksize, GATE_BIAS=gate_bias is not None,
+        stripes if stripes is not None else out, stripes.shape[0] if stripes is not None else 1,
+        BLOCKSIZE=blocksize, GATE_BIAS=gate_bias is not None,
         UP_BIAS=up_bias is not None,
         GATE_LORA=ranks[0] > 0, UP_LORA=ranks[1] > 0, BLOCK_M=triton.next_power_of_2(n_rows), BLOCK_N=block_n,
         BLOCKS_PER_TILE=tile_k // blocksize, GATE_BLOCK_R=max(2, triton.next_power_of_2(ranks[0])),

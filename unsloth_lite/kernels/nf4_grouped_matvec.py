@@ -39,11 +39,8 @@ from unsloth_lite.kernels.lora_down import (
 from unsloth_lite.kernels.matvec_epilogue import (
     _adapter_b,
     _adapter_t,
-    _early_rows,
     _early_t,
     _finish_product,
-    input_norm,
-    norm_args,
     t_before_walk,
 )
 from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
@@ -65,22 +62,20 @@ def _nf4_grouped_matvec_kernel(
     packed3, absmax3, bias3, b3, b3_row_stride, b3_col_stride, scale3, out3, n_out3, t_col3, rank3,
     n_rows, n_in,
     xv_ptr, xv_row_stride, xv_col_stride, a0_ptr, a1_ptr, a2_ptr, first_rank0, first_rank1, width, first_partial_ptr,
-    first_arrivals_ptr, flags_ptr, first_splits, h_ptr, h_row_stride, h_width, eps,
+    first_arrivals_ptr, flags_ptr, first_splits,
     BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr,
     BF16_CODES: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr,
     WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr,
-    NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr, T_EARLY: tl.constexpr,
+    T_EARLY: tl.constexpr,
 ):
     """Program p: weight i, the first with p < end_i (the slots past the last weight repeat it and are never
     reached), features [(p - end_{i-1}) · BLOCK_N, ...) of it for all rows. WORDS: the word kernel's walk (the
     packed weights as int32 words, x as `word_kernel_rows` gives it, `table_ptr` the code book, `tables_ptr` the
     lane tables; WHOLE_TILES and X_PAIRS as in `_nf4_matvec_words_kernel`), else the blocked kernel's.
     FIRST_PRODUCTS (the word walk): the adapters' first products t in the launch, by its first width ·
-    first_splits programs, as the word kernel's FIRST_PRODUCTS; the weights' programs come after them. h_ptr to
-    eps, NORM_IN and NORM_EARLY: x is x̃ of h's RMSNorm, folded (`matvec_epilogue`). T_EARLY: t, given, loaded
-    before the walk (`matvec_epilogue.t_before_walk`)."""
-    norm = input_norm(h_ptr, h_row_stride, h_width, eps)
+    first_splits programs, as the word kernel's FIRST_PRODUCTS; the weights' programs come after them. T_EARLY: t,
+    given, loaded before the walk (`matvec_epilogue.t_before_walk`)."""
     if FIRST_PRODUCTS:
         writers = width * first_splits
         if tl.program_id(0) < writers:
@@ -99,7 +94,7 @@ def _nf4_grouped_matvec_kernel(
                 packed3, absmax3, bias3, b3, b3_row_stride, b3_col_stride, scale3, out3, n_out3, t_col3, rank3,
                 n_rows, n_in, flags_ptr, width, tl.num_programs(0) - writers,
                 BLOCKSIZE, HAS_BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, LOOKUP, BF16_CODES, PDL,
-                STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, True, norm, NORM_IN, NORM_EARLY, False,
+                STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, True, False,
             )
     else:
         _grouped_program(
@@ -110,7 +105,7 @@ def _nf4_grouped_matvec_kernel(
             packed3, absmax3, bias3, b3, b3_row_stride, b3_col_stride, scale3, out3, n_out3, t_col3, rank3,
             n_rows, n_in, flags_ptr, 0, 0,
             BLOCKSIZE, HAS_BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, LOOKUP, BF16_CODES, PDL,
-            STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, False, norm, NORM_IN, NORM_EARLY, T_EARLY,
+            STAGES, WORDS, PREFETCH, WHOLE_TILES, X_PAIRS, False, T_EARLY,
         )
 
 
@@ -126,8 +121,7 @@ def _grouped_program(
     BLOCKSIZE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr, LOOKUP: tl.constexpr,
     BF16_CODES: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr,
-    WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, AWAIT_T: tl.constexpr, norm, NORM_IN: tl.constexpr,
-    NORM_EARLY: tl.constexpr, T_EARLY: tl.constexpr,
+    WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, AWAIT_T: tl.constexpr, T_EARLY: tl.constexpr,
 ):
     """The grouped launch's program `pid` among the weights' programs (`_nf4_grouped_matvec_kernel`). AWAIT_T: t
     comes from the launch's first programs (awaited before t's load, the program counted once it is issued, as in
@@ -147,7 +141,6 @@ def _grouped_program(
     features = (pid - start) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     b_rows = _adapter_b(lora_b, b_row_stride, b_col_stride, features, n_out, rank, HAS_LORA, BLOCK_R)
-    early = _early_rows(norm, rows, n_rows, PDL, NORM_IN, NORM_EARLY)
     t = _early_t(t_ptr + t_col, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, 0, 1, PDL, T_EARLY)
     if WORDS:
         acc, partial = _word_walk(
@@ -171,7 +164,7 @@ def _grouped_program(
         _count_reader(flags_ptr, pid, readers)
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, absmax, absmax, bias, t, b_rows, scale, out, n_out, BLOCK_M,
-        False, HAS_BIAS, HAS_LORA, norm, early, NORM_IN, NORM_EARLY, False,
+        False, HAS_BIAS, HAS_LORA,
     )
 
 
@@ -203,15 +196,14 @@ def grouped_matvec_supported(x: torch.Tensor, weights, biases, loras) -> bool:
 
 
 def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Tensor | None = None,
-                       lora_as: list[torch.Tensor] | None = None, norm_in: tuple | None = None):
+                       lora_as: list[torch.Tensor] | None = None):
     """`[x W_iᵀ + b_i + s_i t_i B_iᵀ for each weight]` for x `[..., K]` and 2 to 4 NF4 `Params4bit` W_i
     (module docstring), each `[..., N_i]` in x's dtype. `biases`: one per weight (all None or all tensors);
     `loras`: one per weight, None or (B_i `[N_i, r_i]`, s_i); `lora_t`: fp32 `[rows, Σ r_i]` with unit column
     stride, the adapted weights' t side by side in their order (`lora_down_rows`), or None with `lora_as`, the
     adapted weights' A_i in their order: t then computed in the launch (`nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH`, the
-    word walk, up to MAX_ADAPTERS_PER_LAUNCH adapters) or by `lora_down_rows`. `norm_in` (h, eps): x is x̃ = h · w
-    of h's RMSNorm, each product and its t scaled by the rows' rstd from h (`matvec_epilogue`'s folded norms).
-    Inputs `grouped_matvec_supported` refuses raise ValueError. No autograd."""
+    word walk, up to MAX_ADAPTERS_PER_LAUNCH adapters) or by `lora_down_rows`. Inputs `grouped_matvec_supported`
+    refuses raise ValueError. No autograd."""
     if not grouped_matvec_supported(x, weights, biases, loras):
         raise ValueError("nf4_grouped_matvec takes 1 to 8 rows of x and 2 to 4 NF4 weights of one input width, "
                          "dtype and block size, whole blocks along K, biases on all or none "
@@ -262,13 +254,12 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     pdl = matvec.uses_pdl(x.device)
     x_rows, x_pairs = word_kernel_rows(x2d) if words else (x2d, False)
     table = code_pairs(code) if matvec.LOOKUP == "pairs" and not words else code
-    norm, norm_in_block, norm_early, _ = norm_args(x2d, norm_in)
     stages = matvec.word_stages(widest, n_in, "grouped") if words else matvec.PIPELINE_STAGES
     _nf4_grouped_matvec_kernel[(first.programs + end,)](
         x_rows, x_rows.stride(0), x_rows.stride(1), table,
         tables if words else code, t, t.stride(0), *(arg for slot in slots[:-1] for arg in slot), *slots[-1][:-1],
-        n_rows, n_in, *first, *norm[:4],
-        BLOCKSIZE=blocksize, NORM_IN=norm_in_block, NORM_EARLY=norm_early, HAS_BIAS=biases[0] is not None,
+        n_rows, n_in, *first,
+        BLOCKSIZE=blocksize, HAS_BIAS=biases[0] is not None,
         HAS_LORA=sum(ranks) > 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
         BLOCK_R=max(2, triton.next_power_of_2(max(ranks))), LOOKUP=LOOKUPS.index(matvec.LOOKUP),

@@ -60,9 +60,6 @@ from unsloth_lite.kernels.matvec_epilogue import (
     BIAS_NONE,
     BIAS_ROWS,
     _arrival_counters,
-    norm_args,
-    normed_rows,
-    scaled_by_rstd,
     t_before_walk,
 )
 from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, LOOKUPS, code_pairs
@@ -237,19 +234,13 @@ def nf4_matvec(
     quant_state=None,
     lora_t: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
-    norm_in: tuple | None = None,
-    normed: tuple | None = None,
 ) -> torch.Tensor:
     """`x dequant(W)ᵀ + b + scale · (x Aᵀ) Bᵀ` for x `[..., K]` of 1 to 8 rows and W a 2-D NF4 `Params4bit`
     `[N, K]` (or packed bytes with `quant_state`); returns `[..., N]` in x's dtype. No autograd. `lora_t`: x Aᵀ
     already computed (fp32 `[rows, r]`, unit column stride; `lora_down_rows`), given with B instead of A, or as
     parts `[P, rows, r]` whose sum it is (`nf4_gated_matvec`'s stripes of `down_shares`), summed in the epilogue.
     `residual` (`[..., N]` as the result, x's dtype): added in the epilogue before the one rounding, as an
-    output projection's result joins the residual stream. `norm_in` (h, eps): x is x̃ = h · w of h's RMSNorm, the
-    products (and t) scaled by each row's rstd from h (`matvec_epilogue`'s folded norms); `normed` (out, w,
-    offset, zeroed): x̃ = y · (w + offset) of the result also written into out `[rows, N]` (contiguous, x's dtype),
-    and `zeroed` (fp32, or None) set to 0. The word kernel folds both; for the others x̃ is scaled before and
-    multiplied after (`matvec_epilogue`)."""
+    output projection's result joins the residual stream."""
     launch = _launch(weight, quant_state)
     if len(launch.shape) != 2:
         raise ValueError(f"nf4_matvec needs a 2-D weight; quant_state.shape is {tuple(launch.shape)}")
@@ -274,8 +265,6 @@ def nf4_matvec(
     words = tables is not None  # the word kernel, else the blocked one
     block_n, tile_k, warps, tiles_a_split = word_tile(n_out, n_in) if words else blocked_tile(n_out)
     blocked = n_in % blocksize == 0 and tile_k % blocksize == 0
-    if norm_in is not None and not (blocked and words):  # the other kernels walk the norm's output, and its t
-        x2d, lora_t = scaled_by_rstd(x2d, *norm_in, lora_t)
     feature_blocks, splits = triton.cdiv(n_out, block_n), triton.cdiv(n_in, tile_k * max(int(tiles_a_split), 1))
     split_k = int(tiles_a_split) if blocked and splits > 1 else 0  # tiles a split, 0: K not split
     first_in_launch = (FIRST_PRODUCTS_IN_LAUNCH and lora_t is None and lora_a is not None and lora_a.shape[0] > 0
@@ -323,13 +312,11 @@ def nf4_matvec(
     if blocked and words:
         pdl = uses_pdl(x.device)
         x_rows, x_pairs = word_kernel_rows(x2d)
-        norm, norm_in_block, norm_early, norm_out = norm_args(x2d, norm_in, normed)
         stages = word_stages(n_out, n_in)
         _nf4_matvec_words_kernel[(first.programs + feature_blocks, splits if split_k else 1)](
             x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],
             *((partial, arrivals) if split_k else (out, out)), *sizes, *first,
-            part_stride, *norm, T_PARTS=parts, NORM_IN=norm_in_block, NORM_EARLY=norm_early, NORMED=norm_out,
-            T_EARLY=t_before_walk(has_lora, not first_in_launch, stages, REGISTER_PREFETCH),
+            part_stride, T_PARTS=parts, T_EARLY=t_before_walk(has_lora, not first_in_launch, stages, REGISTER_PREFETCH),
             FIRST_PRODUCTS=first_in_launch, FIRST_BLOCK_K=LORA_BLOCK_K,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCKS_PER_TILE=tile_k // blocksize,
             PTX=LOOKUP == "registers", BF16_CODES=word_code_form(bf16_codes, x_pairs),
@@ -352,6 +339,4 @@ def nf4_matvec(
             WEIGHT_BF16=launch.dtype == torch.bfloat16, WEIGHT_FP16=launch.dtype == torch.float16,
             enable_fp_fusion=False, num_warps=4, **meta,
         )
-    if normed is not None and not (blocked and words):
-        normed_rows(out, *normed)
     return out.view(*x.shape[:-1], n_out)

@@ -18,7 +18,6 @@ from unsloth_lite.kernels.matvec_epilogue import (
     _finish_product,
     _store_rows,
     _tile_range,
-    no_norm,
 )
 from unsloth_lite.kernels.nf4_codes import _nf4_codes
 
@@ -87,7 +86,7 @@ def _nf4_matvec_blocked_kernel(
     t = _adapter_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, 0, 1)
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t, lora_b, scale, out_ptr,
-        out_row_stride, BLOCK_M, SPLIT_K, BIAS, HAS_LORA, no_norm(out_ptr), 0.0, 0, False, False,
+        out_row_stride, BLOCK_M, SPLIT_K, BIAS, HAS_LORA,
     )
 
 
@@ -177,5 +176,5 @@ def _nf4_matvec_kernel(
         acc, rows, features, n_rows, n_out, bias_ptr,
         _adapter_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, 0, 1),
         _adapter_b(lora_b_ptr, lora_b_row_stride, lora_b_col_stride, features, n_out, rank, HAS_LORA, BLOCK_R),
-        scale, out_ptr, out_row_stride, BIAS, HAS_LORA, no_norm(out_ptr), 0.0, 0, False, False,
+        scale, out_ptr, out_row_stride, BIAS, HAS_LORA,
     )

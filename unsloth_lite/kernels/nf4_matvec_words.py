@@ -38,7 +38,6 @@ from unsloth_lite.kernels.lora_down import (
 from unsloth_lite.kernels.matvec_epilogue import (
     _adapter_b,
     _adapter_t,
-    _early_rows,
     _early_t,
     _finish_product,
     _tile_range,
@@ -294,14 +293,12 @@ def _nf4_matvec_words_kernel(
     n_rows, n_out, n_in, rank,
     xv_ptr, xv_row_stride, xv_col_stride, a0_ptr, a1_ptr, a2_ptr, rank0, rank1, width, first_partial_ptr,
     first_arrivals_ptr, flags_ptr, first_splits, t_part_stride,
-    h_ptr, h_row_stride, h_width, eps, normed_ptr, norm_w_ptr, norm_offset, zeroed_ptr, zeroed_count,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
     BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     STAGES: tl.constexpr, WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
-    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr, T_PARTS: tl.constexpr, NORM_IN: tl.constexpr,
-    NORM_EARLY: tl.constexpr, NORMED: tl.constexpr, T_EARLY: tl.constexpr,
+    FIRST_PRODUCTS: tl.constexpr, FIRST_BLOCK_K: tl.constexpr, T_PARTS: tl.constexpr, T_EARLY: tl.constexpr,
 ):
     """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N) for all rows, walking K BLOCKS_PER_TILE quantisation
     blocks at a time (with SPLIT_K, tiles a split, program (i, j) takes tiles [j · SPLIT_K, (j + 1) · SPLIT_K),
@@ -313,10 +310,8 @@ def _nf4_matvec_words_kernel(
     FIRST_PRODUCTS (no SPLIT_K): the adapter's first product t = x Aᵀ in the same launch, by its first
     width · first_splits programs (`lora_down._first_product_program`; x as `xv_ptr`, its elements), which every
     other program awaits before its epilogue (`_await_first_products`). T_PARTS: t given as that many parts
-    `t_part_stride` apart, summed in the epilogue (`matvec_epilogue._output_values`). h_ptr to zeroed_count,
-    NORM_IN, NORM_EARLY and NORMED: the folded norms' (`matvec_epilogue`: x is x̃ of h's norm; x̃ of the result's
-    written). T_EARLY: t, given, loaded before the walk (`matvec_epilogue.t_before_walk`)."""
-    norm = (h_ptr, h_row_stride, h_width, eps, normed_ptr, norm_w_ptr, norm_offset, zeroed_ptr, zeroed_count)
+    `t_part_stride` apart, summed in the epilogue (`matvec_epilogue._output_values`). T_EARLY: t, given, loaded
+    before the walk (`matvec_epilogue.t_before_walk`)."""
     if FIRST_PRODUCTS:
         writers = width * first_splits
         if tl.program_id(0) < writers:
@@ -332,7 +327,7 @@ def _nf4_matvec_words_kernel(
                 lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr,
                 arrivals_ptr, n_rows, n_out, n_in, rank, flags_ptr, tl.num_programs(0) - writers, BLOCKSIZE, NESTED,
                 BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE, BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES,
-                WHOLE_TILES, X_PAIRS, PREFETCH, True, t_part_stride, 1, norm, NORM_IN, NORM_EARLY, NORMED, False,
+                WHOLE_TILES, X_PAIRS, PREFETCH, True, t_part_stride, 1, False,
             )
     else:
         _word_program(
@@ -341,7 +336,7 @@ def _nf4_matvec_words_kernel(
             lora_b_row_stride, lora_b_col_stride, scale, out_ptr, out_row_stride, partial_ptr, arrivals_ptr, n_rows,
             n_out, n_in, rank, flags_ptr, 0, BLOCKSIZE, NESTED, BIAS, HAS_LORA, BLOCK_M, BLOCK_N, BLOCKS_PER_TILE,
             BLOCK_R, PTX, BF16_CODES, SPLIT_K, PDL, STAGES, WHOLE_TILES, X_PAIRS, PREFETCH, False, t_part_stride,
-            T_PARTS, norm, NORM_IN, NORM_EARLY, NORMED, T_EARLY,
+            T_PARTS, T_EARLY,
         )
 
 
@@ -354,8 +349,7 @@ def _word_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr, BLOCK_R: tl.constexpr,
     PTX: tl.constexpr, BF16_CODES: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
     WHOLE_TILES: tl.constexpr, X_PAIRS: tl.constexpr, PREFETCH: tl.constexpr, AWAIT_T: tl.constexpr,
-    t_part_stride, T_PARTS: tl.constexpr, norm, NORM_IN: tl.constexpr, NORM_EARLY: tl.constexpr, NORMED: tl.constexpr,
-    T_EARLY: tl.constexpr,
+    t_part_stride, T_PARTS: tl.constexpr, T_EARLY: tl.constexpr,
 ):
     """Feature block `block` of the word kernel: its walk and its epilogue. AWAIT_T: t comes from the launch's
     first programs (`_await_first_products` before t's load, `_count_reader` once it is issued, the count's round
@@ -364,7 +358,6 @@ def _word_program(
     rows = tl.arange(0, BLOCK_M)
     first_block, end_block = _tile_range(n_in // BLOCKSIZE, BLOCKS_PER_TILE, SPLIT_K)
     lora_b = _adapter_b(lora_b_ptr, lora_b_row_stride, lora_b_col_stride, features, n_out, rank, HAS_LORA, BLOCK_R)
-    early = _early_rows(norm, rows, n_rows, PDL, NORM_IN, NORM_EARLY)
     t = _early_t(t_ptr, t_row_stride, rank, rows, n_rows, HAS_LORA, BLOCK_R, t_part_stride, T_PARTS, PDL, T_EARLY)
     acc, partial = _word_walk(
         x_ptr, x_row_stride, words_ptr, absmax_ptr, code_ptr, tables_ptr, nested_code_ptr, nested_absmax_ptr,
@@ -381,5 +374,5 @@ def _word_program(
         _count_reader(flags_ptr, block, readers)
     _finish_product(
         acc, partial, rows, features, n_rows, n_out, partial_ptr, arrivals_ptr, bias_ptr, t, lora_b, scale, out_ptr,
-        out_row_stride, BLOCK_M, SPLIT_K, BIAS, HAS_LORA, norm, early, NORM_IN, NORM_EARLY, NORMED,
+        out_row_stride, BLOCK_M, SPLIT_K, BIAS, HAS_LORA,
     )

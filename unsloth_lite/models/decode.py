@@ -22,7 +22,6 @@ from transformers.cache_utils import StaticLayer
 from unsloth_lite.kernels.decode_attention import decode_attention
 from unsloth_lite.kernels.lora import LoRAProjection
 from unsloth_lite.kernels.lora_down import MAX_ROWS, lora_down_rows
-from unsloth_lite.kernels.matvec_epilogue import normed_rows, scaled_by_rstd
 from unsloth_lite.kernels.nf4_gated_matvec import gated_matvec_supported, nf4_gated_matvec
 from unsloth_lite.kernels.nf4_grouped_matvec import grouped_matvec_supported, nf4_grouped_matvec
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec
@@ -78,16 +77,6 @@ SCREENED_LM_HEAD = True
 # share written by the attention's launch, took the 8B's to 3.713 ms (the attention is on the step's critical
 # path with 8 programs a token, the `lora_down` launch it replaced spreads over 16 x 4) and was removed.
 MLP_SHARES = True
-# A decoder layer's RMSNorms folded into the products around them (`matvec_epilogue`'s folded norms), where the
-# products after the norm take it (the grouped q/k/v or DeltaNet launch, the gate-and-up launch): the output
-# projection before it (o_proj, out_proj, or the previous layer's down_proj) also writes x̃ = h · (w + offset) of
-# the residual stream h it writes, and those launches walk x̃ and scale their sums by each row's rstd from h,
-# instead of a norm launch between the two (`decoder_layer.py`; with `MLP_SHARES` the output projection before the
-# MLP's norm zeroes the stripes, as that launch did). Measured on an H100 (docs/benchmarks.md, "W3 with the norms
-# folded into the products", 2026-12-07) with h read in the consumers' epilogues: the Qwen3-8B step 3.031 -> 3.128
-# ms without adapters, 3.446 -> 3.573 with them (each program's wait for h at its end outlasts the norm's launch):
-# off. `matvec_epilogue.NORM_EARLY` (h loaded before the walk) is not yet measured.
-FOLDED_NORMS = False
 # Stripes of the down shares: program i adds into stripe i mod S, so that ~100 programs (not 1,536) add into an
 # address, and the down projection's epilogue reads S parts of t.
 DOWN_SHARE_STRIPES = 16
@@ -158,16 +147,12 @@ def is_decode_rows(x: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() and 1 <= rows <= MAX_ROWS
 
 
-def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor, residual=None,
-                 normed=None) -> tuple[torch.Tensor, ...]:
+def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor, residual=None) -> tuple[torch.Tensor, ...]:
     """`x Wᵀ + b + s (x Aᵀ) Bᵀ` for each projection of the rows `x`: NF4 bases through `nf4_matvec` (its
     PyTorch reference off the kernels' devices, and for float64), or all in one `nf4_grouped_matvec` launch with
     `GROUPED_MATVEC` where it takes them; dense bases through one product each. `residual` (one projection):
-    added to its result, in `nf4_matvec`'s epilogue for an NF4 base; `normed` (with it): x̃ of the next norm
-    written too (`nf4_matvec`'s). Where x is x̃ of a folded norm (`normed_input`), the grouped launch scales its
-    sums, any other path takes the norm's output x̃ · rstd."""
+    added to its result, in `nf4_matvec`'s epilogue for an NF4 base."""
     kernels = (x.is_cuda or INTERPRET) and x.dtype != torch.float64
-    norm_in = _norm_in_for(x)
     quantized = [getattr(p.base, "quant_state", None) is not None for p in projections]
     if residual is not None:
         if len(projections) != 1:
@@ -182,10 +167,7 @@ def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor, resid
         loras = [(p.lora_b, p.scale) if p.rank else None for p in projections]
         grouped = grouped_matvec_supported(x, bases, biases, loras)
     if grouped and not pending:
-        return tuple(nf4_grouped_matvec(x, bases, biases, loras, None, [p.lora_a for p in projections if p.rank],
-                                        norm_in=norm_in))
-    if norm_in is not None:
-        x = scaled_by_rstd(x, *norm_in)[0]
+        return tuple(nf4_grouped_matvec(x, bases, biases, loras, None, [p.lora_a for p in projections if p.rank]))
     own = len(projections) == 1 and not pending
     t, products = first_products(projections, x, [kernels and q and not own for q in quantized])
     if grouped:
@@ -195,7 +177,7 @@ def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor, resid
         if quantized[i] and kernels:
             lora = {} if not p.rank else (dict(lora_b=p.lora_b, lora_t=products[i]) if i in products
                                           else dict(lora_a=p.lora_a, lora_b=p.lora_b))
-            outputs.append(nf4_matvec(x, p.base, p.bias, scale=p.scale, residual=residual, normed=normed, **lora))
+            outputs.append(nf4_matvec(x, p.base, p.bias, scale=p.scale, residual=residual, **lora))
             continue
         if quantized[i]:
             adapter = (p.lora_a, p.lora_b) if p.rank else (None, None)
@@ -208,8 +190,6 @@ def project_rows(projections: tuple[LoRAProjection, ...], x: torch.Tensor, resid
                 torch.nn.functional.linear(x, p.lora_a.to(x.dtype)), p.lora_b.to(x.dtype)
             )
         outputs.append(y if residual is None else residual + y)
-    if normed is not None and not (quantized[0] and kernels):
-        normed_rows(outputs[0].reshape(-1, outputs[0].shape[-1]), *normed)
     return tuple(outputs)
 
 
@@ -217,12 +197,11 @@ _PENDING_RESIDUAL = threading.local()
 
 
 @contextlib.contextmanager
-def residual_for_output(residual: torch.Tensor, normed=None):
+def residual_for_output(residual: torch.Tensor):
     """Within: the next output projection of decoding rows (`output_rows`) returns `residual +` its result, and
-    marks it taken (`yield`s {"taken": bool}); a nested use holds its own. `normed` (out, w, offset): it also
-    writes x̃ of the next norm into out (`nf4_matvec`'s `normed`; a folded norm)."""
+    marks it taken (`yield`s {"taken": bool}); a nested use holds its own."""
     previous = getattr(_PENDING_RESIDUAL, "pending", None)
-    pending = _PENDING_RESIDUAL.pending = {"residual": residual, "taken": False, "normed": normed}
+    pending = _PENDING_RESIDUAL.pending = {"residual": residual, "taken": False}
     try:
         yield pending
     finally:
@@ -236,7 +215,7 @@ def output_rows(projection: LoRAProjection, x: torch.Tensor) -> torch.Tensor:
     if pending is None or pending["taken"]:
         return project_rows((projection,), x)[0]
     pending["taken"] = True
-    return project_rows((projection,), x, residual=pending["residual"], normed=pending["normed"])[0]
+    return project_rows((projection,), x, residual=pending["residual"])[0]
 
 
 _PENDING_PRODUCTS = threading.local()
@@ -279,49 +258,6 @@ def first_products(projections, x: torch.Tensor, on_kernels: list[bool]):
     return t, dict(zip(adapted, t.split([projections[i].rank for i in adapted], dim=1), strict=True))
 
 
-_PENDING_NORM = threading.local()
-
-
-@contextlib.contextmanager
-def normed_input(x: torch.Tensor, h: torch.Tensor, eps: float):
-    """Within: the products of exactly the rows `x` (`project_rows`, `gated_rows`) take x as x̃ = h · w of h's
-    RMSNorm (a folded norm, `FOLDED_NORMS`): they scale by each row's rstd from h, or take x̃ · rstd. A block
-    that ends without any of them reading x raises RuntimeError: its reader took x̃ for the norm's output."""
-    previous = getattr(_PENDING_NORM, "pending", None)
-    pending = _PENDING_NORM.pending = [x, h, eps, False]
-    try:
-        yield
-    finally:
-        _PENDING_NORM.pending = previous
-    if not pending[3]:
-        raise RuntimeError("a folded RMSNorm's input was read by a module outside the fused decoding path")
-
-
-def _norm_in_for(x: torch.Tensor) -> tuple | None:
-    """(h, eps) where `normed_input` holds exactly x (which counts as read), else None."""
-    pending = getattr(_PENDING_NORM, "pending", None)
-    if pending is None or pending[0] is not x:
-        return None
-    pending[3] = True
-    return pending[1], pending[2]
-
-
-_HANDED_NORM = threading.local()
-
-
-def hand_on_norm(h: torch.Tensor, normed: torch.Tensor) -> None:
-    """Hands x̃ of the next decoder layer's input norm, written beside the residual stream h, to that layer
-    (`take_handed_norm`)."""
-    _HANDED_NORM.pending = (h, normed)
-
-
-def take_handed_norm(h: torch.Tensor) -> torch.Tensor | None:
-    """x̃ handed on (`hand_on_norm`) with exactly the rows h, else None; either way nothing is held after."""
-    pending = getattr(_HANDED_NORM, "pending", None)
-    _HANDED_NORM.pending = None
-    return pending[1] if pending is not None and pending[0] is h else None
-
-
 _PENDING_STRIPES = threading.local()
 
 
@@ -357,18 +293,15 @@ def gated_rows(projections: tuple[LoRAProjection, LoRAProjection], x: torch.Tens
     launch with `GATED_MATVEC` where it takes them (both NF4, `gated_matvec_supported`; `down_shares` given to
     it), else their products (`project_rows`) and `swiglu`."""
     gate, up = projections
-    norm_in = _norm_in_for(x)
     if GATED_MATVEC and gated_matvec_supported(x, gate.base, up.base):
         if first_products_pending(x):
             _, products = first_products(projections, x, [True, True])
             loras = [(p.lora_b, products[i], p.scale) if p.rank else None for i, p in enumerate(projections)]
-            return nf4_gated_matvec(x, gate.base, up.base, gate.bias, up.bias, *loras, down_shares=down_shares,
-                                    norm_in=norm_in)
+            return nf4_gated_matvec(x, gate.base, up.base, gate.bias, up.bias, *loras, down_shares=down_shares)
         # the first products left to the launch (in it where it can, else one launch before it)
         loras = [(p.lora_b, None, p.scale) if p.rank else None for p in projections]
         return nf4_gated_matvec(x, gate.base, up.base, gate.bias, up.bias, *loras,
-                                lora_as=[p.lora_a for p in projections if p.rank], down_shares=down_shares,
-                                norm_in=norm_in)
+                                lora_as=[p.lora_a for p in projections if p.rank], down_shares=down_shares)
     g, u = project_rows(projections, x)
     return (swiglu if g.is_cuda or INTERPRET else swiglu_reference)(g, u)
 

@@ -17,13 +17,7 @@ each of those is a launch of almost no work. Over a cache, with decoding rows:
   epilogues (`decode.residual_for_output`, `nf4_matvec`'s `residual`), rounded once;
 * `decode.NORM_FIRST_PRODUCTS`: each norm and the first products of the adapters of the projections that read
   its output are one launch (`rms_norm_lora_down_rows`), handed on to those projections
-  (`decode.first_products_of`);
-* `decode.FOLDED_NORMS`: no norm launch at all where the products after a norm take it folded: the output
-  projection before it writes x̃ = h · (w + offset) beside the residual stream h (the post-attention norm's,
-  within the layer; the next layer's input norm's, handed on with h to that layer, which holds it as
-  `NEXT_LAYER`), and the products after it scale by rstd from h (`decode.normed_input`). The layer that is
-  handed x̃ takes it only where its token mixer's projections of that input are sure to read it through
-  `decode.project_rows` (`_reads_folded_input`), else it runs its norm.
+  (`decode.first_products_of`).
 
 Anything else (a prompt over a cache, a module off the fused path, Hugging Face's own gradient checkpointing) runs
 Hugging Face's forward, or the step's own adds and launches where a part cannot take the fused form.
@@ -51,8 +45,6 @@ from unsloth_lite.models.layers import (
     use_kernels,
     zero_centred_rms_norm_forward,
 )
-from unsloth_lite.models.patching import NEXT_LAYER, PATCHED_FLAG
-from unsloth_lite.models.qwen3_5_decode import CacheStep, cache_step
 from unsloth_lite.models.qwen3_5_layers import DELTANET_PROJECTIONS
 
 # The projections that read a norm's output, by the module that holds them.
@@ -87,31 +79,16 @@ def decoder_layer_forward(self, hidden_states, *args, **kwargs):
         return type(self).forward(self, hidden_states, *args, **kwargs)
     mixer_name, mixer_kwargs = _mixer_call(self, kwargs, cache)
     mixer = getattr(self, mixer_name)
-    handed = decode.take_handed_norm(hidden_states)
-    if handed is not None and _reads_folded_input(self, mixer_name, mixer_kwargs, cache, hidden_states):
-        normed, products = handed, _folded(self.input_layernorm, handed, hidden_states, None)
-    else:
-        normed, products = _normed(self.input_layernorm, hidden_states, mixer, INPUT_PROJECTIONS[mixer_name])
-    fold = _fold_request(self.post_attention_layernorm, self.mlp, INPUT_PROJECTIONS["mlp"], hidden_states,
-                         down_shares=True)
-    with products, _residual(hidden_states, fold) as pending:
+    normed, products = _normed(self.input_layernorm, hidden_states, mixer, INPUT_PROJECTIONS[mixer_name])
+    with products, _residual(hidden_states) as pending:
         mixed = mixer(hidden_states=normed, **mixer_kwargs)
     mixed = mixed[0] if isinstance(mixed, tuple) else mixed
     hidden_states = mixed if pending["taken"] else hidden_states + mixed
-    if fold is not None and pending["taken"]:
-        normed = fold[0].view(hidden_states.shape)
-        products = _folded(self.post_attention_layernorm, normed, hidden_states, fold[3])
-    else:
-        normed, products = _normed(self.post_attention_layernorm, hidden_states, self.mlp, INPUT_PROJECTIONS["mlp"],
-                                   down_shares=True)
-    fold = _next_layer_fold(self, hidden_states)
-    with products, _residual(hidden_states, fold) as pending:
+    normed, products = _normed(self.post_attention_layernorm, hidden_states, self.mlp, INPUT_PROJECTIONS["mlp"],
+                               down_shares=True)
+    with products, _residual(hidden_states) as pending:
         out = self.mlp(normed)
-    if not pending["taken"]:
-        return hidden_states + out
-    if fold is not None:
-        decode.hand_on_norm(out, fold[0].view(out.shape))
-    return out
+    return out if pending["taken"] else hidden_states + out
 
 
 def takes_fused_residuals(layer, hidden_states, args, kwargs) -> bool:
@@ -146,15 +123,10 @@ def residual_fused_forward(self, hidden_states, **kwargs):
 
 def _add_norm(norm, x, delta, kept_sum=None, sum_into=None):
     """`add_rms_norm` with a fused norm module's weight, epsilon and offset."""
-    eps = _epsilon(norm)
+    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
     offset = NORM_OFFSETS[norm.forward.__func__]
     into = sum_into if delta is not None and sum_into is not None and sum_into.dtype == x.dtype else None
     return add_rms_norm(x, delta, norm.weight, eps, offset, kept_sum=kept_sum, sum_into=into)
-
-
-def _epsilon(norm) -> float:
-    """A fused norm module's epsilon (Qwen2's and Qwen3's `variance_epsilon`, Qwen3.5's `eps`)."""
-    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
 
 
 def _cache_of(kwargs: dict):
@@ -187,66 +159,11 @@ def _linear_attention_kwargs(mixer, kwargs: dict, cache) -> dict:
     return mixer_kwargs
 
 
-def _residual(residual: torch.Tensor, fold=None):
-    """`decode.residual_for_output` where `RESIDUAL_IN_PRODUCTS` is on (with the fold's `normed`), else nothing to
-    take."""
+def _residual(residual: torch.Tensor):
+    """`decode.residual_for_output` where `RESIDUAL_IN_PRODUCTS` is on, else nothing to take."""
     if decode.RESIDUAL_IN_PRODUCTS:
-        return decode.residual_for_output(residual, fold)
+        return decode.residual_for_output(residual)
     return contextlib.nullcontext({"taken": False})
-
-
-def _fold_request(norm, consumer, names, x: torch.Tensor, down_shares: bool = False) -> tuple | None:
-    """(x̃'s buffer, w, offset, the stripes to zero or None): what the output projection before `norm` writes to
-    fold it (`decode.FOLDED_NORMS`), where the products `names` of its consumer run fused on NF4 bases with their
-    adapters' first products in their launch; else None (the norm's own launch). `down_shares`: the consumer is
-    the MLP (its down projection fused too; stripes for its shares)."""
-    offset = NORM_OFFSETS.get(getattr(norm.forward, "__func__", None))
-    if not (decode.FOLDED_NORMS and decode.RESIDUAL_IN_PRODUCTS and decode.NORM_FIRST_PRODUCTS) or offset is None:
-        return None
-    if not use_kernels(x) or x.dtype == torch.float64 or not getattr(consumer, PATCHED_FLAG, False):
-        return None
-    projections = _lora_projections(consumer, names, x)
-    if projections is None or any(getattr(p.base, "quant_state", None) is None for p in projections):
-        return None
-    if down_shares and _lora_projections(consumer, ("down_proj",), x) is None:
-        return None  # the MLP's fused forward needs all three (`swiglu_mlp_forward`)
-    if any(p.rank for p in projections) and not nf4_matvec.FIRST_PRODUCTS_IN_LAUNCH:
-        return None  # the norm's launch computes the first products
-    stripes = _down_share_stripes(consumer, x) if down_shares else None
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), norm.weight, offset, stripes  # contiguous
-
-
-def _next_layer_fold(layer, x: torch.Tensor) -> tuple | None:
-    """`_fold_request` of the next decoder layer's input norm (`NEXT_LAYER`), for the MLP's output projection."""
-    following = layer.__dict__.get(NEXT_LAYER)
-    if following is None or getattr(following.forward, "__func__", None) is not decoder_layer_forward:
-        return None
-    mixer_name = "linear_attn" if getattr(following, "block_type", None) == "linear_attention" else "self_attn"
-    return _fold_request(following.input_layernorm, getattr(following, mixer_name), INPUT_PROJECTIONS[mixer_name], x)
-
-
-def _reads_folded_input(layer, mixer_name: str, mixer_kwargs: dict, cache, x: torch.Tensor) -> bool:
-    """Whether this call's token mixer reads its input only through `decode.project_rows` of its input
-    projections (which take a folded norm): patched, fused projections, and for the Gated DeltaNet a cache step
-    it runs itself without a padding mask (which would scale its input first)."""
-    mixer = getattr(layer, mixer_name)
-    if not getattr(mixer, PATCHED_FLAG, False) or _lora_projections(mixer, INPUT_PROJECTIONS[mixer_name], x) is None:
-        return False
-    if mixer_name == "linear_attn":
-        return (mixer_kwargs.get("attention_mask") is None
-                and cache_step(cache, mixer.layer_idx, x.shape[1]) is not CacheStep.UNSUPPORTED)
-    return True
-
-
-@contextlib.contextmanager
-def _folded(norm, normed: torch.Tensor, h: torch.Tensor, stripes):
-    """The context of a folded norm's consumer: `decode.normed_input` of x̃ on h (which its products must read),
-    with the stripes an output projection zeroed (`decode.zeroed_stripes_for`)."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(decode.normed_input(normed, h, _epsilon(norm)))
-        if stripes is not None:
-            stack.enter_context(decode.zeroed_stripes_for(normed, stripes))
-        yield
 
 
 def _normed(norm, x: torch.Tensor, consumer, names,
@@ -265,7 +182,7 @@ def _normed(norm, x: torch.Tensor, consumer, names,
         lora_as = [p.lora_a for p in _lora_projections(consumer, names, x) or () if _adapted_nf4(p)]
     if len(lora_as) > MAX_ADAPTERS_PER_LAUNCH:
         return norm(x), contextlib.nullcontext()
-    eps = _epsilon(norm)
+    eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
     stripes = _down_share_stripes(consumer, x) if down_shares else None
     y, t = rms_norm_lora_down_rows(x.reshape(-1, x.shape[-1]), norm.weight, eps, offset, lora_as,
                                    **({"zeroed": stripes} if stripes is not None else {}))

@@ -17,8 +17,6 @@ import torch
 import transformers
 
 PATCHED_FLAG = "_unsloth_lite_patched"
-# A patched decoder layer's next layer in its stack, held outside the module tree (`_link_decoder_layers`).
-NEXT_LAYER = "_unsloth_lite_next_layer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,23 +83,8 @@ def patch_model(model: torch.nn.Module) -> torch.nn.Module:
             rule.on_patch(module)
         module.forward = types.MethodType(rule.forward, module)
         setattr(module, PATCHED_FLAG, True)
-    _link_decoder_layers(model)
     _prefer_static_cache(model)
     return model
-
-
-def _link_decoder_layers(model: torch.nn.Module) -> None:
-    """Each patched decoder layer of a stack (a `ModuleList` of them) holds the next one under `NEXT_LAYER`, in
-    its `__dict__`, not as a submodule (no parameter, state-dict entry or hook is added): a decoding step's MLP
-    may write the next layer's normed input (`decoder_layer.py`)."""
-    for module in model.modules():
-        if not isinstance(module, torch.nn.ModuleList) or not len(module):
-            continue
-        layers = list(module)
-        if not all(type(m).__name__.endswith("DecoderLayer") and getattr(m, PATCHED_FLAG, False) for m in layers):
-            continue
-        for layer, following in zip(layers, [*layers[1:], None], strict=True):
-            layer.__dict__[NEXT_LAYER] = following
 
 
 def _stop_hub_kernelization(model: torch.nn.Module) -> None:
