@@ -23,6 +23,12 @@ a decoding step of that many sequences). Variants:
   integer pipe, which bounds the kernel: docs/benchmarks.md, "The word kernel under Nsight Compute");
 - `unsloth_lite_fp32_products`: the default kernel with each weight's product with x in fp32
   (`nf4_matvec.BF16_PAIR_PRODUCTS` off: codes and x widened to fp32 one by one) instead of in bf16 pairs;
+- `unsloth_lite_no_pdl`: the default kernel launched as an ordinary launch (`nf4_matvec.PDL` off), as the
+  Gluon variants are;
+- `unsloth_lite_gluon`, `unsloth_lite_gluon_2`: the word walk written in Gluon (`nf4_matvec_gluon`: x's pairs
+  loaded into the registers of the thread that multiplies them, no shared memory in the loop), four and two
+  words a thread; one row, no PDL, only where K is a multiple of its step (`gluon_matvec_supported`: the Qwen3-8B
+  shape's projections);
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
@@ -75,14 +81,18 @@ from decode_shapes import SHAPES, nf4_bytes, shape_config
 from random_checkpoint import weightless_model
 
 VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "unsloth_lite_prefetch",
-            "unsloth_lite_fp32_x", "unsloth_lite_fp32_products", "bitsandbytes", "dequantize_matmul")
+            "unsloth_lite_fp32_x", "unsloth_lite_fp32_products", "unsloth_lite_no_pdl", "unsloth_lite_gluon",
+            "unsloth_lite_gluon_2", "bitsandbytes", "dequantize_matmul")
+# the Gluon walk's variants: words a thread (`nf4_matvec_gluon.WORDS_PER_THREAD`)
+GLUON_VARIANTS = {"unsloth_lite_gluon": 4, "unsloth_lite_gluon_2": 2}
 FP32_X = "unsloth_lite_fp32_x"  # the same product of x given in float32: no widening of x in the walk
 NESTED_ABSMAX = "unsloth_lite_nested_absmax"  # the kernel reading the double-quantised absmax itself
 # `nf4_matvec` settings of the unsloth-lite variants
 KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False},
                    "unsloth_lite_words": {"WORD_KERNEL": True},
                    "unsloth_lite_prefetch": {"WORD_KERNEL": True, "PIPELINE_STAGES": 1, "REGISTER_PREFETCH": True},
-                   FP32_X: {}, "unsloth_lite_fp32_products": {"BF16_PAIR_PRODUCTS": False}}
+                   FP32_X: {}, "unsloth_lite_fp32_products": {"BF16_PAIR_PRODUCTS": False},
+                   "unsloth_lite_no_pdl": {"PDL": False}}
 # (features, weights along K, warps, tiles a split along K: False none, True one) a program
 SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (32, 512, 4, False),
                (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),
@@ -165,6 +175,10 @@ def variant_fn(variant: str, x, weight):
                     setattr(matvec, name, value)
 
         return product
+    if variant in GLUON_VARIANTS:
+        from unsloth_lite.kernels.nf4_matvec_gluon import nf4_matvec_gluon
+
+        return lambda: nf4_matvec_gluon(x, weight, GLUON_VARIANTS[variant])
     if variant == "bitsandbytes":
         import bitsandbytes as bnb
 
@@ -174,13 +188,18 @@ def variant_fn(variant: str, x, weight):
 
 def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidth: float,
             x_rows: int = 1) -> list[dict]:
+    from unsloth_lite.kernels.nf4_matvec_gluon import gluon_matvec_supported
+
     dtype = torch.float32 if tiny else torch.bfloat16
     rows, counts = [], {s: projection_shapes(s, tiny) for s in shapes}
     for n_out, n_in in sorted({key for c in counts.values() for key in c}):
         weights = weight_copies(nf4_weight(n_out, n_in, device, dtype), tiny)
         x = torch.randn(x_rows, n_in, device=device, dtype=dtype)
         for variant in variants:
-            reads_flat = variant in KERNEL_SETTINGS and KERNEL_SETTINGS[variant].get("FLAT_ABSMAX", True)
+            if variant in GLUON_VARIANTS and not gluon_matvec_supported(x, weights[0], GLUON_VARIANTS[variant]):
+                continue
+            reads_flat = variant in GLUON_VARIANTS or (
+                variant in KERNEL_SETTINGS and KERNEL_SETTINGS[variant].get("FLAT_ABSMAX", True))
             absmax_bytes = flat_absmax_bytes if reads_flat else nf4_bytes
             x_bytes = 4 if variant == FP32_X else x.element_size()
             moved = absmax_bytes(n_out * n_in) + x_bytes * x_rows * (n_in + n_out)
@@ -374,7 +393,7 @@ def per_token(rows: list[dict], shapes: list[str], variants: list[str], tiny: bo
     totals = []
     for shape in shapes:
         for variant in variants:
-            parts = [(count, times[(n_out, n_in, variant)])
+            parts = [(count, times.get((n_out, n_in, variant)))
                      for (n_out, n_in), count in projection_shapes(shape, tiny).items()]
             if all(us is not None for _, us in parts):
                 totals.append({"model": shape, "variant": variant,

@@ -19,14 +19,14 @@ every DeltaNet kernel's registers and shared memory equal those the H200 reporte
 
 `--nf4-matvec`: `nf4_matvec` at every decoder projection shape of W3's models (bf16, one row, flat absmax as
 shipped; `--matvec-shapes` for others), through the blocked kernel, the word kernel (`WORD_KERNEL`; also with
-`REGISTER_PREFETCH`, `words_prefetch`) and the
-gate-and-up kernel (`nf4_gated_matvec`, the shape as both weights' and the instructions per weight over both; on
-the blocked walk and on the word walk, `gated_words`, also prefetched), each at its tile as shipped, and (without
-`--matvec-shapes`) `nf4_grouped_matvec` at W3's groups of projections of one input (both walks); the SASS
-(`cuobjdump -sass`) gives the instructions of the kernel and of its loop over K (the longest backward branch), and
-of the loop per eight weights of a thread (`per_8_weights`: the loop's instructions over the weights a thread
-decodes in one step, times 8). Launched from a CPU, the kernels are
-compiled without programmatic dependent launch.
+`REGISTER_PREFETCH`, `words_prefetch`; and its walk in Gluon, `words_gluon`, where the shape fits
+`nf4_matvec_gluon`) and the gate-and-up kernel (`nf4_gated_matvec`, the shape as both weights' and the
+instructions per weight over both; on the blocked walk and on the word walk, `gated_words`, also prefetched), each
+at its tile as shipped, and (without `--matvec-shapes`) `nf4_grouped_matvec` at W3's groups of projections of one
+input (both walks); the SASS (`cuobjdump -sass`) gives the instructions of the kernel and of its loop over K (the
+longest backward branch), and of the loop per eight weights of a thread (`per_8_weights`: the loop's instructions
+over the weights a thread decodes in one step, times 8). Launched from a CPU, the kernels are compiled without
+programmatic dependent launch.
 
 `--decode-kernels`: `decode_attention` at the W3 models' attention shapes (bf16, batch 1, a boolean mask,
 Qwen3.5's gate), a cache of 256 positions (W3's) and one of 4,096 (and at 256 with the norm and RoPE),
@@ -56,6 +56,7 @@ import triton  # noqa: E402
 from bench_common import markdown_table, write_json  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from unsloth_lite.kernels import (  # noqa: E402
@@ -68,6 +69,7 @@ from unsloth_lite.kernels import (  # noqa: E402
     nf4_grouped_matvec,
     nf4_matvec,
     nf4_matvec_checks,
+    nf4_matvec_gluon,
     screened_logits,
 )
 
@@ -120,7 +122,8 @@ def compile_launch(kernel: JITFunction, args, kwargs, arch: int):
             signature[name] = "fp32"
         else:
             raise TypeError(f"{kernel.__name__}: argument {name} of type {type(value).__name__}")
-    source = ASTSource(kernel, signature, constexprs=constants, attrs=attributes)
+    source = (GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource)(
+        kernel, signature, constexprs=constants, attrs=attributes)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
@@ -164,16 +167,19 @@ def compiled_on_cpu():
     saved = {module: module.check_kernel_device
              for module in (nf4_matvec_checks, dequantize_module, decode_attention, deltanet_decode_gated, lora_down,
                             greedy_token)}
-    supported = nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported
+    supported = (nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported,
+                 nf4_matvec_gluon.gluon_matvec_supported)
     try:
         for module in saved:
             module.check_kernel_device = lambda _name, _tensor: None
         nf4_gated_matvec.gated_matvec_supported = nf4_grouped_matvec.grouped_matvec_supported = lambda *_: True
+        nf4_matvec_gluon.gluon_matvec_supported = lambda *_: True
         yield
     finally:
         for module, check in saved.items():
             module.check_kernel_device = check
-        nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported = supported
+        (nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported,
+         nf4_matvec_gluon.gluon_matvec_supported) = supported
 
 
 def nf4_weight(n_out: int, n_in: int):
@@ -217,8 +223,8 @@ def launch_figures(launches, arch: int, weights_a_program_step: int = 1) -> dict
     compiled = compile_launch(kernel, kernel_args, kernel_kwargs, arch)
     registers, stack = resource_usage(compiled)
     total, loop = loop_instructions(sass_of(compiled))
-    weights = kernel_kwargs["BLOCK_N"] * kernel_kwargs["BLOCKS_PER_TILE"] * kernel_kwargs["BLOCKSIZE"]
-    per_thread = weights_a_program_step * weights / (32 * kernel_kwargs["num_warps"])
+    features, along_k = step_tile(kernel_kwargs)
+    per_thread = weights_a_program_step * features * along_k / (32 * kernel_kwargs["num_warps"])
     return dict(registers=registers, stack_bytes=stack, shared_bytes=compiled.metadata.shared, instructions=total,
                 loop=loop, per_8_weights=round(8 * loop / per_thread, 1))
 
@@ -227,10 +233,18 @@ def tile_name(tile) -> str:
     return f"{tile[0]}x{tile[1]}/{tile[2]}w"
 
 
+def step_tile(kwargs) -> tuple[int, int]:
+    """(features, weights along K) a program of a captured matrix-vector launch takes a step: the Triton kernels'
+    tile, or the Gluon kernel's (`WORDS_PER_THREAD` words a thread, the warps side by side along K)."""
+    if "WORDS_PER_THREAD" in kwargs:
+        return kwargs["BLOCK_N"], 8 * kwargs["WORDS_PER_THREAD"] * 32 * kwargs["num_warps"]
+    return kwargs["BLOCK_N"], kwargs["BLOCKS_PER_TILE"] * kwargs["BLOCKSIZE"]
+
+
 def launch_tile(launches) -> str:
     """The tile of the one captured launch, as `tile_name` writes it (the launch's own, whichever table chose it)."""
     (_, _, kwargs), = launches
-    return tile_name((kwargs["BLOCK_N"], kwargs["BLOCKS_PER_TILE"] * kwargs["BLOCKSIZE"], kwargs["num_warps"]))
+    return tile_name((*step_tile(kwargs), kwargs["num_warps"]))
 
 
 def matvec_rows(shapes, arch: int) -> list[dict]:
@@ -239,8 +253,11 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
     for n_out, n_in in shapes:
         packed, state = nf4_weight(n_out, n_in)
         x = torch.empty(1, n_in, dtype=torch.bfloat16)
-        for name, words in (("blocked", False), ("words", True), ("words_prefetch", True), ("gated", False),
-                            ("gated_words", True), ("gated_words_prefetch", True)):
+        kernels = [("blocked", False), ("words", True), ("words_prefetch", True), ("gated", False),
+                   ("gated_words", True), ("gated_words_prefetch", True)]
+        if n_in % nf4_matvec_gluon.step_weights() == 0 and n_out % nf4_matvec_gluon.BLOCK_N == 0:
+            kernels.append(("words_gluon", True))
+        for name, words in kernels:
             saved = nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH
             try:
                 nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH = words, name.endswith("prefetch")
@@ -248,6 +265,8 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
                     if name.startswith("gated"):  # gate and up: two weights a program
                         weight = nf4_param(n_out, n_in)
                         nf4_gated_matvec.nf4_gated_matvec(x, weight, weight)
+                    elif name == "words_gluon":
+                        nf4_matvec_gluon.nf4_matvec_gluon(x, nf4_param(n_out, n_in))
                     else:
                         nf4_matvec.nf4_matvec(x, packed, quant_state=state)
             finally:
