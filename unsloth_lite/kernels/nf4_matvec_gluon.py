@@ -77,14 +77,15 @@ def step_weights(words_per_thread: int = WORDS_PER_THREAD) -> int:
 
 def gluon_matvec_supported(x: torch.Tensor, weight, words_per_thread: int = WORDS_PER_THREAD) -> bool:
     """One bf16 row on a CUDA device, a bf16 NF4 weight of block 64 with its flat absmax, N a multiple of BLOCK_N
-    and K of a program's step (`step_weights`)."""
+    and K of a program's step (`step_weights`); the flat absmax and the lane tables made (not first made inside a
+    CUDA graph's capture)."""
     state = getattr(weight, "quant_state", None)
     if state is None or not x.is_cuda or x.dtype != torch.bfloat16 or x.numel() != x.shape[-1]:
         return False
     n_out, n_in = (int(n) for n in state.shape)
     return (state.dtype == torch.bfloat16 and state.blocksize == BLOCKSIZE and n_in == x.shape[-1]
             and n_out % BLOCK_N == 0 and n_in % step_weights(words_per_thread) == 0
-            and fp32_absmax(weight) is not None)
+            and fp32_absmax(weight) is not None and lane_tables(x.device, True) is not None)
 
 
 def nf4_matvec_gluon(x: torch.Tensor, weight, words_per_thread: int = WORDS_PER_THREAD) -> torch.Tensor:
