@@ -123,17 +123,17 @@ def test_first_products_readers_counted_in_groups(rows, device, word_kernel, mon
         assert_first_products_in_the_launch((130, 64 * 5), rows, 4, device, word_kernel)
 
 
-def given_t_products(shape, rows, parts, device):
+def given_t_products(shape, rows, parts, device, monkeypatch):
     """The word kernel's product with an adapter's t given (`lora_t`, as `parts` stripes where more than one),
     t written by a launch just before (as decoding's are), then a residual; with t loaded in the epilogue and
     before the walk (`matvec_epilogue.T_BEFORE_WALK`)."""
     x, weight, _, lora_a, lora_b = make_case(shape, rows, torch.bfloat16, True, 64, False, 16, device)
     residual = torch.randn(rows, shape[0], dtype=torch.bfloat16, device=device)
+    shares = torch.arange(1, parts + 1, device=device) / (parts * (parts + 1) / 2)  # summing to 1
     products = []
     for early in (False, True):
-        matvec_epilogue.T_BEFORE_WALK = early
+        monkeypatch.setattr(matvec_epilogue, "T_BEFORE_WALK", early)
         t = lora_down_module.lora_down_rows(x, [lora_a])
-        shares = torch.arange(1, parts + 1, device=device) / (parts * (parts + 1) / 2)  # summing to 1
         lora_t = shares[:, None, None] * t if parts > 1 else t
         products.append(nf4_matvec(x, weight, lora_b=lora_b, scale=0.5, lora_t=lora_t, residual=residual))
     expected = float64_reference(x, weight, None, lora_a, lora_b, 0.5) + residual.double()
@@ -144,8 +144,7 @@ def given_t_products(shape, rows, parts, device):
 @pytest.mark.parametrize("rows", [1, 3])
 def test_word_kernel_loads_a_given_t_before_the_walk(rows, parts, device, word_kernel, monkeypatch):
     """t given whole or in parts: loaded before the walk, the same bits as loaded in the epilogue."""
-    monkeypatch.setattr(matvec_epilogue, "T_BEFORE_WALK", False)
-    (late, early), expected = given_t_products((40, 64 * 37), rows, parts, device)
+    (late, early), expected = given_t_products((40, 64 * 37), rows, parts, device, monkeypatch)
     assert torch.equal(early, late)
     assert_close(early, expected, TOLERANCE[torch.bfloat16], "y")
     assert len(word_kernel) == 2
@@ -234,8 +233,7 @@ def test_word_kernel_takes_the_first_product_in_its_launch_cuda(shape, rows, wor
 @pytest.mark.parametrize("shape", [(4096, 4096), (4096, 12288), (5120, 17408)], ids=str)
 def test_word_kernel_loads_a_given_t_before_the_walk_cuda(shape, rows, parts, word_kernel, monkeypatch):
     """Compiled, with dependent launches: t loaded once `gdc_wait` returns gives the epilogue's bits."""
-    monkeypatch.setattr(matvec_epilogue, "T_BEFORE_WALK", False)
-    (late, early), expected = given_t_products(shape, rows, parts, "cuda")
+    (late, early), expected = given_t_products(shape, rows, parts, "cuda", monkeypatch)
     assert torch.equal(early, late)
     assert_close(early, expected, TOLERANCE[torch.bfloat16], "y")
 

@@ -261,7 +261,8 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     pdl = matvec.uses_pdl(x.device)
     ranks = [a[1] for a in adapters]
     down_a, stripes = _checked_down_shares(down_shares, n_rows, n_out, x.device)
-    stages = matvec.word_stages(n_out, n_in, "gated", adapted) if words else matvec.PIPELINE_STAGES
+    # the blocked walk of this launch is not pipelined: one stage
+    stages = matvec.word_stages(n_out, n_in, "gated", adapted) if words else 1
     _nf4_gated_matvec_kernel[(first.programs + feature_blocks,)](
         x_rows, x_rows.stride(0), x_rows.stride(1),
         packed[0], matvec.fp32_absmax(gate), packed[1], matvec.fp32_absmax(up), table, tables if words else table,
@@ -279,8 +280,8 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
         UP_BLOCK_R=max(2, triton.next_power_of_2(ranks[1])),
         LOOKUP=LOOKUPS.index(matvec.LOOKUP), BF16_CODES=matvec.word_code_form(bf16_codes, x_pairs),
         PDL=pdl, WORDS=words,
-        STAGES=stages, T_EARLY=words and t_before_walk(
-            ranks[0] + ranks[1] > 0, first.programs == 0, stages, matvec.REGISTER_PREFETCH),
+        STAGES=stages,
+        T_EARLY=t_before_walk(ranks[0] + ranks[1] > 0, first.programs == 0, stages, matvec.REGISTER_PREFETCH),
         WHOLE_TILES=n_out % block_n == 0 and n_in % tile_k == 0, X_PAIRS=x_pairs,
         PREFETCH=matvec.REGISTER_PREFETCH, FIRST_PRODUCTS=first.programs > 0, FIRST_BLOCK_K=LORA_BLOCK_K,
         DOWN_BLOCK_R=max(2, triton.next_power_of_2(down_a.shape[0])) if down_a is not None else 0,
