@@ -23,12 +23,9 @@ a decoding step of that many sequences). Variants:
   integer pipe, which bounds the kernel: docs/benchmarks.md, "The word kernel under Nsight Compute");
 - `unsloth_lite_fp32_products`: the default kernel with each weight's product with x in fp32
   (`nf4_matvec.BF16_PAIR_PRODUCTS` off: codes and x widened to fp32 one by one) instead of in bf16 pairs;
-- `unsloth_lite_no_pdl`: the default kernel launched as an ordinary launch (`nf4_matvec.PDL` off), as the
-  Gluon variants are;
-- `unsloth_lite_gluon`, `unsloth_lite_gluon_2`: the word walk written in Gluon (`nf4_matvec_gluon`: x's pairs
-  loaded into the registers of the thread that multiplies them, no shared memory in the loop), four and two
-  words a thread; one row, no PDL, only where K is a multiple of its step (`gluon_matvec_supported`: the Qwen3-8B
-  shape's projections);
+- `unsloth_lite_no_pdl`: the default kernel launched as an ordinary launch (`nf4_matvec.PDL` off);
+- `unsloth_lite_triton_walk`: the Triton word kernel where the default takes the Gluon walk
+  (`nf4_matvec.GLUON_WALK` off: one bf16 row, K a multiple of 2,048, the Qwen3-8B shape's projections);
 - `bitsandbytes`: `bitsandbytes.matmul_4bit` on one row (its `gemv_4bit` kernel: what Hugging Face decodes with);
 - `dequantize_matmul`: `dequantize_nf4` into a bf16 weight, then `F.linear` (a path that writes the weight out).
 
@@ -81,18 +78,17 @@ from decode_shapes import SHAPES, nf4_bytes, shape_config
 from random_checkpoint import weightless_model
 
 VARIANTS = ("unsloth_lite", "unsloth_lite_nested_absmax", "unsloth_lite_words", "unsloth_lite_prefetch",
-            "unsloth_lite_fp32_x", "unsloth_lite_fp32_products", "unsloth_lite_no_pdl", "unsloth_lite_gluon",
-            "unsloth_lite_gluon_2", "bitsandbytes", "dequantize_matmul")
-# the Gluon walk's variants: words a thread (`nf4_matvec_gluon.WORDS_PER_THREAD`)
-GLUON_VARIANTS = {"unsloth_lite_gluon": 4, "unsloth_lite_gluon_2": 2}
+            "unsloth_lite_fp32_x", "unsloth_lite_fp32_products", "unsloth_lite_no_pdl", "unsloth_lite_triton_walk",
+            "bitsandbytes", "dequantize_matmul")
 FP32_X = "unsloth_lite_fp32_x"  # the same product of x given in float32: no widening of x in the walk
 NESTED_ABSMAX = "unsloth_lite_nested_absmax"  # the kernel reading the double-quantised absmax itself
 # `nf4_matvec` settings of the unsloth-lite variants
 KERNEL_SETTINGS = {"unsloth_lite": {}, NESTED_ABSMAX: {"FLAT_ABSMAX": False},
-                   "unsloth_lite_words": {"WORD_KERNEL": True},
-                   "unsloth_lite_prefetch": {"WORD_KERNEL": True, "PIPELINE_STAGES": 1, "REGISTER_PREFETCH": True},
-                   FP32_X: {}, "unsloth_lite_fp32_products": {"BF16_PAIR_PRODUCTS": False},
-                   "unsloth_lite_no_pdl": {"PDL": False}}
+                   "unsloth_lite_words": {"WORD_KERNEL": True, "GLUON_WALK": False},
+                   "unsloth_lite_prefetch": {"WORD_KERNEL": True, "PIPELINE_STAGES": 1, "REGISTER_PREFETCH": True,
+                                             "GLUON_WALK": False},
+                   FP32_X: {}, "unsloth_lite_fp32_products": {"BF16_PAIR_PRODUCTS": False, "GLUON_WALK": False},
+                   "unsloth_lite_no_pdl": {"PDL": False}, "unsloth_lite_triton_walk": {"GLUON_WALK": False}}
 # (features, weights along K, warps, tiles a split along K: False none, True one) a program
 SWEEP_TILES = [(4, 1024, 4, False), (8, 512, 4, False), (16, 1024, 4, False), (32, 512, 4, False),
                (8, 512, 8, False), (16, 1024, 8, False), (32, 512, 8, False), (64, 256, 8, False),
@@ -175,10 +171,6 @@ def variant_fn(variant: str, x, weight):
                     setattr(matvec, name, value)
 
         return product
-    if variant in GLUON_VARIANTS:
-        from unsloth_lite.kernels.nf4_matvec_gluon import nf4_matvec_gluon
-
-        return lambda: nf4_matvec_gluon(x, weight, GLUON_VARIANTS[variant])
     if variant == "bitsandbytes":
         import bitsandbytes as bnb
 
@@ -188,18 +180,13 @@ def variant_fn(variant: str, x, weight):
 
 def measure(shapes: list[str], variants: list[str], device, tiny: bool, bandwidth: float,
             x_rows: int = 1) -> list[dict]:
-    from unsloth_lite.kernels.nf4_matvec_gluon import gluon_matvec_supported
-
     dtype = torch.float32 if tiny else torch.bfloat16
     rows, counts = [], {s: projection_shapes(s, tiny) for s in shapes}
     for n_out, n_in in sorted({key for c in counts.values() for key in c}):
         weights = weight_copies(nf4_weight(n_out, n_in, device, dtype), tiny)
         x = torch.randn(x_rows, n_in, device=device, dtype=dtype)
         for variant in variants:
-            if variant in GLUON_VARIANTS and not gluon_matvec_supported(x, weights[0], GLUON_VARIANTS[variant]):
-                continue
-            reads_flat = variant in GLUON_VARIANTS or (
-                variant in KERNEL_SETTINGS and KERNEL_SETTINGS[variant].get("FLAT_ABSMAX", True))
+            reads_flat = variant in KERNEL_SETTINGS and KERNEL_SETTINGS[variant].get("FLAT_ABSMAX", True)
             absmax_bytes = flat_absmax_bytes if reads_flat else nf4_bytes
             x_bytes = 4 if variant == FP32_X else x.element_size()
             moved = absmax_bytes(n_out * n_in) + x_bytes * x_rows * (n_in + n_out)
@@ -239,9 +226,10 @@ def sweep_tiles(shapes: list[str], device, tiny: bool, chosen_only: bool = False
     rows = []
 
     def time_us(x, weight, tile, options):
-        saved = {name: getattr(matvec, name) for name in ("blocked_tile", "word_tile", *options)}
+        saved = {name: getattr(matvec, name) for name in ("blocked_tile", "word_tile", "GLUON_WALK", *options)}
         try:
             matvec.blocked_tile = matvec.word_tile = lambda *_: tile
+            matvec.GLUON_WALK = False  # the Triton kernels' tiles
             for name, value in options.items():
                 setattr(matvec, name, value)
             with torch.no_grad():

@@ -126,9 +126,10 @@ def time_us(calls, tile, stages, device) -> float | None:
     """Device time of one call of the chain at `tile` and `stages` (None where it does not capture or launch)."""
     from unsloth_lite.kernels import nf4_matvec as matvec
 
-    saved = matvec.word_tile, matvec.word_stages, matvec.WORD_KERNEL
+    saved = matvec.word_tile, matvec.word_stages, matvec.WORD_KERNEL, matvec.GLUON_WALK
     try:
         matvec.word_tile, matvec.word_stages, matvec.WORD_KERNEL = (lambda *_: tile), (lambda *_: stages), True
+        matvec.GLUON_WALK = False  # the Triton word kernel's tiles
         with torch.no_grad():
             chain = lambda: [call() for call in calls]  # noqa: E731
             ms = graph_ms(chain, device) if device.type == "cuda" else bench_ms(chain, device)
@@ -136,7 +137,7 @@ def time_us(calls, tile, stages, device) -> float | None:
         print(f"{tile_name(tile)}, {stages} stages: {str(error).splitlines()[0]}")
         ms = None
     finally:
-        matvec.word_tile, matvec.word_stages, matvec.WORD_KERNEL = saved
+        matvec.word_tile, matvec.word_stages, matvec.WORD_KERNEL, matvec.GLUON_WALK = saved
     return None if ms is None else round(1e3 * ms / len(calls), 2)
 
 

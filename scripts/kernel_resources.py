@@ -17,16 +17,16 @@ shipped launch settings; the figures are those of the installed Triton (the GPU 
 every DeltaNet kernel's registers and shared memory equal those the H200 reported in the same launch settings
 (`docs/results/deltanet_launch_sweep_2026-12-02b.json`, rounded products).
 
-`--nf4-matvec`: `nf4_matvec` at every decoder projection shape of W3's models (bf16, one row, flat absmax as
-shipped; `--matvec-shapes` for others), through the blocked kernel, the word kernel (`WORD_KERNEL`; also with
+`--nf4-matvec`: `nf4_matvec` at every decoder projection shape of W3's models (bf16, one row, flat absmax as shipped;
+`--matvec-shapes` for others), through the blocked kernel, the word kernel (`WORD_KERNEL`; also with
 `REGISTER_PREFETCH`, `words_prefetch`; and its walk in Gluon, `words_gluon`, where the shape fits
-`nf4_matvec_gluon`) and the gate-and-up kernel (`nf4_gated_matvec`, the shape as both weights' and the
-instructions per weight over both; on the blocked walk and on the word walk, `gated_words`, also prefetched), each
-at its tile as shipped, and (without `--matvec-shapes`) `nf4_grouped_matvec` at W3's groups of projections of one
-input (both walks); the SASS (`cuobjdump -sass`) gives the instructions of the kernel and of its loop over K (the
-longest backward branch), and of the loop per eight weights of a thread (`per_8_weights`: the loop's instructions
-over the weights a thread decodes in one step, times 8). Launched from a CPU, the kernels are compiled without
-programmatic dependent launch.
+`nf4_matvec_gluon.gluon_walk_fits`, also with down_proj's epilogue, `words_gluon_adapted`) and the gate-and-up kernel
+(`nf4_gated_matvec`, the shape as both weights' and the instructions per weight over both; on the blocked walk and on
+the word walk, `gated_words`, also prefetched), each at its tile as shipped, and (without `--matvec-shapes`)
+`nf4_grouped_matvec` at W3's groups of projections of one input (both walks); the SASS (`cuobjdump -sass`) gives the
+instructions of the kernel and of its loop over K (the longest backward branch), and of the loop per eight weights of
+a thread (`per_8_weights`: the loop's instructions over the weights a thread decodes in one step, times 8). Launched
+from a CPU, the kernels are compiled without programmatic dependent launch.
 
 `--decode-kernels`: `decode_attention` at the W3 models' attention shapes (bf16, batch 1, a boolean mask,
 Qwen3.5's gate), a cache of 256 positions (W3's) and one of 4,096 (and at 256 with the norm and RoPE),
@@ -168,18 +168,20 @@ def compiled_on_cpu():
              for module in (nf4_matvec_checks, dequantize_module, decode_attention, deltanet_decode_gated, lora_down,
                             greedy_token)}
     supported = (nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported,
-                 nf4_matvec_gluon.gluon_matvec_supported)
+                 nf4_matvec_gluon.gluon_walk_fits)
     try:
         for module in saved:
             module.check_kernel_device = lambda _name, _tensor: None
         nf4_gated_matvec.gated_matvec_supported = nf4_grouped_matvec.grouped_matvec_supported = lambda *_: True
-        nf4_matvec_gluon.gluon_matvec_supported = lambda *_: True
+        nf4_matvec_gluon.gluon_walk_fits = lambda x_rows, n_out, n_in: (
+            x_rows.shape[0] == 1 and n_out % nf4_matvec_gluon.BLOCK_N == 0
+            and n_in % nf4_matvec_gluon.step_weights() == 0)
         yield
     finally:
         for module, check in saved.items():
             module.check_kernel_device = check
         (nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported,
-         nf4_matvec_gluon.gluon_matvec_supported) = supported
+         nf4_matvec_gluon.gluon_walk_fits) = supported
 
 
 def nf4_weight(n_out: int, n_in: int):
@@ -256,21 +258,24 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
         kernels = [("blocked", False), ("words", True), ("words_prefetch", True), ("gated", False),
                    ("gated_words", True), ("gated_words_prefetch", True)]
         if n_in % nf4_matvec_gluon.step_weights() == 0 and n_out % nf4_matvec_gluon.BLOCK_N == 0:
-            kernels.append(("words_gluon", True))
+            kernels += [("words_gluon", True), ("words_gluon_adapted", True)]
         for name, words in kernels:
-            saved = nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH
+            saved = nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH, nf4_matvec.GLUON_WALK
             try:
                 nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH = words, name.endswith("prefetch")
+                nf4_matvec.GLUON_WALK = name.startswith("words_gluon")
                 with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
                     if name.startswith("gated"):  # gate and up: two weights a program
                         weight = nf4_param(n_out, n_in)
                         nf4_gated_matvec.nf4_gated_matvec(x, weight, weight)
-                    elif name == "words_gluon":
-                        nf4_matvec_gluon.nf4_matvec_gluon(x, nf4_param(n_out, n_in))
+                    elif name == "words_gluon_adapted":  # as down_proj's: the residual, t in 16 parts of rank 16
+                        residual = torch.empty(1, n_out, dtype=x.dtype)
+                        nf4_matvec.nf4_matvec(x, packed, quant_state=state, lora_b=torch.empty(n_out, 16),
+                                              lora_t=torch.empty(16, 1, 16), residual=residual)
                     else:
                         nf4_matvec.nf4_matvec(x, packed, quant_state=state)
             finally:
-                nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH = saved
+                nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH, nf4_matvec.GLUON_WALK = saved
             rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=launch_tile(launches),
                              **launch_figures(launches, arch, 2 if name.startswith("gated") else 1)))
     return rows

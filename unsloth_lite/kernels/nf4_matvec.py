@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from unsloth_lite.kernels import nf4_matvec_gluon as gluon
 from unsloth_lite.kernels.dequantize_nf4 import _launch, _quant_state_of
 from unsloth_lite.kernels.lora_down import LORA_BLOCK_K, first_product_args, lora_down_rows, no_first_products
 from unsloth_lite.kernels.matvec_epilogue import (
@@ -126,6 +127,12 @@ BF16_PAIR_PRODUCTS = True
 # `decode.MLP_SHARES`, on an H100 (docs/benchmarks.md, 2026-12-06): a step with adapters 3.579 -> 3.432-3.446 ms at
 # the 8B shape, 9.668 -> 9.655 at the 27B's (without the shares, on an H200: +1.5% and -1.6%): on.
 FIRST_PRODUCTS_IN_LAUNCH = True
+# The word launch's walk in Gluon (`nf4_matvec_gluon.py`: each thread all of a program's 8 features for its two
+# words, x's pairs loaded once into its registers, the next step's loads issued before this step's products, no
+# shared memory in the loop) for the products it takes: one bf16 row, K a multiple of 2,048, t given rather than
+# the first products in the launch. Measured alone on an H100 (docs/benchmarks.md, "The word walk in Gluon"):
+# 8-12% less time than the word kernel at the Qwen3-8B shape's projections.
+GLUON_WALK = True
 # The word walk's tile and stages by launch ("words", "gated", "grouped") and shape, where one was measured faster
 # than `blocked_tile`'s with `PIPELINE_STAGES` (`scripts/bench_word_tiles.py`, which times every candidate of
 # each launch a decoding step makes): (launch, N, K) -> (features, weights along K, warps, tiles a split along K
@@ -287,13 +294,19 @@ def nf4_matvec(
         t, rank = out, 0
     has_lora = rank > 0
     lora_b_arg = lora_b if has_lora else out
-    if split_k:
-        partial = empty((splits, block_m, n_out), torch.float32, x.device)
-        arrivals = _arrival_counters(x.device, feature_blocks)
     if residual is not None:
         addend, bias_kind = residual.reshape(n_rows, n_out).contiguous(), BIAS_ROWS
     else:
         addend, bias_kind = bias, BIAS_FEATURES if bias is not None else BIAS_NONE
+    if blocked and words and GLUON_WALK and not first_in_launch and not nested and blocksize == gluon.BLOCKSIZE:
+        x_rows, x_pairs = word_kernel_rows(x2d)
+        if word_code_form(bf16_codes, x_pairs) == CODE_PAIRS and gluon.gluon_walk_fits(x_rows, n_out, n_in):
+            gluon.launch_gluon_walk(x_rows, packed_words(packed), absmax, tables, out, n_out, n_in, addend,
+                                    t if has_lora else None, parts, part_stride, lora_b, scale, uses_pdl(x.device))
+            return out.view(*x.shape[:-1], n_out)
+    if split_k:
+        partial = empty((splits, block_m, n_out), torch.float32, x.device)
+        arrivals = _arrival_counters(x.device, feature_blocks)
     # what the kernel reads codes from: the blocked kernel's pair table, else the code book
     table = code_pairs(code) if blocked and not words and LOOKUP == "pairs" else code
     args = (

@@ -1,19 +1,28 @@
-"""The word walk of `nf4_matvec` written in Gluon (Triton's lower-level dialect, explicit layouts): one row of
-bf16 x, y[n] = Σ_k x[k] · code[q[n, k]] · absmax[n, k // 64], no bias, adapter or residual. A measurement
-kernel, not on any decoding path: it tests whether the Triton word kernel's time goes to its walk's step (x
-copied through shared memory and converted to the weights' layout, a barrier a step; docs/benchmarks.md, "The
-projections' bytes asked of L2 ahead").
+"""The word launch of `nf4_matvec` for one bf16 row, its walk written in Gluon (Triton's lower-level dialect,
+explicit layouts). Same forward as `nf4_matvec.py`, no backward (inference only):
+
+    y[n] = Σ_k x[k] · code[q[n, k]] · absmax[n, k // 64] + a[n] + s · Σ_r (Σ_p t_p[r]) · B[n, r]
+
+a[n] the bias or the residual row (an output projection's result joining the residual stream), t the adapter's
+first product x Aᵀ given (in P parts, as `nf4_gated_matvec`'s stripes give down_proj's), B its second factor.
 
 Layout: a program owns BLOCK_N features; each thread holds all of them for WORDS_PER_THREAD consecutive words
-along K (`[BLOCK_N, WORDS_PER_THREAD]` a thread, the warps side by side along K), so x's pairs for a word are
-loaded once into the registers of the one thread that multiplies them with BLOCK_N words, straight from global
-memory (L1), and nothing passes through shared memory until the end. Per word as in the word kernel
-(`nf4_matvec_words.py`): the code lookup into bf16 pairs (`nf4_codes._nf4_word_lookup_ptx`), four `fma.rn.bf16x2`
-with x's pairs and the two halves added in fp32 (`code_pair_sums`), times the block's absmax, accumulated in fp32
-per (feature, word) and reduced over the program's threads at the end.
+along K (`[BLOCK_N, WORDS_PER_THREAD]` a thread, the lanes and then the warps side by side along K), so x's
+pairs for a word are loaded once, into the registers of the one thread that multiplies them with BLOCK_N words,
+and nothing passes through shared memory until the final reduction. The next step's words, absmax and x are
+loaded into registers before the step multiplies its own (no barrier, no asynchronous copy). Per word as in the
+Triton word kernel (`nf4_matvec_words.py`): the code lookup into bf16 pairs (`nf4_codes._nf4_word_lookup_ptx`),
+four `fma.rn.bf16x2` with x's pairs and the two halves added in fp32 (`code_pair_sums`), times the block's
+absmax, accumulated in fp32 per (feature, word of the step) and reduced over the program's threads at the end.
+
+Why: the Triton word kernel's step (every tile's words, absmax and x copied through shared memory, x read back
+there once for each of a program's features, a barrier a step) is bound inside the SM (docs/benchmarks.md, "The
+word kernel under Nsight Compute"); Triton chooses its own layouts and would not keep a thread's features
+together. PDL as the word kernel's: the weight's first step and B are loaded before `griddepcontrol.wait`; x, t
+and the addend, which the kernel before may write, after it.
 
 Compiled only: Gluon has no interpreter. `tests/test_nf4_matvec_gluon.py` checks it on a GPU against the
-dequantised product and its compiled resources for sm_90 on any machine.
+dequantised product and the Triton word kernel, and its compiled resources for sm_90 on any machine.
 """
 
 from __future__ import annotations
@@ -24,85 +33,138 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from unsloth_lite.kernels.nf4_codes import BF16_PAIR_DOT_PTX, NF4_WORD_PAIRS_PTX
-from unsloth_lite.kernels.nf4_matvec import fp32_absmax, packed_words
-from unsloth_lite.kernels.nf4_matvec_state import lane_tables
-from unsloth_lite.kernels.utils import empty
+from unsloth_lite.kernels.utils import INTERPRET
 
 BLOCK_N = 8
-WORDS_PER_THREAD = 4  # consecutive words, in one quantisation block of 64 weights (8 words)
+# Words a thread takes a step: two (eight bytes a feature). Measured on an H100 at the Qwen3-8B shape's
+# projections (docs/benchmarks.md, "The word walk in Gluon"): one word 0-11% slower, four 14-51% slower (136
+# registers a thread and no step left to overlap at K = 4,096).
+WORDS_PER_THREAD = 2
 NUM_WARPS = 4
-BLOCKSIZE = 64
+BLOCKSIZE = 64  # weights a quantisation block: eight words, so a thread's words share one absmax
+
+
+def step_weights() -> int:
+    """The weights along K a program takes a step: K must be a multiple."""
+    return 8 * WORDS_PER_THREAD * 32 * NUM_WARPS
+
+
+def gluon_walk_fits(x_rows: torch.Tensor, n_out: int, n_in: int) -> bool:
+    """Whether the Gluon walk takes this product: compiled, one row of x as bf16 pairs (int32) on a CUDA device,
+    N a multiple of BLOCK_N and K of a step (`step_weights`: the Qwen3-8B shape's projections, not the 27B's
+    K = 5,120 or 17,408)."""
+    return (not INTERPRET and x_rows.is_cuda and x_rows.dtype == torch.int32 and x_rows.shape[0] == 1
+            and n_out % BLOCK_N == 0 and n_in % step_weights() == 0)
 
 
 @gluon.jit
-def _gluon_word_kernel(x_ptr, words_ptr, absmax_ptr, tables_ptr, out_ptr, words_per_row, blocks_per_row,
-                       BLOCK_N: gl.constexpr, WORDS_PER_THREAD: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N), the whole row of words (module docstring). x_ptr:
-    x's bf16 pairs (int32); words_ptr: the packed weight's int32 words `[N, K / 8]`; absmax_ptr: fp32 `[N, K /
-    64]`; tables_ptr: `lane_tables` (int32 `[32, 8]`)."""
-    layout: gl.constexpr = gl.BlockedLayout([BLOCK_N, WORDS_PER_THREAD], [1, 32], [1, NUM_WARPS], [1, 0])
+def _gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _weight_step(words_ptr, absmax_ptr, row_words, row_blocks, word):
+    """A step's words `[BLOCK_N, STEP]` and each word's block absmax, for the words `word` `[STEP]` of each row."""
+    return gl.load(words_ptr + row_words + word[None, :]), gl.load(absmax_ptr + row_blocks + (word // 8)[None, :])
+
+
+@gluon.jit
+def _x_step(x_ptr, word):
+    """x's four bf16 pairs (int32) of each word `[1, STEP]`."""
+    return (gl.load(x_ptr + word * 4)[None, :], gl.load(x_ptr + word * 4 + 1)[None, :],
+            gl.load(x_ptr + word * 4 + 2)[None, :], gl.load(x_ptr + word * 4 + 3)[None, :])
+
+
+@gluon.jit
+def _step_sums(words, scales, x01, x23, x45, x67, t0, t1, t2, t3):
+    """Each word's eight products summed, times its block's absmax (fp32 `[BLOCK_N, STEP]`)."""
+    c01, c23, c45, c67 = gl.inline_asm_elementwise(NF4_WORD_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r,r",
+                                                   [words, t0, t1, t2, t3], dtype=(gl.int32,) * 4, is_pure=True,
+                                                   pack=1)
+    sums = gl.inline_asm_elementwise(BF16_PAIR_DOT_PTX, "=r,r,r,r,r,r,r,r,r",
+                                     [c01, c23, c45, c67, x01, x23, x45, x67], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+    return sums.to(gl.float32, bitcast=True) * scales
+
+
+@gluon.jit
+def _gluon_word_kernel(
+    x_ptr, words_ptr, absmax_ptr, tables_ptr, addend_ptr, t_ptr, t_part_stride, lora_b_ptr, lora_b_row_stride,
+    lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row, rank,
+    BLOCK_N: gl.constexpr, WORDS_PER_THREAD: gl.constexpr, NUM_WARPS: gl.constexpr, ADDEND: gl.constexpr,
+    HAS_LORA: gl.constexpr, T_PARTS: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_R: gl.constexpr,
+    PDL: gl.constexpr,
+):
+    """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N), the whole row (module docstring). x_ptr: x's bf16
+    pairs (int32); words_ptr: the packed weight's int32 words `[N, K / 8]`; absmax_ptr: fp32 `[N, K / 64]`;
+    tables_ptr: `lane_tables` (int32 `[32, 8]`); addend_ptr `[N]` (ADDEND); t_ptr: fp32 `[T_PARTS, rank]` parts
+    `t_part_stride` apart, B `[N, rank]` (HAS_LORA)."""
+    walk: gl.constexpr = gl.BlockedLayout([BLOCK_N, WORDS_PER_THREAD], [1, 32], [1, NUM_WARPS], [1, 0])
+    # the epilogue's: B `[BLOCK_N, BLOCK_R]` and t's parts `[BLOCK_P, BLOCK_R]` spread over the threads, a register
+    # or two each while the walk runs (held whole by each thread, 16 parts of rank 16 spill)
+    spread: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [NUM_WARPS, 1], [1, 0])
     STEP: gl.constexpr = WORDS_PER_THREAD * 32 * NUM_WARPS  # words along K a step of the program
-    features = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    columns = gl.arange(0, STEP, layout=gl.SliceLayout(0, layout))
+    features = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, walk))
+    columns = gl.arange(0, STEP, layout=gl.SliceLayout(0, walk))
     # the lookup's tables, each lane's own copy held in registers (`lane_tables`)
     lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [columns], dtype=gl.int32, is_pure=True,
                                      pack=1)
-    table = tables_ptr + lane[None, :] * 8 + gl.zeros([BLOCK_N, STEP], gl.int32, layout)
+    table = tables_ptr + lane[None, :] * 8 + gl.zeros([BLOCK_N, STEP], gl.int32, walk)
     t0, t1, t2, t3 = gl.load(table), gl.load(table + 1), gl.load(table + 2), gl.load(table + 3)
     row_words = features.to(gl.int64)[:, None] * words_per_row
     row_blocks = features.to(gl.int64)[:, None] * blocks_per_row
-    acc = gl.zeros([BLOCK_N, STEP], gl.float32, layout)
-    for w0 in range(0, words_per_row, STEP):
+    words, scales = _weight_step(words_ptr, absmax_ptr, row_words, row_blocks, columns)
+    out_features = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, spread))
+    if HAS_LORA:
+        r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, spread))
+        lora_b = gl.load(lora_b_ptr + out_features[:, None].to(gl.int64) * lora_b_row_stride
+                         + r[None, :] * lora_b_col_stride, mask=r[None, :] < rank, other=0.0)
+    if PDL:
+        _gdc_wait()
+    if HAS_LORA:  # issued before the walk, as `matvec_epilogue.T_BEFORE_WALK` does; summed after it
+        p = gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, spread))
+        t_parts = gl.load(t_ptr + p[:, None] * t_part_stride + r[None, :],
+                          mask=(p[:, None] < T_PARTS) & (r[None, :] < rank), other=0.0)
+    x01, x23, x45, x67 = _x_step(x_ptr, columns)
+    acc = gl.zeros([BLOCK_N, STEP], gl.float32, walk)
+    for w0 in range(STEP, words_per_row, STEP):
         word = w0 + columns
-        words = gl.load(words_ptr + row_words + word[None, :])
-        scales = gl.load(absmax_ptr + row_blocks + (word // 8)[None, :])
-        x01 = gl.load(x_ptr + word * 4)[None, :]
-        x23 = gl.load(x_ptr + word * 4 + 1)[None, :]
-        x45 = gl.load(x_ptr + word * 4 + 2)[None, :]
-        x67 = gl.load(x_ptr + word * 4 + 3)[None, :]
-        c01, c23, c45, c67 = gl.inline_asm_elementwise(NF4_WORD_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r,r",
-                                                       [words, t0, t1, t2, t3], dtype=(gl.int32,) * 4,
-                                                       is_pure=True, pack=1)
-        sums = gl.inline_asm_elementwise(BF16_PAIR_DOT_PTX, "=r,r,r,r,r,r,r,r,r",
-                                         [c01, c23, c45, c67, x01, x23, x45, x67], dtype=gl.int32, is_pure=True,
-                                         pack=1).to(gl.float32, bitcast=True)
-        acc += sums * scales
-    gl.store(out_ptr + features, gl.sum(acc, axis=1).to(gl.bfloat16))
+        next_words, next_scales = _weight_step(words_ptr, absmax_ptr, row_words, row_blocks, word)
+        n01, n23, n45, n67 = _x_step(x_ptr, word)
+        acc += _step_sums(words, scales, x01, x23, x45, x67, t0, t1, t2, t3)
+        words, scales, x01, x23, x45, x67 = next_words, next_scales, n01, n23, n45, n67
+    acc += _step_sums(words, scales, x01, x23, x45, x67, t0, t1, t2, t3)
+    if PDL:
+        _gdc_launch_dependents()
+    y = gl.convert_layout(gl.sum(acc, axis=1), gl.SliceLayout(1, spread))
+    if HAS_LORA:
+        t = gl.sum(t_parts, axis=0)
+        y += scale * gl.sum(lora_b.to(gl.float32) * t[None, :], axis=1)
+    if ADDEND:
+        y += gl.load(addend_ptr + out_features).to(gl.float32)
+    gl.store(out_ptr + out_features, y.to(out_ptr.dtype.element_ty))
 
 
-def step_weights(words_per_thread: int = WORDS_PER_THREAD) -> int:
-    """The weights along K a program takes a step: K must be a multiple."""
-    return 8 * words_per_thread * 32 * NUM_WARPS
-
-
-def gluon_matvec_supported(x: torch.Tensor, weight, words_per_thread: int = WORDS_PER_THREAD) -> bool:
-    """One bf16 row on a CUDA device, a bf16 NF4 weight of block 64 with its flat absmax, N a multiple of BLOCK_N
-    and K of a program's step (`step_weights`); the flat absmax and the lane tables made (not first made inside a
-    CUDA graph's capture)."""
-    state = getattr(weight, "quant_state", None)
-    if state is None or not x.is_cuda or x.dtype != torch.bfloat16 or x.numel() != x.shape[-1]:
-        return False
-    n_out, n_in = (int(n) for n in state.shape)
-    return (state.dtype == torch.bfloat16 and state.blocksize == BLOCKSIZE and n_in == x.shape[-1]
-            and n_out % BLOCK_N == 0 and n_in % step_weights(words_per_thread) == 0
-            and fp32_absmax(weight) is not None and lane_tables(x.device, True) is not None)
-
-
-def nf4_matvec_gluon(x: torch.Tensor, weight, words_per_thread: int = WORDS_PER_THREAD) -> torch.Tensor:
-    """x dequant(W)ᵀ for one bf16 row x `[..., K]` and a bf16 NF4 `Params4bit` W `[N, K]`
-    (`gluon_matvec_supported`; ValueError otherwise), `words_per_thread` consecutive words a thread (4 words lie
-    in one quantisation block; 1, 2 or 4): `[..., N]` in bf16. No autograd."""
-    if words_per_thread not in (1, 2, 4):
-        raise ValueError(f"words_per_thread must be 1, 2 or 4; got {words_per_thread}")
-    if not gluon_matvec_supported(x, weight, words_per_thread):
-        raise ValueError("nf4_matvec_gluon takes one bf16 row on a CUDA device and a bf16 NF4 weight of block 64, "
-                         f"N a multiple of {BLOCK_N}, K of {step_weights(words_per_thread)}")
-    n_out, n_in = (int(n) for n in weight.quant_state.shape)
-    x_pairs = x.reshape(n_in).contiguous().view(torch.int32)
-    out = empty((n_out,), torch.bfloat16, x.device)
-    _gluon_word_kernel[(triton.cdiv(n_out, BLOCK_N),)](
-        x_pairs, packed_words(weight.data), fp32_absmax(weight), lane_tables(x.device, True), out, n_in // 8,
-        n_in // BLOCKSIZE, BLOCK_N=BLOCK_N, WORDS_PER_THREAD=words_per_thread, NUM_WARPS=NUM_WARPS,
-        num_warps=NUM_WARPS,
+def launch_gluon_walk(x_rows, words, absmax, tables, out, n_out: int, n_in: int, addend=None, lora_t=None,
+                      t_parts: int = 1, t_part_stride: int = 0, lora_b=None, scale: float = 1.0,
+                      pdl: bool = False) -> None:
+    """`_gluon_word_kernel` into `out` `[1, N]` for a product `gluon_walk_fits` takes: x_rows `[1, K / 2]` int32,
+    the weight's words and flat fp32 absmax, the lookup's `lane_tables`; addend `[1, N]` or None; lora_t fp32
+    `[1, r]` (the first of `t_parts` parts `t_part_stride` apart) with lora_b `[N, r]`, or None."""
+    rank = lora_t.shape[-1] if lora_t is not None else 0
+    b = lora_b if lora_t is not None else out
+    _gluon_word_kernel[(n_out // BLOCK_N,)](
+        x_rows, words, absmax, tables, addend if addend is not None else out,
+        lora_t if lora_t is not None else out, t_part_stride, b, b.stride(0), b.stride(-1), float(scale), out,
+        n_in // 8, n_in // BLOCKSIZE, rank,
+        BLOCK_N=BLOCK_N, WORDS_PER_THREAD=WORDS_PER_THREAD, NUM_WARPS=NUM_WARPS, ADDEND=addend is not None,
+        HAS_LORA=rank > 0, T_PARTS=t_parts, BLOCK_P=triton.next_power_of_2(t_parts),
+        BLOCK_R=max(2, triton.next_power_of_2(rank)), PDL=pdl, num_warps=NUM_WARPS,
+        **({"launch_pdl": True} if pdl else {}),
     )
-    return out.view(*x.shape[:-1], n_out)
