@@ -41,9 +41,12 @@ tiles), and the word kernel at its chosen tile (`word_tile`), looped, with three
 loaded into registers a step ahead (`REGISTER_PREFETCH`).
 
 Each model's MLP input (gate and up) is also timed as decoding runs it: the two products and `swiglu` (three
-launches) against `nf4_gated_matvec` (one launch, `decode.GATED_MATVEC`), with and without LoRA adapters of rank
-16 on both; and each group of projections of one input (q/k/v; the DeltaNet's qkv/z/b/a): one `nf4_matvec` each
-against `nf4_grouped_matvec` (one launch, `decode.GROUPED_MATVEC`), without and with rank-16 adapters on all.
+launches) against `nf4_gated_matvec` (one launch, `decode.GATED_MATVEC`) and that launch walked in Gluon
+(`gated_gluon_us`, `nf4_gated_matvec.GLUON_GATED`, where it fits: one row, the Qwen3-8B MLP), with and without LoRA
+adapters of rank 16 on both; and each group of projections of one input (q/k/v; the DeltaNet's qkv/z/b/a): one
+`nf4_matvec` each against `nf4_grouped_matvec` (one launch, `decode.GROUPED_MATVEC`) and that launch walked in
+Gluon (`grouped_gluon_us`, `nf4_grouped_matvec.GLUON_GROUPED`, where it fits: one row, the Qwen3-8B q/k/v), without
+and with rank-16 adapters on all.
 
 Times are device times (`bench_common.graph_ms`): per product, a chain of products captured in one CUDA graph and
 replayed, each reading its own copy of the weight (`weight_copies`: together more than the L2 cache holds), as
@@ -270,11 +273,14 @@ def mlp_shapes(shapes: list[str], tiny: bool) -> list[tuple[str, int, int, int]]
 
 
 def mlp_input_calls(x, gate, up, rank: int):
-    """(three launches, one launch): the MLP input `silu(x Gᵀ) · x Uᵀ` with adapters of `rank` on both (none at
-    0) as decoding runs it without and with `nf4_gated_matvec`; their first products from one `lora_down_rows`."""
+    """(three launches, one launch, the one launch walked in Gluon or None where it does not fit): the MLP input
+    `silu(x Gᵀ) · x Uᵀ` with adapters of `rank` on both (none at 0) as decoding runs it without and with
+    `nf4_gated_matvec`, and with `nf4_gated_matvec.GLUON_GATED`; their first products from one `lora_down_rows`."""
+    from unsloth_lite.kernels import nf4_gated_matvec as gated_module
     from unsloth_lite.kernels.lora_down import lora_down_rows
+    from unsloth_lite.kernels.nf4_gated_gluon import gluon_gated_fits
     from unsloth_lite.kernels.nf4_gated_matvec import nf4_gated_matvec
-    from unsloth_lite.kernels.nf4_matvec import nf4_matvec
+    from unsloth_lite.kernels.nf4_matvec import nf4_matvec, word_kernel_rows
     from unsloth_lite.kernels.swiglu import swiglu
 
     a = [0.01 * torch.randn(rank, x.shape[-1], device=x.device) for _ in range(2)]
@@ -291,7 +297,16 @@ def mlp_input_calls(x, gate, up, rank: int):
                     for weight, lora in zip((gate, up), adapters(), strict=True)]
         return swiglu(*products)
 
-    return three, lambda: nf4_gated_matvec(x, gate, up, None, None, *adapters())
+    def gluon():
+        saved = gated_module.GLUON_GATED
+        try:
+            gated_module.GLUON_GATED = True
+            return nf4_gated_matvec(x, gate, up, None, None, *adapters())
+        finally:
+            gated_module.GLUON_GATED = saved
+
+    fits = gluon_gated_fits(word_kernel_rows(x)[0], *gate.quant_state.shape)
+    return three, lambda: nf4_gated_matvec(x, gate, up, None, None, *adapters()), gluon if fits else None
 
 
 def measure_gated(shapes: list[str], device, tiny: bool, x_rows: int = 1) -> list[dict]:
@@ -304,14 +319,15 @@ def measure_gated(shapes: list[str], device, tiny: bool, x_rows: int = 1) -> lis
         x = torch.randn(x_rows, n_in, device=device, dtype=dtype)
         for rank in (0, 16):
             with torch.no_grad():
-                times = [graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
+                times = [None if fn is None else graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
                          for fn in mlp_input_calls(x, gate, up, rank)]
-            if None in times:
+            if None in times[:2]:
                 continue
             rows.append(dict(model=model, out=n_out, **{"in": n_in}, rank=rank,
                              three_launches_us=round(1e3 * times[0], 2), gated_us=round(1e3 * times[1], 2),
                              gated_vs_three=round(times[0] / times[1], 3),
-                             ms_per_token_saved=round(layers * (times[0] - times[1]), 3)))
+                             ms_per_token_saved=round(layers * (times[0] - times[1]), 3),
+                             gated_gluon_us=None if times[2] is None else round(1e3 * times[2], 2)))
     return rows
 
 
@@ -344,21 +360,26 @@ def measure_grouped(shapes: list[str], device, tiny: bool, x_rows: int = 1) -> l
             loras = [(0.01 * torch.randn(n, rank, device=device), 1.0) if rank else None for n in widths]
             calls = grouped_calls(x, weights, a, loras)
             with torch.no_grad():
-                times = [graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device) for fn in calls]
-            if None in times:
+                times = [None if fn is None else graph_ms(fn, device) if device.type == "cuda" else bench_ms(fn, device)
+                         for fn in calls]
+            if None in times[:2]:
                 continue
             rows.append(dict(model=model, group=group, widths="/".join(map(str, widths)), rank=rank,
                              separate_us=round(1e3 * times[0], 2), grouped_us=round(1e3 * times[1], 2),
                              grouped_vs_separate=round(times[0] / times[1], 3),
-                             ms_per_token_saved=round(layers * (times[0] - times[1]), 3)))
+                             ms_per_token_saved=round(layers * (times[0] - times[1]), 3),
+                             grouped_gluon_us=None if times[2] is None else round(1e3 * times[2], 2)))
     return rows
 
 
 def grouped_calls(x, weights, a, loras):
-    """(one launch a projection, one for all) of a group, adapters' first products from one launch in both."""
+    """(one launch a projection, one for all, the one walked in Gluon or None where the group does not fit) of a
+    group, adapters' first products from one launch in each."""
+    from unsloth_lite.kernels import nf4_grouped_matvec as grouped_module
     from unsloth_lite.kernels.lora_down import lora_down_rows
+    from unsloth_lite.kernels.nf4_grouped_gluon import gluon_grouped_fits
     from unsloth_lite.kernels.nf4_grouped_matvec import nf4_grouped_matvec
-    from unsloth_lite.kernels.nf4_matvec import nf4_matvec
+    from unsloth_lite.kernels.nf4_matvec import nf4_matvec, word_kernel_rows
 
     rank = loras[0][0].shape[1] if loras[0] else 0
 
@@ -370,7 +391,17 @@ def grouped_calls(x, weights, a, loras):
     def grouped():
         return nf4_grouped_matvec(x, weights, [None] * len(weights), loras, lora_down_rows(x, a) if rank else None)
 
-    return separate, grouped
+    def gluon():
+        saved = grouped_module.GLUON_GROUPED
+        try:
+            grouped_module.GLUON_GROUPED = True
+            return grouped()
+        finally:
+            grouped_module.GLUON_GROUPED = saved
+
+    widths = [int(w.quant_state.shape[0]) for w in weights]
+    fits = gluon_grouped_fits(word_kernel_rows(x)[0], widths, x.shape[-1])
+    return separate, grouped, gluon if fits else None
 
 
 def per_token(rows: list[dict], shapes: list[str], variants: list[str], tiny: bool,
@@ -446,11 +477,11 @@ def main(argv=None) -> int:
     gated = measure_gated(shapes, device, args.tiny, args.rows) if "unsloth_lite" in variants else []
     if gated:
         print(markdown_table(gated, ["model", "out", "in", "rank", "three_launches_us", "gated_us", "gated_vs_three",
-                                     "ms_per_token_saved"]))
+                                     "ms_per_token_saved", "gated_gluon_us"]))
     grouped = measure_grouped(shapes, device, args.tiny, args.rows) if "unsloth_lite" in variants else []
     if grouped:
         print(markdown_table(grouped, ["model", "group", "widths", "rank", "separate_us", "grouped_us",
-                                       "grouped_vs_separate", "ms_per_token_saved"]))
+                                       "grouped_vs_separate", "ms_per_token_saved", "grouped_gluon_us"]))
     sweep = sweep_tiles(shapes, device, args.tiny, args.sweep_chosen_tile) if args.sweep else []
     if sweep:
         tiles = [] if args.sweep_chosen_tile else [

@@ -167,21 +167,20 @@ def compiled_on_cpu():
     saved = {module: module.check_kernel_device
              for module in (nf4_matvec_checks, dequantize_module, decode_attention, deltanet_decode_gated, lora_down,
                             greedy_token)}
-    supported = (nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported,
-                 nf4_matvec_gluon.gluon_walk_fits)
+    replaced = [(nf4_gated_matvec, "gated_matvec_supported"), (nf4_grouped_matvec, "grouped_matvec_supported"),
+                (nf4_matvec_gluon, "gluon_device")]
+    supported = [getattr(module, name) for module, name in replaced]
     try:
         for module in saved:
             module.check_kernel_device = lambda _name, _tensor: None
-        nf4_gated_matvec.gated_matvec_supported = nf4_grouped_matvec.grouped_matvec_supported = lambda *_: True
-        nf4_matvec_gluon.gluon_walk_fits = lambda x_rows, n_out, n_in: (
-            x_rows.shape[0] == 1 and n_out % nf4_matvec_gluon.BLOCK_N == 0
-            and n_in % nf4_matvec_gluon.step_weights() == 0)
+        for module, name in replaced:
+            setattr(module, name, lambda *_: True)
         yield
     finally:
         for module, check in saved.items():
             module.check_kernel_device = check
-        (nf4_gated_matvec.gated_matvec_supported, nf4_grouped_matvec.grouped_matvec_supported,
-         nf4_matvec_gluon.gluon_walk_fits) = supported
+        for (module, name), function in zip(replaced, supported, strict=True):
+            setattr(module, name, function)
 
 
 def nf4_weight(n_out: int, n_in: int):
@@ -258,14 +257,21 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
         kernels = [("blocked", False), ("words", True), ("words_prefetch", True), ("gated", False),
                    ("gated_words", True), ("gated_words_prefetch", True)]
         if n_in % nf4_matvec_gluon.step_weights() == 0 and n_out % nf4_matvec_gluon.BLOCK_N == 0:
-            kernels += [("words_gluon", True), ("words_gluon_adapted", True)]
+            kernels += [("words_gluon", True), ("words_gluon_adapted", True), ("gated_gluon", True),
+                        ("gated_gluon_adapted", True)]
         for name, words in kernels:
-            saved = nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH, nf4_matvec.GLUON_WALK
+            saved = (nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH, nf4_matvec.GLUON_WALK,
+                     nf4_gated_matvec.GLUON_GATED)
             try:
                 nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH = words, name.endswith("prefetch")
-                nf4_matvec.GLUON_WALK = name.startswith("words_gluon")
+                nf4_matvec.GLUON_WALK = nf4_gated_matvec.GLUON_GATED = "gluon" in name
                 with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
-                    if name.startswith("gated"):  # gate and up: two weights a program
+                    if name == "gated_gluon_adapted":  # as the 8B MLP's: t given for both, the down shares
+                        weight = nf4_param(n_out, n_in)
+                        adapters = [(torch.empty(n_out, 16), torch.empty(1, 16), 2.0) for _ in range(2)]
+                        nf4_gated_matvec.nf4_gated_matvec(x, weight, weight, None, None, *adapters, down_shares=(
+                            torch.empty(16, n_out, dtype=x.dtype), torch.empty(16, 1, 16)))
+                    elif name.startswith("gated"):  # gate and up: two weights a program
                         weight = nf4_param(n_out, n_in)
                         nf4_gated_matvec.nf4_gated_matvec(x, weight, weight)
                     elif name == "words_gluon_adapted":  # as down_proj's: the residual, t in 16 parts of rank 16
@@ -275,27 +281,36 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
                     else:
                         nf4_matvec.nf4_matvec(x, packed, quant_state=state)
             finally:
-                nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH, nf4_matvec.GLUON_WALK = saved
+                (nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH, nf4_matvec.GLUON_WALK,
+                 nf4_gated_matvec.GLUON_GATED) = saved
             rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=launch_tile(launches),
                              **launch_figures(launches, arch, 2 if name.startswith("gated") else 1)))
     return rows
 
 
 def grouped_rows(groups, arch: int) -> list[dict]:
-    """One row per group of projections of one input ((widths, input width)): `nf4_grouped_matvec` compiled for
-    `arch`, without adapters."""
+    """One row per group of projections of one input ((widths, input width)) and walk: `nf4_grouped_matvec`
+    compiled for `arch`, without adapters; walked in Gluon where the group fits, also with rank-16 adapters on
+    all (t given, as the norm's launch writes it)."""
     rows = []
     for widths, n_in in groups:
         weights = [nf4_param(n_out, n_in) for n_out in widths]
         x = torch.empty(1, n_in, dtype=torch.bfloat16)
-        for name, words in (("grouped", False), ("grouped_words", True)):
-            saved = nf4_matvec.WORD_KERNEL
+        kernels = [("grouped", False), ("grouped_words", True)]
+        if n_in % nf4_matvec_gluon.step_weights() == 0 and all(n % nf4_matvec_gluon.BLOCK_N == 0 for n in widths):
+            kernels += [("grouped_gluon", True), ("grouped_gluon_adapted", True)]
+        for name, words in kernels:
+            saved = nf4_matvec.WORD_KERNEL, nf4_matvec.GLUON_WALK, nf4_grouped_matvec.GLUON_GROUPED
             try:
                 nf4_matvec.WORD_KERNEL = words
+                nf4_matvec.GLUON_WALK = nf4_grouped_matvec.GLUON_GROUPED = "gluon" in name
+                adapted = name.endswith("adapted")
+                loras = [(torch.empty(n_out, 16), 2.0) if adapted else None for n_out in widths]
                 with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
-                    nf4_grouped_matvec.nf4_grouped_matvec(x, weights, [None] * len(weights), [None] * len(weights))
+                    nf4_grouped_matvec.nf4_grouped_matvec(x, weights, [None] * len(weights), loras, lora_t=(
+                        torch.empty(1, 16 * len(widths)) if adapted else None))
             finally:
-                nf4_matvec.WORD_KERNEL = saved
+                nf4_matvec.WORD_KERNEL, nf4_matvec.GLUON_WALK, nf4_grouped_matvec.GLUON_GROUPED = saved
             rows.append(dict(out="/".join(map(str, widths)), **{"in": n_in}, kernel=name, tile=launch_tile(launches),
                              **launch_figures(launches, arch)))
     return rows
@@ -393,6 +408,9 @@ def parse_args(argv=None):
                         help="the NF4 matrix-vector kernels instead of the DeltaNet's (module docstring)")
     parser.add_argument("--matvec-shapes", default=None,
                         help="with --nf4-matvec: comma-separated OUTxIN (default: W3's projection shapes)")
+    parser.add_argument("--matvec-groups", default=None,
+                        help="with --nf4-matvec: comma-separated N1/N2/...xIN groups of projections of one input "
+                             "(default: W3's, without --matvec-shapes; none with it)")
     parser.add_argument("--decode-kernels", action="store_true",
                         help="decode_attention and delta_rule_gated_step at W3's shapes instead")
     parser.add_argument("--out", default=None, help="JSON file for the rows")
@@ -414,6 +432,18 @@ def matvec_shapes(text: str | None) -> list[tuple[int, int]] | None:
     return shapes
 
 
+def matvec_groups(text: str | None) -> list[tuple[list[int], int]] | None:
+    """The groups of `--matvec-groups` ([] without; None where one is not N1/N2/...xIN with 2 to 4 widths and IN a
+    multiple of 64)."""
+    groups = []
+    for item in filter(None, (text or "").split(",")):
+        match = re.fullmatch(r"(\d+(?:/\d+){1,3})x(\d+)", item.strip())
+        if match is None or int(match.group(2)) % 64:
+            return None
+        groups.append(([int(n) for n in match.group(1).split("/")], int(match.group(2))))
+    return groups
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.decode_kernels:
@@ -428,12 +458,18 @@ def main(argv=None) -> int:
             print(f"kernel_resources.py: --matvec-shapes {args.matvec_shapes!r}: expected OUTxIN,... with IN a "
                   "multiple of 64", file=sys.stderr)
             return 2
+        groups = matvec_groups(args.matvec_groups)
+        if groups is None:
+            print(f"kernel_resources.py: --matvec-groups {args.matvec_groups!r}: expected N1/N2/...xIN,... with 2 to "
+                  "4 widths and IN a multiple of 64", file=sys.stderr)
+            return 2
         rows = matvec_rows(shapes, args.arch)
-        if args.matvec_shapes is None:  # W3's groups of projections of one input
+        if args.matvec_shapes is None and args.matvec_groups is None:  # W3's groups of projections of one input
             from bench_nf4_matvec import projection_groups
 
-            rows += grouped_rows([(widths, n_in) for _, _, widths, n_in, _ in projection_groups(
-                ["qwen3_8b", "qwen3_5_27b"], False)], args.arch)
+            groups = [(widths, n_in) for _, _, widths, n_in, _ in projection_groups(["qwen3_8b", "qwen3_5_27b"],
+                                                                                     False)]
+        rows += grouped_rows(groups, args.arch)
         print(markdown_table(rows, ["out", "in", "kernel", "tile", "registers", "stack_bytes", "shared_bytes",
                                     "instructions", "loop", "per_8_weights"]))
         write_json(args.out, dict(arch=args.arch, triton=triton.__version__, rows=rows))

@@ -85,7 +85,8 @@ def test_bench_nf4_matvec_tiny_mode_runs():
     assert ("| words 8x1024/4w split 2 | chosen, pairs | chosen, code_book | chosen, exact codes | chosen, 2 stages |"
             in out)
     assert "| chosen, words | chosen, words, 3 stages |" in out
-    assert "| model | out | in | rank | three_launches_us | gated_us | gated_vs_three | ms_per_token_saved |" in out
+    assert ("| model | out | in | rank | three_launches_us | gated_us | gated_vs_three | ms_per_token_saved "
+            "| gated_gluon_us |") in out
     assert "| qwen3_8b | 128 | 64 | 16 |" in out  # the MLP input with adapters on gate and up
     assert "| model | group | widths | rank | separate_us | grouped_us | grouped_vs_separate |" in out
     assert "| qwen3_8b | attention | 64/32/32 | 16 |" in out

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_launch_dependents
 
+from unsloth_lite.kernels import nf4_gated_gluon as gluon
 from unsloth_lite.kernels import nf4_matvec as matvec  # its settings (tiles, lookup, PDL) are read at each call
 from unsloth_lite.kernels.dequantize_nf4 import _launch
 from unsloth_lite.kernels.lora_down import (
@@ -42,11 +43,16 @@ from unsloth_lite.kernels.matvec_epilogue import (
     _output_values,
     t_before_walk,
 )
-from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
+from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, LOOKUPS, code_pairs
 from unsloth_lite.kernels.nf4_gated_walks import _gated_blocked_sums, _gated_word_sums
 from unsloth_lite.kernels.nf4_matvec import packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_state import lane_tables
 from unsloth_lite.kernels.utils import INTERPRET, empty
+
+# The launch's walk in Gluon for one bf16 row where it fits (`nf4_gated_gluon.py`, with `nf4_matvec.GLUON_WALK`:
+# the Qwen3-8B MLP), t given (no first products in the launch). Compiled offline for sm_90, not yet run on a GPU:
+# off until measured.
+GLUON_GATED = False
 
 
 @triton.jit
@@ -261,6 +267,14 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     pdl = matvec.uses_pdl(x.device)
     ranks = [a[1] for a in adapters]
     down_a, stripes = _checked_down_shares(down_shares, n_rows, n_out, x.device)
+    if (GLUON_GATED and matvec.GLUON_WALK and words and first.programs == 0 and blocksize == gluon.BLOCKSIZE
+            and matvec.word_code_form(bf16_codes, x_pairs) == CODE_PAIRS
+            and gluon.gluon_gated_fits(x_rows, n_out, n_in)):
+        gluon.launch_gluon_gated(
+            x_rows, packed, [matvec.fp32_absmax(w) for w in (gate, up)], tables, out, n_out, n_in,
+            (gate_bias, up_bias), [(lora[1], lora[0], lora[2]) if lora is not None else None for lora in loras],
+            down_a, stripes, pdl)
+        return out.view(*x.shape[:-1], n_out)
     # the blocked walk of this launch is not pipelined: one stage
     stages = matvec.word_stages(n_out, n_in, "gated", adapted) if words else 1
     _nf4_gated_matvec_kernel[(first.programs + feature_blocks,)](

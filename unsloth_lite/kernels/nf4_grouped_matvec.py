@@ -18,11 +18,14 @@ orders them) though none reads another's output. No backward: inference only. Th
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_launch_dependents
 
+from unsloth_lite.kernels import nf4_grouped_gluon as gluon
 from unsloth_lite.kernels import nf4_matvec as matvec  # its settings (tiles, lookup, PDL) are read at each call
 from unsloth_lite.kernels.dequantize_nf4 import _launch
 from unsloth_lite.kernels.lora_down import (
@@ -43,7 +46,7 @@ from unsloth_lite.kernels.matvec_epilogue import (
     _finish_product,
     t_before_walk,
 )
-from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
+from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, LOOKUPS, code_pairs
 from unsloth_lite.kernels.nf4_matvec import packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_blocked import _blocked_sums
 from unsloth_lite.kernels.nf4_matvec_state import lane_tables
@@ -51,6 +54,10 @@ from unsloth_lite.kernels.nf4_matvec_words import _word_walk
 from unsloth_lite.kernels.utils import INTERPRET, empty
 
 MAX_WEIGHTS = 4  # the DeltaNet's four input projections
+# The launch's walks in Gluon for one bf16 row where they fit (`nf4_grouped_gluon.py`, with
+# `nf4_matvec.GLUON_WALK`: the Qwen3-8B shape's q/k/v), t given (no first products in the launch). Compiled
+# offline for sm_90, not yet run on a GPU: off until measured.
+GLUON_GROUPED = False
 
 
 @triton.jit
@@ -247,12 +254,21 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
                       first_column, rank, end))
         outputs.append(out.view(*x.shape[:-1], n_out))
         first_column += rank
-    slots += [slots[-1]] * (MAX_WEIGHTS - len(slots))
-    code = _launch(weights[0], None).inputs[2]
     blocksize = int(weights[0].quant_state.blocksize)
     t = lora_t if lora_t is not None else slots[0][7]
     pdl = matvec.uses_pdl(x.device)
     x_rows, x_pairs = word_kernel_rows(x2d) if words else (x2d, False)
+    if (GLUON_GROUPED and matvec.GLUON_WALK and words and first.programs == 0 and blocksize == gluon.BLOCKSIZE
+            and matvec.word_code_form(bf16_codes, x_pairs) == CODE_PAIRS
+            and gluon.gluon_grouped_fits(x_rows, widths, n_in)):
+        # each weight's slot without its width, its programs' end at the Gluon walk's BLOCK_N
+        ends = itertools.accumulate(n // gluon.BLOCK_N for n in widths)
+        gluon_slots = [(*slot[:8], *slot[9:11], end) for slot, end in zip(slots, ends, strict=True)]
+        gluon_slots += [gluon_slots[-1]] * (MAX_WEIGHTS - len(gluon_slots))
+        gluon.launch_gluon_grouped(x_rows, tables, t, gluon_slots, n_in, biases[0] is not None, ranks, pdl)
+        return outputs
+    slots += [slots[-1]] * (MAX_WEIGHTS - len(slots))
+    code = _launch(weights[0], None).inputs[2]
     table = code_pairs(code) if matvec.LOOKUP == "pairs" and not words else code
     stages = matvec.word_stages(widest, n_in, "grouped") if words else matvec.PIPELINE_STAGES
     _nf4_grouped_matvec_kernel[(first.programs + end,)](

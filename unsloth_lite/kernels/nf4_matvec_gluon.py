@@ -49,12 +49,21 @@ def step_weights() -> int:
     return 8 * WORDS_PER_THREAD * 32 * NUM_WARPS
 
 
+def gluon_device(x: torch.Tensor) -> bool:
+    """Whether the Gluon walks run on x's device: a CUDA device, compiled (Gluon has no interpreter)."""
+    return not INTERPRET and x.is_cuda
+
+
+def one_row_at_whole_steps(x_rows: torch.Tensor, n_in: int) -> bool:
+    """One row of x as bf16 pairs (int32) on a device the Gluon walks run on, K a whole number of steps."""
+    return (gluon_device(x_rows) and x_rows.dtype == torch.int32 and x_rows.shape[0] == 1
+            and n_in % step_weights() == 0)
+
+
 def gluon_walk_fits(x_rows: torch.Tensor, n_out: int, n_in: int) -> bool:
-    """Whether the Gluon walk takes this product: compiled, one row of x as bf16 pairs (int32) on a CUDA device,
-    N a multiple of BLOCK_N and K of a step (`step_weights`: the Qwen3-8B shape's projections, not the 27B's
-    K = 5,120 or 17,408)."""
-    return (not INTERPRET and x_rows.is_cuda and x_rows.dtype == torch.int32 and x_rows.shape[0] == 1
-            and n_out % BLOCK_N == 0 and n_in % step_weights() == 0)
+    """Whether the Gluon walk takes this product: `one_row_at_whole_steps` (the Qwen3-8B shape's projections, not
+    the 27B's K = 5,120 or 17,408) and N a multiple of BLOCK_N."""
+    return one_row_at_whole_steps(x_rows, n_in) and n_out % BLOCK_N == 0
 
 
 @gluon.jit
@@ -101,16 +110,32 @@ def _gluon_word_kernel(
     HAS_LORA: gl.constexpr, T_PARTS: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_R: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    """Program i: features [i · BLOCK_N, (i + 1) · BLOCK_N), the whole row (module docstring). x_ptr: x's bf16
-    pairs (int32); words_ptr: the packed weight's int32 words `[N, K / 8]`; absmax_ptr: fp32 `[N, K / 64]`;
-    tables_ptr: `lane_tables` (int32 `[32, 8]`); addend_ptr `[N]` (ADDEND); t_ptr: fp32 `[T_PARTS, rank]` parts
-    `t_part_stride` apart, B `[N, rank]` (HAS_LORA)."""
+    """Program i: `_word_program` of feature block i."""
+    _word_program(
+        gl.program_id(0), x_ptr, words_ptr, absmax_ptr, tables_ptr, addend_ptr, t_ptr, t_part_stride, lora_b_ptr,
+        lora_b_row_stride, lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row, rank, BLOCK_N,
+        WORDS_PER_THREAD, NUM_WARPS, ADDEND, HAS_LORA, T_PARTS, BLOCK_P, BLOCK_R, PDL,
+    )
+
+
+@gluon.jit
+def _word_program(
+    block, x_ptr, words_ptr, absmax_ptr, tables_ptr, addend_ptr, t_ptr, t_part_stride, lora_b_ptr,
+    lora_b_row_stride, lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row, rank,
+    BLOCK_N: gl.constexpr, WORDS_PER_THREAD: gl.constexpr, NUM_WARPS: gl.constexpr, ADDEND: gl.constexpr,
+    HAS_LORA: gl.constexpr, T_PARTS: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_R: gl.constexpr,
+    PDL: gl.constexpr,
+):
+    """Features [block · BLOCK_N, (block + 1) · BLOCK_N) of one weight, the whole row (module docstring). x_ptr:
+    x's bf16 pairs (int32); words_ptr: the packed weight's int32 words `[N, K / 8]`; absmax_ptr: fp32 `[N, K /
+    64]`; tables_ptr: `lane_tables` (int32 `[32, 8]`); addend_ptr `[N]` (ADDEND); t_ptr: fp32 `[T_PARTS, rank]`
+    parts `t_part_stride` apart, B `[N, rank]` (HAS_LORA)."""
     walk: gl.constexpr = gl.BlockedLayout([BLOCK_N, WORDS_PER_THREAD], [1, 32], [1, NUM_WARPS], [1, 0])
     # the epilogue's: B `[BLOCK_N, BLOCK_R]` and t's parts `[BLOCK_P, BLOCK_R]` spread over the threads, a register
     # or two each while the walk runs (held whole by each thread, 16 parts of rank 16 spill)
     spread: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [NUM_WARPS, 1], [1, 0])
     STEP: gl.constexpr = WORDS_PER_THREAD * 32 * NUM_WARPS  # words along K a step of the program
-    features = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, walk))
+    features = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, walk))
     columns = gl.arange(0, STEP, layout=gl.SliceLayout(0, walk))
     # the lookup's tables, each lane's own copy held in registers (`lane_tables`)
     lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [columns], dtype=gl.int32, is_pure=True,
@@ -120,7 +145,7 @@ def _gluon_word_kernel(
     row_words = features.to(gl.int64)[:, None] * words_per_row
     row_blocks = features.to(gl.int64)[:, None] * blocks_per_row
     words, scales = _weight_step(words_ptr, absmax_ptr, row_words, row_blocks, columns)
-    out_features = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, spread))
+    out_features = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, spread))
     if HAS_LORA:
         r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, spread))
         lora_b = gl.load(lora_b_ptr + out_features[:, None].to(gl.int64) * lora_b_row_stride
