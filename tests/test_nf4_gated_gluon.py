@@ -14,7 +14,7 @@ from test_nf4_gated_matvec import float64_gated, gated_case
 from unsloth_lite.kernels import nf4_gated_gluon
 from unsloth_lite.kernels import nf4_gated_matvec as gated_module
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
-from unsloth_lite.kernels.nf4_gated_gluon import BLOCK_N, gluon_gated_fits
+from unsloth_lite.kernels.nf4_gated_gluon import BLOCK_N
 from unsloth_lite.kernels.nf4_matvec_gluon import step_weights
 
 
@@ -30,18 +30,6 @@ def test_gluon_gated_walk_compiles_for_hopper_without_shared_memory_in_its_loop(
         assert 0 < rows[name]["registers"] <= 160 and rows[name]["stack_bytes"] == 0, rows[name]
         assert rows[name]["shared_bytes"] <= 1024 < rows["gated_words"]["shared_bytes"], rows
         assert rows[name]["tile"] == f"{BLOCK_N}x{step_weights()}/4w", rows[name]
-
-
-def test_gluon_gated_walk_takes_one_row_of_bf16_pairs_on_a_gpu_at_whole_steps():
-    step = step_weights()
-    pairs = torch.zeros(1, step // 2, dtype=torch.int32)
-    assert not gluon_gated_fits(pairs, 64, step)  # not on a CUDA device
-    if torch.cuda.is_available():
-        on_gpu = pairs.cuda()
-        assert gluon_gated_fits(on_gpu, 64, step)
-        assert not gluon_gated_fits(on_gpu.expand(2, -1), 64, step)
-        assert not gluon_gated_fits(on_gpu, 64, step + 64)
-        assert not gluon_gated_fits(on_gpu, 66, step)
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ from test_nf4_matvec import float64_reference
 
 from unsloth_lite.kernels import nf4_matvec as nf4_matvec_module
 from unsloth_lite.kernels import nf4_matvec_gluon
+from unsloth_lite.kernels.nf4_gated_gluon import gluon_gated_fits
 from unsloth_lite.kernels.nf4_matvec import nf4_matvec
 from unsloth_lite.kernels.nf4_matvec_gluon import gluon_walk_fits, step_weights
 
@@ -36,17 +37,18 @@ def test_gluon_walk_compiles_for_hopper_without_shared_memory_in_its_loop(tmp_pa
     assert gluon["per_8_weights"] < words["per_8_weights"], rows
 
 
-def test_gluon_walk_takes_one_row_of_bf16_pairs_on_a_gpu_at_whole_steps():
+@pytest.mark.parametrize("fits", [gluon_walk_fits, gluon_gated_fits], ids=["words", "gated"])
+def test_gluon_walks_take_one_row_of_bf16_pairs_on_a_gpu_at_whole_steps(fits):
     step = step_weights()
     pairs = torch.zeros(1, step // 2, dtype=torch.int32)
-    assert not gluon_walk_fits(pairs, 64, step)  # not on a CUDA device
+    assert not fits(pairs, 64, step)  # not on a CUDA device
     if torch.cuda.is_available():
         on_gpu = pairs.cuda()
-        assert gluon_walk_fits(on_gpu, 64, step)
-        assert not gluon_walk_fits(on_gpu.expand(2, -1), 64, step)  # two rows
-        assert not gluon_walk_fits(on_gpu, 64, step + 64)  # K not a whole number of steps
-        assert not gluon_walk_fits(on_gpu, 60, step)  # N not a multiple of BLOCK_N
-        assert not gluon_walk_fits(on_gpu.view(torch.float32), 64, step)  # x not bf16 pairs
+        assert fits(on_gpu, 64, step)
+        assert not fits(on_gpu.expand(2, -1), 64, step)  # two rows
+        assert not fits(on_gpu, 64, step + 64)  # K not a whole number of steps
+        assert not fits(on_gpu, 66, step)  # N not a multiple of the program's features
+        assert not fits(on_gpu.view(torch.float32), 64, step)  # x not bf16 pairs
 
 
 def test_bench_nf4_matvec_runs_the_triton_walk_variant():

@@ -32,6 +32,7 @@ from unsloth_lite.kernels.nf4_matvec_gluon import (
     _gdc_launch_dependents,
     _gdc_wait,
     _step_sums,
+    _walk_start,
     _weight_step,
     _x_step,
 )
@@ -87,14 +88,8 @@ def _gluon_gated_kernel(
     outputs: gl.constexpr = gl.SliceLayout(1, spread)
     STEP: gl.constexpr = WORDS_PER_THREAD * 32 * NUM_WARPS
     block = gl.program_id(0)
-    features = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, walk))
-    columns = gl.arange(0, STEP, layout=gl.SliceLayout(0, walk))
-    lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [columns], dtype=gl.int32, is_pure=True,
-                                     pack=1)
-    table = tables_ptr + lane[None, :] * 8 + gl.zeros([BLOCK_N, STEP], gl.int32, walk)
-    t0, t1, t2, t3 = gl.load(table), gl.load(table + 1), gl.load(table + 2), gl.load(table + 3)
-    row_words = features.to(gl.int64)[:, None] * words_per_row
-    row_blocks = features.to(gl.int64)[:, None] * blocks_per_row
+    columns, t0, t1, t2, t3, row_words, row_blocks = _walk_start(block, tables_ptr, words_per_row, blocks_per_row,
+                                                                 BLOCK_N, STEP, walk)
     gate_words, gate_scales = _weight_step(gate_words_ptr, gate_absmax_ptr, row_words, row_blocks, columns)
     up_words, up_scales = _weight_step(up_words_ptr, up_absmax_ptr, row_words, row_blocks, columns)
     out_features = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=outputs)

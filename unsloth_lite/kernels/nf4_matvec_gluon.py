@@ -37,8 +37,9 @@ from unsloth_lite.kernels.utils import INTERPRET
 
 BLOCK_N = 8
 # Words a thread takes a step: two (eight bytes a feature). Measured on an H100 at the Qwen3-8B shape's
-# projections (docs/benchmarks.md, "The word walk in Gluon"): one word 0-11% slower, four 14-51% slower (136
-# registers a thread and no step left to overlap at K = 4,096).
+# projections (docs/benchmarks.md, "The word launch walked in Gluon"): one word 4-14% slower; four, prefetched
+# with 4 features a program, 33-56% slower, and unprefetched with 8 (136 registers a thread; at K = 4,096 a
+# single step, nothing to overlap) 19-23% slower than two at three of the four shapes.
 WORDS_PER_THREAD = 2
 NUM_WARPS = 4
 BLOCKSIZE = 64  # weights a quantisation block: eight words, so a thread's words share one absmax
@@ -75,6 +76,21 @@ def _gdc_wait():
 def _gdc_launch_dependents():
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                               is_pure=False, pack=1)
+
+
+@gluon.jit
+def _walk_start(block, tables_ptr, words_per_row, blocks_per_row, BLOCK_N: gl.constexpr, STEP: gl.constexpr,
+                walk: gl.constexpr):
+    """(the words of a step `[STEP]`, the lookup's four tables (each lane's own copy held in registers,
+    `lane_tables`), the first word and the first block of each of feature block `block`'s rows `[BLOCK_N, 1]`)."""
+    features = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, walk))
+    columns = gl.arange(0, STEP, layout=gl.SliceLayout(0, walk))
+    lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [columns], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+    table = tables_ptr + lane[None, :] * 8 + gl.zeros([BLOCK_N, STEP], gl.int32, walk)
+    t0, t1, t2, t3 = gl.load(table), gl.load(table + 1), gl.load(table + 2), gl.load(table + 3)
+    return (columns, t0, t1, t2, t3, features.to(gl.int64)[:, None] * words_per_row,
+            features.to(gl.int64)[:, None] * blocks_per_row)
 
 
 @gluon.jit
@@ -135,15 +151,8 @@ def _word_program(
     # or two each while the walk runs (held whole by each thread, 16 parts of rank 16 spill)
     spread: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [NUM_WARPS, 1], [1, 0])
     STEP: gl.constexpr = WORDS_PER_THREAD * 32 * NUM_WARPS  # words along K a step of the program
-    features = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, walk))
-    columns = gl.arange(0, STEP, layout=gl.SliceLayout(0, walk))
-    # the lookup's tables, each lane's own copy held in registers (`lane_tables`)
-    lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [columns], dtype=gl.int32, is_pure=True,
-                                     pack=1)
-    table = tables_ptr + lane[None, :] * 8 + gl.zeros([BLOCK_N, STEP], gl.int32, walk)
-    t0, t1, t2, t3 = gl.load(table), gl.load(table + 1), gl.load(table + 2), gl.load(table + 3)
-    row_words = features.to(gl.int64)[:, None] * words_per_row
-    row_blocks = features.to(gl.int64)[:, None] * blocks_per_row
+    columns, t0, t1, t2, t3, row_words, row_blocks = _walk_start(block, tables_ptr, words_per_row, blocks_per_row,
+                                                                 BLOCK_N, STEP, walk)
     words, scales = _weight_step(words_ptr, absmax_ptr, row_words, row_blocks, columns)
     out_features = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, spread))
     if HAS_LORA:
