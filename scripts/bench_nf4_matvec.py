@@ -154,6 +154,21 @@ def flat_absmax_bytes(n: int) -> float:
     return n / 2 + n / 64 * 4
 
 
+def with_settings(module, settings: dict, fn):
+    """`fn` as a call made with `module`'s attributes set to `settings`, restored after it."""
+    def call():
+        saved = {name: getattr(module, name) for name in settings}
+        try:
+            for name, value in settings.items():
+                setattr(module, name, value)
+            return fn()
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)
+
+    return call
+
+
 def variant_fn(variant: str, x, weight):
     import torch.nn.functional as F
 
@@ -163,17 +178,7 @@ def variant_fn(variant: str, x, weight):
     if variant in KERNEL_SETTINGS:
         x = x.float() if variant == FP32_X else x
 
-        def product():
-            saved = {name: getattr(matvec, name) for name in KERNEL_SETTINGS[variant]}
-            try:
-                for name, value in KERNEL_SETTINGS[variant].items():
-                    setattr(matvec, name, value)
-                return matvec.nf4_matvec(x, weight)
-            finally:
-                for name, value in saved.items():
-                    setattr(matvec, name, value)
-
-        return product
+        return with_settings(matvec, KERNEL_SETTINGS[variant], lambda: matvec.nf4_matvec(x, weight))
     if variant == "bitsandbytes":
         import bitsandbytes as bnb
 
@@ -297,16 +302,11 @@ def mlp_input_calls(x, gate, up, rank: int):
                     for weight, lora in zip((gate, up), adapters(), strict=True)]
         return swiglu(*products)
 
-    def gluon():
-        saved = gated_module.GLUON_GATED
-        try:
-            gated_module.GLUON_GATED = True
-            return nf4_gated_matvec(x, gate, up, None, None, *adapters())
-        finally:
-            gated_module.GLUON_GATED = saved
+    def gated():
+        return nf4_gated_matvec(x, gate, up, None, None, *adapters())
 
     fits = gluon_gated_fits(word_kernel_rows(x)[0], *gate.quant_state.shape)
-    return three, lambda: nf4_gated_matvec(x, gate, up, None, None, *adapters()), gluon if fits else None
+    return three, gated, with_settings(gated_module, {"GLUON_GATED": True}, gated) if fits else None
 
 
 def measure_gated(shapes: list[str], device, tiny: bool, x_rows: int = 1) -> list[dict]:
@@ -391,17 +391,9 @@ def grouped_calls(x, weights, a, loras):
     def grouped():
         return nf4_grouped_matvec(x, weights, [None] * len(weights), loras, lora_down_rows(x, a) if rank else None)
 
-    def gluon():
-        saved = grouped_module.GLUON_GROUPED
-        try:
-            grouped_module.GLUON_GROUPED = True
-            return grouped()
-        finally:
-            grouped_module.GLUON_GROUPED = saved
-
     widths = [int(w.quant_state.shape[0]) for w in weights]
     fits = gluon_grouped_fits(word_kernel_rows(x)[0], widths, x.shape[-1])
-    return separate, grouped, gluon if fits else None
+    return separate, grouped, with_settings(grouped_module, {"GLUON_GROUPED": True}, grouped) if fits else None
 
 
 def per_token(rows: list[dict], shapes: list[str], variants: list[str], tiny: bool,

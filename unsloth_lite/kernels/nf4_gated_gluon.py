@@ -29,8 +29,10 @@ from unsloth_lite.kernels.nf4_matvec_gluon import (
     BLOCKSIZE,
     NUM_WARPS,
     WORDS_PER_THREAD,
+    _adapter_rows,
     _gdc_launch_dependents,
     _gdc_wait,
+    _product_outputs,
     _step_sums,
     _walk_start,
     _weight_step,
@@ -46,26 +48,6 @@ def gluon_gated_fits(x_rows: torch.Tensor, n_out: int, n_in: int) -> bool:
     """Whether the Gluon gate-and-up walk takes this launch: `nf4_matvec_gluon.one_row_at_whole_steps` (the
     Qwen3-8B MLP) and N a multiple of BLOCK_N."""
     return walks.one_row_at_whole_steps(x_rows, n_in) and n_out % BLOCK_N == 0
-
-
-@gluon.jit
-def _adapter_rows(b_ptr, b_row_stride, b_col_stride, features, r, rank):
-    """B's rows of the program's features `[BLOCK_N, BLOCK_R]` (0 past the rank), as stored."""
-    return gl.load(b_ptr + features[:, None].to(gl.int64) * b_row_stride + r[None, :] * b_col_stride,
-                   mask=r[None, :] < rank, other=0.0)
-
-
-@gluon.jit
-def _projection(acc, layout: gl.constexpr, features, bias_ptr, t, b, scale, BIAS: gl.constexpr,
-                LORA: gl.constexpr, dtype: gl.constexpr):
-    """One projection's outputs `[BLOCK_N]` from its walk's sums: bias and adapter added in fp32, rounded to
-    `dtype` as `nf4_matvec` writes them, back in fp32."""
-    y = gl.convert_layout(gl.sum(acc, axis=1), layout)
-    if LORA:
-        y += scale * gl.sum(b.to(gl.float32) * t[None, :], axis=1)
-    if BIAS:
-        y += gl.load(bias_ptr + features).to(gl.float32)
-    return y.to(dtype).to(gl.float32)
 
 
 @gluon.jit
@@ -105,10 +87,10 @@ def _gluon_gated_kernel(
                          mask=down_ranks[None, :] < down_rank, other=0.0)
     if PDL:
         _gdc_wait()
-    if GATE_LORA:
-        gate_t = gl.load(gate_t_ptr + r, mask=r < gate_rank, other=0.0)
+    if GATE_LORA:  # as one part `[1, BLOCK_R]` (`_product_outputs`)
+        gate_t = gl.load(gate_t_ptr + r[None, :], mask=r[None, :] < gate_rank, other=0.0)
     if UP_LORA:
-        up_t = gl.load(up_t_ptr + r, mask=r < up_rank, other=0.0)
+        up_t = gl.load(up_t_ptr + r[None, :], mask=r[None, :] < up_rank, other=0.0)
     x01, x23, x45, x67 = _x_step(x_ptr, columns)
     acc_gate = gl.zeros([BLOCK_N, STEP], gl.float32, walk)
     acc_up = gl.zeros([BLOCK_N, STEP], gl.float32, walk)
@@ -127,9 +109,11 @@ def _gluon_gated_kernel(
     if PDL:
         _gdc_launch_dependents()
     dtype: gl.constexpr = out_ptr.dtype.element_ty
-    g = _projection(acc_gate, outputs, out_features, gate_bias_ptr, gate_t, gate_b, gate_scale, GATE_BIAS, GATE_LORA,
-                    dtype)
-    u = _projection(acc_up, outputs, out_features, up_bias_ptr, up_t, up_b, up_scale, UP_BIAS, UP_LORA, dtype)
+    # g and u rounded as `nf4_matvec` writes them
+    g = _product_outputs(acc_gate, outputs, out_features, gate_bias_ptr, gate_t, gate_b, gate_scale, GATE_BIAS,
+                         GATE_LORA).to(dtype).to(gl.float32)
+    u = _product_outputs(acc_up, outputs, out_features, up_bias_ptr, up_t, up_b, up_scale, UP_BIAS,
+                         UP_LORA).to(dtype).to(gl.float32)
     h = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(dtype)  # as `swiglu` computes it
     gl.store(out_ptr + out_features, h)
     if DOWN_BLOCK_R > 0:  # the share, from h as written; a relaxed add: the next launch reads it after this one

@@ -299,12 +299,12 @@ def nf4_matvec(
         addend, bias_kind = residual.reshape(n_rows, n_out).contiguous(), BIAS_ROWS
     else:
         addend, bias_kind = bias, BIAS_FEATURES if bias is not None else BIAS_NONE
-    if blocked and words and GLUON_WALK and not first_in_launch and not nested and blocksize == gluon.BLOCKSIZE:
-        x_rows, x_pairs = word_kernel_rows(x2d)
-        if word_code_form(bf16_codes, x_pairs) == CODE_PAIRS and gluon.gluon_walk_fits(x_rows, n_out, n_in):
-            gluon.launch_gluon_walk(x_rows, packed_words(packed), absmax, tables, out, n_out, n_in, addend,
-                                    t if has_lora else None, parts, part_stride, lora_b, scale, uses_pdl(x.device))
-            return out.view(*x.shape[:-1], n_out)
+    x_rows, x_pairs = word_kernel_rows(x2d) if blocked and words else (x2d, False)
+    if (blocked and words and GLUON_WALK and not first_in_launch and not nested and blocksize == gluon.BLOCKSIZE
+            and word_code_form(bf16_codes, x_pairs) == CODE_PAIRS and gluon.gluon_walk_fits(x_rows, n_out, n_in)):
+        gluon.launch_gluon_walk(x_rows, packed_words(packed), absmax, tables, out, n_out, n_in, addend,
+                                t if has_lora else None, parts, part_stride, lora_b, scale, uses_pdl(x.device))
+        return out.view(*x.shape[:-1], n_out)
     if split_k:
         partial = empty((splits, block_m, n_out), torch.float32, x.device)
         arrivals = _arrival_counters(x.device, feature_blocks)
@@ -325,7 +325,6 @@ def nf4_matvec(
     )
     if blocked and words:
         pdl = uses_pdl(x.device)
-        x_rows, x_pairs = word_kernel_rows(x2d)
         stages = word_stages(n_out, n_in)
         _nf4_matvec_words_kernel[(first.programs + feature_blocks, splits if split_k else 1)](
             x_rows, x_rows.stride(0), packed_words(packed), absmax, code, tables, *args[6:],

@@ -155,10 +155,10 @@ def _word_program(
                                                                  BLOCK_N, STEP, walk)
     words, scales = _weight_step(words_ptr, absmax_ptr, row_words, row_blocks, columns)
     out_features = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, spread))
+    lora_b, t_parts = 0.0, 0.0  # unread without an adapter
     if HAS_LORA:
         r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, spread))
-        lora_b = gl.load(lora_b_ptr + out_features[:, None].to(gl.int64) * lora_b_row_stride
-                         + r[None, :] * lora_b_col_stride, mask=r[None, :] < rank, other=0.0)
+        lora_b = _adapter_rows(lora_b_ptr, lora_b_row_stride, lora_b_col_stride, out_features, r, rank)
     if PDL:
         _gdc_wait()
     if HAS_LORA:  # issued before the walk, as `matvec_epilogue.T_BEFORE_WALK` does; summed after it
@@ -176,13 +176,31 @@ def _word_program(
     acc += _step_sums(words, scales, x01, x23, x45, x67, t0, t1, t2, t3)
     if PDL:
         _gdc_launch_dependents()
-    y = gl.convert_layout(gl.sum(acc, axis=1), gl.SliceLayout(1, spread))
-    if HAS_LORA:
-        t = gl.sum(t_parts, axis=0)
-        y += scale * gl.sum(lora_b.to(gl.float32) * t[None, :], axis=1)
-    if ADDEND:
-        y += gl.load(addend_ptr + out_features).to(gl.float32)
+    y = _product_outputs(acc, gl.SliceLayout(1, spread), out_features, addend_ptr, t_parts, lora_b, scale, ADDEND,
+                         HAS_LORA)
     gl.store(out_ptr + out_features, y.to(out_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _adapter_rows(b_ptr, b_row_stride, b_col_stride, features, r, rank):
+    """B's rows of the program's features `[BLOCK_N, BLOCK_R]` (0 past the rank), as stored."""
+    return gl.load(b_ptr + features[:, None].to(gl.int64) * b_row_stride + r[None, :] * b_col_stride,
+                   mask=r[None, :] < rank, other=0.0)
+
+
+@gluon.jit
+def _product_outputs(acc, layout: gl.constexpr, features, addend_ptr, t_parts, b, scale, ADDEND: gl.constexpr,
+                     LORA: gl.constexpr):
+    """A product's outputs `[BLOCK_N]` in fp32 from its walk's sums `acc` `[BLOCK_N, STEP]`: reduced into
+    `layout`, the adapter's s · t Bᵀ (LORA; t the sum of its parts `[P, BLOCK_R]`, B's rows `_adapter_rows`) and
+    the addend (ADDEND) added."""
+    y = gl.convert_layout(gl.sum(acc, axis=1), layout)
+    if LORA:
+        t = gl.sum(t_parts, axis=0)
+        y += scale * gl.sum(b.to(gl.float32) * t[None, :], axis=1)
+    if ADDEND:
+        y += gl.load(addend_ptr + features).to(gl.float32)
+    return y
 
 
 def launch_gluon_walk(x_rows, words, absmax, tables, out, n_out: int, n_in: int, addend=None, lora_t=None,
