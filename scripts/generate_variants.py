@@ -26,7 +26,9 @@ stripes), `screen_int8=1` (`screened_logits.INT8_PRODUCTS`: the screen's integer
 parts), `t_early=1` (`matvec_epilogue.T_BEFORE_WALK`: an adapter's given t loaded before the walk), `gluon=1`
 (`nf4_matvec.GLUON_WALK`: the word launch's one-row products walked in Gluon where they fit), `gluon_gated=0`
 (`nf4_gated_matvec.GLUON_GATED`, with `gluon=1`: the gate-and-up launch's too), `gluon_grouped=0`
-(`nf4_grouped_matvec.GLUON_GROUPED`, with `gluon=1`: the grouped launch's too) and the
+(`nf4_grouped_matvec.GLUON_GROUPED`, with `gluon=1`: the grouped launch's too), `gluon_first=0`
+(`nf4_matvec.GLUON_FIRST_PRODUCTS`, with `gluon=1`: o_proj's product with its adapter's first product in the launch
+too) and the
 number `screen_block=N` (`screened_logits.INT8_BLOCK_N`, the head's rows a program of that screen). A suffixed
 adapter variant's `lora_cost` is against `unsloth_lite` with the same suffix, less `adapted`:
 `unsloth_lite_lora@adapted=N` puts adapters on some projections only, N the sum of 1 (q, k, v), 2 (o), 4 (gate,
@@ -73,6 +75,7 @@ DECODE_SETTINGS = {
     "gluon": ("unsloth_lite.kernels.nf4_matvec", "GLUON_WALK", 0),
     "gluon_gated": ("unsloth_lite.kernels.nf4_gated_matvec", "GLUON_GATED", 0),
     "gluon_grouped": ("unsloth_lite.kernels.nf4_grouped_matvec", "GLUON_GROUPED", 0),
+    "gluon_first": ("unsloth_lite.kernels.nf4_matvec", "GLUON_FIRST_PRODUCTS", 0),
 }
 # `@adapted=N`'s groups of adapted projections: bit -> their names (module docstring)
 ADAPTED_GROUPS = {1: ("q_proj", "k_proj", "v_proj"), 2: ("o_proj",), 4: ("gate_proj", "up_proj"), 8: ("down_proj",)}

@@ -257,14 +257,15 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
         kernels = [("blocked", False), ("words", True), ("words_prefetch", True), ("gated", False),
                    ("gated_words", True), ("gated_words_prefetch", True)]
         if n_in % nf4_matvec_gluon.step_weights() == 0 and n_out % nf4_matvec_gluon.BLOCK_N == 0:
-            kernels += [("words_gluon", True), ("words_gluon_adapted", True), ("gated_gluon", True),
-                        ("gated_gluon_adapted", True)]
+            kernels += [("words_gluon", True), ("words_gluon_adapted", True), ("words_gluon_first", True),
+                        ("gated_gluon", True), ("gated_gluon_adapted", True)]
         for name, words in kernels:
             saved = (nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH, nf4_matvec.GLUON_WALK,
-                     nf4_gated_matvec.GLUON_GATED)
+                     nf4_gated_matvec.GLUON_GATED, nf4_matvec.GLUON_FIRST_PRODUCTS)
             try:
                 nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH = words, name.endswith("prefetch")
-                nf4_matvec.GLUON_WALK = nf4_gated_matvec.GLUON_GATED = "gluon" in name
+                nf4_matvec.GLUON_WALK = nf4_gated_matvec.GLUON_GATED = nf4_matvec.GLUON_FIRST_PRODUCTS = (
+                    "gluon" in name)
                 with compiled_on_cpu(), torch.no_grad(), Captured() as launches:
                     if name == "gated_gluon_adapted":  # as the 8B MLP's: t given for both, the down shares
                         weight = nf4_param(n_out, n_in)
@@ -278,11 +279,15 @@ def matvec_rows(shapes, arch: int) -> list[dict]:
                         residual = torch.empty(1, n_out, dtype=x.dtype)
                         nf4_matvec.nf4_matvec(x, packed, quant_state=state, lora_b=torch.empty(n_out, 16),
                                               lora_t=torch.empty(16, 1, 16), residual=residual)
+                    elif name == "words_gluon_first":  # as o_proj's: the residual, t = x Aᵀ in the launch
+                        residual = torch.empty(1, n_out, dtype=x.dtype)
+                        nf4_matvec.nf4_matvec(x, packed, quant_state=state, lora_a=torch.empty(16, n_in),
+                                              lora_b=torch.empty(n_out, 16), residual=residual)
                     else:
                         nf4_matvec.nf4_matvec(x, packed, quant_state=state)
             finally:
                 (nf4_matvec.WORD_KERNEL, nf4_matvec.REGISTER_PREFETCH, nf4_matvec.GLUON_WALK,
-                 nf4_gated_matvec.GLUON_GATED) = saved
+                 nf4_gated_matvec.GLUON_GATED, nf4_matvec.GLUON_FIRST_PRODUCTS) = saved
             rows.append(dict(out=n_out, **{"in": n_in}, kernel=name, tile=launch_tile(launches),
                              **launch_figures(launches, arch, 2 if name.startswith("gated") else 1)))
     return rows

@@ -71,12 +71,15 @@ def _gluon_launches(monkeypatch) -> list:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("epilogue", ["none", "bias", "residual", "adapter", "adapter_parts_residual"])
+@pytest.mark.parametrize("epilogue", ["none", "bias", "residual", "adapter", "adapter_parts_residual",
+                                      "first_products_residual"])
 @pytest.mark.parametrize("shape", [(4096, 4096), (1024, 4096), (4096, 12288), (12288, 4096)], ids=str)
 def test_gluon_walk_cuda(shape, epilogue, monkeypatch):
     """The Qwen3-8B shape's projections with each epilogue: against float64 and the Triton word kernel (nested
-    absmax read flat; PDL as shipped)."""
+    absmax read flat; PDL as shipped). First products: t = x Aᵀ written by the launch's first programs, three
+    launches in a row (each leaves the ready flag and the readers' counters at 0 for the next)."""
     monkeypatch.setattr(nf4_matvec_module, "WORD_KERNEL", True)
+    monkeypatch.setattr(nf4_matvec_module, "GLUON_FIRST_PRODUCTS", True)
     n_out, n_in = shape
     weight = quantize(shape, torch.bfloat16, True, 64, "cuda")
     x = torch.randn(1, n_in, dtype=torch.bfloat16, device="cuda")
@@ -93,9 +96,17 @@ def test_gluon_walk_cuda(shape, epilogue, monkeypatch):
         kwargs.update(lora_b=0.3 * torch.randn(n_out, 16, device="cuda"), scale=0.5,
                       lora_t=t_parts if parts > 1 else t_parts[0])
         expected_extra += 0.5 * t_parts.double().sum(0) @ kwargs["lora_b"].double().t()
+    if epilogue.startswith("first_products"):
+        kwargs.update(lora_a=0.3 * torch.randn(16, n_in, device="cuda"),
+                      lora_b=0.3 * torch.randn(n_out, 16, device="cuda"), scale=0.5)
+        expected_extra += 0.5 * (x.double() @ kwargs["lora_a"].double().t()) @ kwargs["lora_b"].double().t()
     launches = _gluon_launches(monkeypatch)
     got = nf4_matvec(x, weight, **kwargs)
     assert launches == [(n_out, n_in)], "the product did not take the Gluon walk"
+    if "lora_a" in kwargs:
+        for _ in range(2):
+            assert torch.equal(nf4_matvec(x, weight, **kwargs), got), "a launch after the first"
+        launches.clear()
     assert got.shape == (1, n_out) and got.dtype == torch.bfloat16
     expected = float64_reference(x, weight, None, None, None, 0.0) + expected_extra
     assert_close(got, expected, TOLERANCE[torch.bfloat16], "y")
@@ -106,7 +117,9 @@ def test_gluon_walk_cuda(shape, epilogue, monkeypatch):
 
 @pytest.mark.gpu
 def test_gluon_walk_leaves_what_it_does_not_take_to_the_triton_kernels(monkeypatch):
-    """Two rows, K of no whole step (the 27B's 5,120) and first products in the launch: the Triton kernels."""
+    """Two rows, K of no whole step (the 27B's 5,120) and, without `GLUON_FIRST_PRODUCTS`, first products in the
+    launch: the Triton kernels."""
+    monkeypatch.setattr(nf4_matvec_module, "GLUON_FIRST_PRODUCTS", False)
     launches = _gluon_launches(monkeypatch)
     weight = quantize((1024, 4096), torch.bfloat16, True, 64, "cuda")
     x = torch.randn(2, 4096, dtype=torch.bfloat16, device="cuda")

@@ -237,6 +237,12 @@ def no_first_products(x2d: torch.Tensor) -> FirstProductArgs:
     return FirstProductArgs(x2d, 0, 0, x2d, x2d, x2d, 0, 0, 0, x2d, x2d, x2d, 0)
 
 
+def first_product_flags(device: torch.device, readers: int) -> torch.Tensor:
+    """The ready flag and reader counters (int32, left at 0 by each launch) of a launch whose first programs write
+    t for `readers` programs (`_await_first_products`, `_count_reader`)."""
+    return _arrival_counters(device, reader_counters(readers), use="first products")
+
+
 def first_product_args(x2d: torch.Tensor, lora_as: list[torch.Tensor], block_m: int,
                        readers: int) -> tuple[torch.Tensor, FirstProductArgs]:
     """(t `[rows, Σ r_i]` fp32, the launch's `FirstProductArgs`) for a launch that takes the first products of up
@@ -250,8 +256,7 @@ def first_product_args(x2d: torch.Tensor, lora_as: list[torch.Tensor], block_m: 
     slots = empty((steps, block_m, width), torch.float32, x2d.device)
     return t, FirstProductArgs(x2d, x2d.stride(0), x2d.stride(1), *pointers, group[0].shape[0],
                                group[1].shape[0] if len(group) > 1 else 0, width, slots,
-                               _arrival_counters(x2d.device, width),
-                               _arrival_counters(x2d.device, reader_counters(readers), use="first products"),
+                               _arrival_counters(x2d.device, width), first_product_flags(x2d.device, readers),
                                steps)
 
 

@@ -25,13 +25,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from unsloth_lite.kernels import nf4_matvec_gluon as walks
+from unsloth_lite.kernels.gluon_sync import _gdc_launch_dependents, _gdc_wait
 from unsloth_lite.kernels.nf4_matvec_gluon import (
     BLOCKSIZE,
     NUM_WARPS,
     WORDS_PER_THREAD,
     _adapter_rows,
-    _gdc_launch_dependents,
-    _gdc_wait,
     _product_outputs,
     _step_sums,
     _walk_start,

@@ -66,8 +66,8 @@ def _gluon_grouped_kernel(
         b_row_stride, b_col_stride = b3_row_stride, b3_col_stride
     _word_program(
         pid - start, x_ptr, words, absmax, tables_ptr, bias, t_ptr + t_col, 0, lora_b, b_row_stride, b_col_stride,
-        scale, out, words_per_row, blocks_per_row, rank, BLOCK_N, WORDS_PER_THREAD, NUM_WARPS, HAS_BIAS, HAS_LORA,
-        1, 1, BLOCK_R, PDL,
+        scale, out, words_per_row, blocks_per_row, rank, out, 0, BLOCK_N, WORDS_PER_THREAD, NUM_WARPS, HAS_BIAS,
+        HAS_LORA, 1, 1, BLOCK_R, False, PDL,
     )
 
 

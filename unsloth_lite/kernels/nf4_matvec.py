@@ -55,7 +55,13 @@ import triton
 
 from unsloth_lite.kernels import nf4_matvec_gluon as gluon
 from unsloth_lite.kernels.dequantize_nf4 import _launch, _quant_state_of
-from unsloth_lite.kernels.lora_down import LORA_BLOCK_K, first_product_args, lora_down_rows, no_first_products
+from unsloth_lite.kernels.lora_down import (
+    LORA_BLOCK_K,
+    first_product_args,
+    first_product_flags,
+    lora_down_rows,
+    no_first_products,
+)
 from unsloth_lite.kernels.matvec_epilogue import (
     BIAS_FEATURES,
     BIAS_NONE,
@@ -129,11 +135,15 @@ BF16_PAIR_PRODUCTS = True
 FIRST_PRODUCTS_IN_LAUNCH = True
 # The word launch's walk in Gluon (`nf4_matvec_gluon.py`: each thread all of a program's 8 features for its two
 # words, x's pairs loaded once into its registers, the next step's loads issued before this step's products, no
-# shared memory in the loop) for the products it takes: one bf16 row, K a multiple of 2,048, t given rather than
-# the first products in the launch. Measured on an H100 (docs/benchmarks.md, "The word launch walked in Gluon"):
+# shared memory in the loop) for the products it takes: one bf16 row, K a multiple of 2,048, t given (or, with
+# `GLUON_FIRST_PRODUCTS`, the first products in the launch). Measured on an H100 (docs/benchmarks.md, "The word launch walked in Gluon"):
 # alone 8-12% less time than the word kernel at the Qwen3-8B shape's projections; the 8B's decoding step 3.032 ->
 # 2.881 ms, adapted 3.378 -> 3.267; the 27B's 9.002 -> 8.992.
 GLUON_WALK = True
+# With `GLUON_WALK`, a product whose adapter's first product is in its launch (o_proj's) walked in Gluon too, its
+# first r programs each writing a column of t from x's whole row at once (`first_products_gluon`), instead of on
+# the Triton word kernel. Compiled offline for sm_90, not yet run on a GPU: off until measured.
+GLUON_FIRST_PRODUCTS = False
 # The word walk's tile and stages by launch ("words", "gated", "grouped") and shape, where one was measured faster
 # than `blocked_tile`'s with `PIPELINE_STAGES` (`scripts/bench_word_tiles.py`, which times every candidate of
 # each launch a decoding step makes): (launch, N, K) -> (features, weights along K, warps, tiles a split along K
@@ -277,8 +287,13 @@ def nf4_matvec(
     split_k = int(tiles_a_split) if blocked and splits > 1 else 0  # tiles a split, 0: K not split
     first_in_launch = (FIRST_PRODUCTS_IN_LAUNCH and lora_t is None and lora_a is not None and lora_a.shape[0] > 0
                        and blocked and words and not split_k)
+    x_rows, x_pairs = word_kernel_rows(x2d) if blocked and words else (x2d, False)
+    gluon_walk = (blocked and words and GLUON_WALK and not nested and blocksize == gluon.BLOCKSIZE
+                  and word_code_form(bf16_codes, x_pairs) == CODE_PAIRS and gluon.gluon_walk_fits(x_rows, n_out, n_in)
+                  and (GLUON_FIRST_PRODUCTS or not first_in_launch))
     block_m = triton.next_power_of_2(n_rows)  # rows of the blocked kernel: x's, padded
     first = no_first_products(x2d)  # the word kernel's arguments for the first products in its launch
+    gluon_first = None  # the Gluon walk's
     parts, part_stride = 1, 0  # t in parts: summed in the word kernel's epilogue, by the host for the others
     if lora_t is not None and lora_t.dim() == 3:
         if blocked and words:
@@ -287,6 +302,9 @@ def nf4_matvec(
             lora_t = lora_t.sum(0)
     if lora_t is not None:
         t, rank = lora_t, lora_t.shape[1]
+    elif first_in_launch and gluon_walk:
+        t, rank = empty((1, lora_a.shape[0]), torch.float32, x.device), lora_a.shape[0]
+        gluon_first = (x2d, lora_a.contiguous(), first_product_flags(x.device, feature_blocks))
     elif first_in_launch:
         (t, first), rank = first_product_args(x2d, [lora_a], block_m, feature_blocks), lora_a.shape[0]
     elif lora_a is not None and lora_a.shape[0] > 0:
@@ -299,11 +317,10 @@ def nf4_matvec(
         addend, bias_kind = residual.reshape(n_rows, n_out).contiguous(), BIAS_ROWS
     else:
         addend, bias_kind = bias, BIAS_FEATURES if bias is not None else BIAS_NONE
-    x_rows, x_pairs = word_kernel_rows(x2d) if blocked and words else (x2d, False)
-    if (blocked and words and GLUON_WALK and not first_in_launch and not nested and blocksize == gluon.BLOCKSIZE
-            and word_code_form(bf16_codes, x_pairs) == CODE_PAIRS and gluon.gluon_walk_fits(x_rows, n_out, n_in)):
+    if gluon_walk:
         gluon.launch_gluon_walk(x_rows, packed_words(packed), absmax, tables, out, n_out, n_in, addend,
-                                t if has_lora else None, parts, part_stride, lora_b, scale, uses_pdl(x.device))
+                                t if has_lora else None, parts, part_stride, lora_b, scale, uses_pdl(x.device),
+                                gluon_first)
         return out.view(*x.shape[:-1], n_out)
     if split_k:
         partial = empty((splits, block_m, n_out), torch.float32, x.device)

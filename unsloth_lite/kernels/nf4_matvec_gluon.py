@@ -4,7 +4,8 @@ explicit layouts). Same forward as `nf4_matvec.py`, no backward (inference only)
     y[n] = Σ_k x[k] · code[q[n, k]] · absmax[n, k // 64] + a[n] + s · Σ_r (Σ_p t_p[r]) · B[n, r]
 
 a[n] the bias or the residual row (an output projection's result joining the residual stream), t the adapter's
-first product x Aᵀ given (in P parts, as `nf4_gated_matvec`'s stripes give down_proj's), B its second factor.
+first product x Aᵀ given (in P parts, as `nf4_gated_matvec`'s stripes give down_proj's) or written by the launch's
+first r programs (`first_products_gluon`, as o_proj's), B its second factor.
 
 Layout: a program owns BLOCK_N features; each thread holds all of them for WORDS_PER_THREAD consecutive words
 along K (`[BLOCK_N, WORDS_PER_THREAD]` a thread, the lanes and then the warps side by side along K), so x's
@@ -32,6 +33,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from unsloth_lite.kernels.first_products_gluon import _await_first_products, _count_reader, _first_product_column
+from unsloth_lite.kernels.gluon_sync import _gdc_launch_dependents, _gdc_wait
 from unsloth_lite.kernels.nf4_codes import BF16_PAIR_DOT_PTX, NF4_WORD_PAIRS_PTX
 from unsloth_lite.kernels.utils import INTERPRET
 
@@ -65,17 +68,6 @@ def gluon_walk_fits(x_rows: torch.Tensor, n_out: int, n_in: int) -> bool:
     """Whether the Gluon walk takes this product: `one_row_at_whole_steps` (the Qwen3-8B shape's projections, not
     the 27B's K = 5,120 or 17,408) and N a multiple of BLOCK_N."""
     return one_row_at_whole_steps(x_rows, n_in) and n_out % BLOCK_N == 0
-
-
-@gluon.jit
-def _gdc_wait():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gdc_launch_dependents():
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -121,31 +113,47 @@ def _step_sums(words, scales, x01, x23, x45, x67, t0, t1, t2, t3):
 @gluon.jit
 def _gluon_word_kernel(
     x_ptr, words_ptr, absmax_ptr, tables_ptr, addend_ptr, t_ptr, t_part_stride, lora_b_ptr, lora_b_row_stride,
-    lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row, rank,
+    lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row, rank, xv_ptr, lora_a_ptr, flags_ptr, n_in,
     BLOCK_N: gl.constexpr, WORDS_PER_THREAD: gl.constexpr, NUM_WARPS: gl.constexpr, ADDEND: gl.constexpr,
     HAS_LORA: gl.constexpr, T_PARTS: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_R: gl.constexpr,
-    PDL: gl.constexpr,
+    FIRST_PRODUCTS: gl.constexpr, FIRST_BLOCK_K: gl.constexpr, PDL: gl.constexpr,
 ):
-    """Program i: `_word_program` of feature block i."""
-    _word_program(
-        gl.program_id(0), x_ptr, words_ptr, absmax_ptr, tables_ptr, addend_ptr, t_ptr, t_part_stride, lora_b_ptr,
-        lora_b_row_stride, lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row, rank, BLOCK_N,
-        WORDS_PER_THREAD, NUM_WARPS, ADDEND, HAS_LORA, T_PARTS, BLOCK_P, BLOCK_R, PDL,
-    )
+    """Program i: `_word_program` of feature block i; with FIRST_PRODUCTS, programs i < rank first write t = x Aᵀ
+    a column each (`first_products_gluon`; xv_ptr: x's elements, lora_a_ptr: A `[rank, K]`) and the others, feature
+    block i - rank, await it before their epilogue."""
+    program = gl.program_id(0)
+    if FIRST_PRODUCTS:
+        if program < rank:
+            _first_product_column(program, xv_ptr, lora_a_ptr, t_ptr, flags_ptr, n_in, FIRST_BLOCK_K, NUM_WARPS,
+                                  PDL)
+        else:
+            _word_program(
+                program - rank, x_ptr, words_ptr, absmax_ptr, tables_ptr, addend_ptr, t_ptr, t_part_stride,
+                lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row,
+                rank, flags_ptr, gl.num_programs(0) - rank, BLOCK_N, WORDS_PER_THREAD, NUM_WARPS, ADDEND, HAS_LORA,
+                T_PARTS, BLOCK_P, BLOCK_R, True, PDL,
+            )
+    else:
+        _word_program(
+            program, x_ptr, words_ptr, absmax_ptr, tables_ptr, addend_ptr, t_ptr, t_part_stride, lora_b_ptr,
+            lora_b_row_stride, lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row, rank, flags_ptr, 0,
+            BLOCK_N, WORDS_PER_THREAD, NUM_WARPS, ADDEND, HAS_LORA, T_PARTS, BLOCK_P, BLOCK_R, False, PDL,
+        )
 
 
 @gluon.jit
 def _word_program(
     block, x_ptr, words_ptr, absmax_ptr, tables_ptr, addend_ptr, t_ptr, t_part_stride, lora_b_ptr,
-    lora_b_row_stride, lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row, rank,
+    lora_b_row_stride, lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row, rank, flags_ptr, readers,
     BLOCK_N: gl.constexpr, WORDS_PER_THREAD: gl.constexpr, NUM_WARPS: gl.constexpr, ADDEND: gl.constexpr,
     HAS_LORA: gl.constexpr, T_PARTS: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_R: gl.constexpr,
-    PDL: gl.constexpr,
+    AWAIT_T: gl.constexpr, PDL: gl.constexpr,
 ):
     """Features [block · BLOCK_N, (block + 1) · BLOCK_N) of one weight, the whole row (module docstring). x_ptr:
     x's bf16 pairs (int32); words_ptr: the packed weight's int32 words `[N, K / 8]`; absmax_ptr: fp32 `[N, K /
     64]`; tables_ptr: `lane_tables` (int32 `[32, 8]`); addend_ptr `[N]` (ADDEND); t_ptr: fp32 `[T_PARTS, rank]`
-    parts `t_part_stride` apart, B `[N, rank]` (HAS_LORA)."""
+    parts `t_part_stride` apart, B `[N, rank]` (HAS_LORA). AWAIT_T: t is written by the launch's first programs:
+    loaded after the walk, once `flags_ptr` says it is ready, this program then counted as one of `readers`."""
     walk: gl.constexpr = gl.BlockedLayout([BLOCK_N, WORDS_PER_THREAD], [1, 32], [1, NUM_WARPS], [1, 0])
     # the epilogue's: B `[BLOCK_N, BLOCK_R]` and t's parts `[BLOCK_P, BLOCK_R]` spread over the threads, a register
     # or two each while the walk runs (held whole by each thread, 16 parts of rank 16 spill)
@@ -156,15 +164,13 @@ def _word_program(
     words, scales = _weight_step(words_ptr, absmax_ptr, row_words, row_blocks, columns)
     out_features = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, spread))
     lora_b, t_parts = 0.0, 0.0  # unread without an adapter
+    r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, spread))
     if HAS_LORA:
-        r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, spread))
         lora_b = _adapter_rows(lora_b_ptr, lora_b_row_stride, lora_b_col_stride, out_features, r, rank)
     if PDL:
         _gdc_wait()
-    if HAS_LORA:  # issued before the walk, as `matvec_epilogue.T_BEFORE_WALK` does; summed after it
-        p = gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, spread))
-        t_parts = gl.load(t_ptr + p[:, None] * t_part_stride + r[None, :],
-                          mask=(p[:, None] < T_PARTS) & (r[None, :] < rank), other=0.0)
+    if HAS_LORA and not AWAIT_T:  # issued before the walk, as `matvec_epilogue.T_BEFORE_WALK` does
+        t_parts = _t_parts(t_ptr, t_part_stride, r, rank, T_PARTS, BLOCK_P, spread)
     x01, x23, x45, x67 = _x_step(x_ptr, columns)
     acc = gl.zeros([BLOCK_N, STEP], gl.float32, walk)
     for w0 in range(STEP, words_per_row, STEP):
@@ -176,9 +182,21 @@ def _word_program(
     acc += _step_sums(words, scales, x01, x23, x45, x67, t0, t1, t2, t3)
     if PDL:
         _gdc_launch_dependents()
+    if AWAIT_T:
+        _await_first_products(flags_ptr, rank)
+        t_parts = _t_parts(t_ptr, t_part_stride, r, rank, T_PARTS, BLOCK_P, spread)
+        _count_reader(flags_ptr, block, readers)
     y = _product_outputs(acc, gl.SliceLayout(1, spread), out_features, addend_ptr, t_parts, lora_b, scale, ADDEND,
                          HAS_LORA)
     gl.store(out_ptr + out_features, y.to(out_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _t_parts(t_ptr, t_part_stride, r, rank, T_PARTS: gl.constexpr, BLOCK_P: gl.constexpr, layout: gl.constexpr):
+    """t's parts `[BLOCK_P, BLOCK_R]` in `layout` (0 past the parts and the rank), summed in `_product_outputs`."""
+    p = gl.arange(0, BLOCK_P, layout=gl.SliceLayout(1, layout))
+    return gl.load(t_ptr + p[:, None] * t_part_stride + r[None, :], mask=(p[:, None] < T_PARTS) & (r[None, :] < rank),
+                   other=0.0)
 
 
 @gluon.jit
@@ -205,18 +223,22 @@ def _product_outputs(acc, layout: gl.constexpr, features, addend_ptr, t_parts, b
 
 def launch_gluon_walk(x_rows, words, absmax, tables, out, n_out: int, n_in: int, addend=None, lora_t=None,
                       t_parts: int = 1, t_part_stride: int = 0, lora_b=None, scale: float = 1.0,
-                      pdl: bool = False) -> None:
+                      pdl: bool = False, first=None) -> None:
     """`_gluon_word_kernel` into `out` `[1, N]` for a product `gluon_walk_fits` takes: x_rows `[1, K / 2]` int32,
     the weight's words and flat fp32 absmax, the lookup's `lane_tables`; addend `[1, N]` or None; lora_t fp32
-    `[1, r]` (the first of `t_parts` parts `t_part_stride` apart) with lora_b `[N, r]`, or None."""
+    `[1, r]` (the first of `t_parts` parts `t_part_stride` apart) with lora_b `[N, r]`, or None. `first`: (x `[1,
+    K]`, A `[r, K]` contiguous, the ready flags and counters `first_product_flags`): lora_t is written by the
+    launch's first r programs, x Aᵀ, instead of given."""
     rank = lora_t.shape[-1] if lora_t is not None else 0
     b = lora_b if lora_t is not None else out
-    _gluon_word_kernel[(n_out // BLOCK_N,)](
+    xv, lora_a, flags = first if first is not None else (out, out, out)
+    _gluon_word_kernel[((rank if first is not None else 0) + n_out // BLOCK_N,)](
         x_rows, words, absmax, tables, addend if addend is not None else out,
         lora_t if lora_t is not None else out, t_part_stride, b, b.stride(0), b.stride(-1), float(scale), out,
-        n_in // 8, n_in // BLOCKSIZE, rank,
+        n_in // 8, n_in // BLOCKSIZE, rank, xv, lora_a, flags, n_in,
         BLOCK_N=BLOCK_N, WORDS_PER_THREAD=WORDS_PER_THREAD, NUM_WARPS=NUM_WARPS, ADDEND=addend is not None,
         HAS_LORA=rank > 0, T_PARTS=t_parts, BLOCK_P=triton.next_power_of_2(t_parts),
-        BLOCK_R=max(2, triton.next_power_of_2(rank)), PDL=pdl, num_warps=NUM_WARPS,
+        BLOCK_R=max(2, triton.next_power_of_2(rank)), FIRST_PRODUCTS=first is not None,
+        FIRST_BLOCK_K=triton.next_power_of_2(n_in), PDL=pdl, num_warps=NUM_WARPS,
         **({"launch_pdl": True} if pdl else {}),
     )
