@@ -136,9 +136,9 @@ FIRST_PRODUCTS_IN_LAUNCH = True
 # The word launch's walk in Gluon (`nf4_matvec_gluon.py`: each thread all of a program's 8 features for its two
 # words, x's pairs loaded once into its registers, the next step's loads issued before this step's products, no
 # shared memory in the loop) for the products it takes: one bf16 row, K a multiple of 2,048, t given (or, with
-# `GLUON_FIRST_PRODUCTS`, the first products in the launch). Measured on an H100 (docs/benchmarks.md, "The word launch walked in Gluon"):
-# alone 8-12% less time than the word kernel at the Qwen3-8B shape's projections; the 8B's decoding step 3.032 ->
-# 2.881 ms, adapted 3.378 -> 3.267; the 27B's 9.002 -> 8.992.
+# `GLUON_FIRST_PRODUCTS`, the first products in the launch). Measured on an H100 (docs/benchmarks.md, "The word
+# launch walked in Gluon"): alone 8-12% less time than the word kernel at the Qwen3-8B shape's projections; the
+# 8B's decoding step 3.032 -> 2.881 ms, adapted 3.378 -> 3.267; the 27B's 9.002 -> 8.992.
 GLUON_WALK = True
 # With `GLUON_WALK`, a product whose adapter's first product is in its launch (o_proj's) walked in Gluon too, its
 # first r programs each writing a column of t from x's whole row at once (`first_products_gluon`), instead of on
