@@ -304,7 +304,7 @@ def nf4_matvec(
         t, rank = lora_t, lora_t.shape[1]
     elif first_in_launch and gluon_walk:
         t, rank = empty((1, lora_a.shape[0]), torch.float32, x.device), lora_a.shape[0]
-        gluon_first = (x2d, lora_a.contiguous(), first_product_flags(x.device, feature_blocks))
+        gluon_first = (x_rows.view(x.dtype), lora_a.contiguous(), first_product_flags(x.device, n_out // gluon.BLOCK_N))
     elif first_in_launch:
         (t, first), rank = first_product_args(x2d, [lora_a], block_m, feature_blocks), lora_a.shape[0]
     elif lora_a is not None and lora_a.shape[0] > 0:
