@@ -141,8 +141,8 @@ FIRST_PRODUCTS_IN_LAUNCH = True
 # 8B's decoding step 3.032 -> 2.881 ms, adapted 3.378 -> 3.267; the 27B's 9.002 -> 8.992.
 GLUON_WALK = True
 # With `GLUON_WALK`, a product whose adapter's first product is in its launch (o_proj's) walked in Gluon too, its
-# first r programs each writing a column of t from x's whole row at once (`first_products_gluon`), instead of on
-# the Triton word kernel. Compiled offline for sm_90, not yet run on a GPU: off until measured.
+# first r programs each writing a column of t from x's whole row at once (`nf4_matvec_gluon._first_product_column`),
+# instead of on the Triton word kernel. Compiled offline for sm_90, not yet run on a GPU: off until measured.
 GLUON_FIRST_PRODUCTS = False
 # The word walk's tile and stages by launch ("words", "gated", "grouped") and shape, where one was measured faster
 # than `blocked_tile`'s with `PIPELINE_STAGES` (`scripts/bench_word_tiles.py`, which times every candidate of

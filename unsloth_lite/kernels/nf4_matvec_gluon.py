@@ -5,7 +5,7 @@ explicit layouts). Same forward as `nf4_matvec.py`, no backward (inference only)
 
 a[n] the bias or the residual row (an output projection's result joining the residual stream), t the adapter's
 first product x Aᵀ given (in P parts, as `nf4_gated_matvec`'s stripes give down_proj's) or written by the launch's
-first r programs (`first_products_gluon`, as o_proj's), B its second factor.
+first r programs (as o_proj's, `nf4_matvec.GLUON_FIRST_PRODUCTS`), B its second factor.
 
 Layout: a program owns BLOCK_N features; each thread holds all of them for WORDS_PER_THREAD consecutive words
 along K (`[BLOCK_N, WORDS_PER_THREAD]` a thread, the lanes and then the warps side by side along K), so x's
@@ -33,8 +33,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from unsloth_lite.kernels.first_products_gluon import _await_first_products, _count_reader, _first_product_column
-from unsloth_lite.kernels.gluon_sync import _gdc_launch_dependents, _gdc_wait
+from unsloth_lite.kernels.gluon_sync import _gdc_launch_dependents, _gdc_wait, _thread_barrier
+from unsloth_lite.kernels.lora_down import _await_first_products, _count_reader
 from unsloth_lite.kernels.nf4_codes import BF16_PAIR_DOT_PTX, NF4_WORD_PAIRS_PTX
 from unsloth_lite.kernels.utils import INTERPRET
 
@@ -118,9 +118,10 @@ def _gluon_word_kernel(
     HAS_LORA: gl.constexpr, T_PARTS: gl.constexpr, BLOCK_P: gl.constexpr, BLOCK_R: gl.constexpr,
     FIRST_PRODUCTS: gl.constexpr, FIRST_BLOCK_K: gl.constexpr, PDL: gl.constexpr,
 ):
-    """Program i: `_word_program` of feature block i; with FIRST_PRODUCTS, programs i < rank first write t = x Aᵀ
-    a column each (`first_products_gluon`; xv_ptr: x's elements, lora_a_ptr: A `[rank, K]`) and the others, feature
-    block i - rank, await it before their epilogue."""
+    """Program i: `_word_program` of feature block i. FIRST_PRODUCTS: programs i < rank write t = x Aᵀ a column
+    each (`_first_product_column`; xv_ptr: x's elements, lora_a_ptr: A `[rank, K]`) and the others, feature block
+    i - rank, await it before their epilogue as the Triton launches' readers do (`lora_down`'s protocol: the
+    writers have the launch's lowest program ids, so they are scheduled before any program that waits)."""
     program = gl.program_id(0)
     if FIRST_PRODUCTS:
         if program < rank:
@@ -139,6 +140,26 @@ def _gluon_word_kernel(
             lora_b_row_stride, lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row, rank, flags_ptr, 0,
             BLOCK_N, WORDS_PER_THREAD, NUM_WARPS, ADDEND, HAS_LORA, T_PARTS, BLOCK_P, BLOCK_R, False, PDL,
         )
+
+
+@gluon.jit
+def _first_product_column(j, x_ptr, a_ptr, t_ptr, flags_ptr, n_in, BLOCK_K: gl.constexpr,
+                          NUM_WARPS: gl.constexpr, PDL: gl.constexpr):
+    """Column j of t = x Aᵀ (x `[K]`, A `[width, K]` contiguous, both any float dtype, widened to fp32) stored at
+    t_ptr[j], then counted on `flags_ptr[0]` (released at GPU scope after a barrier: every thread's part of the sum
+    is in the store). Each thread loads its elements of both whole rows at once (eight a load, all in flight: one
+    round trip, where the Triton launches' first-product programs walk K in steps and so split it over several
+    programs). PDL: A, which no kernel writes, is loaded before `griddepcontrol.wait`; x after it."""
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [NUM_WARPS], [0])
+    k = gl.arange(0, BLOCK_K, layout=layout)
+    inside = k < n_in
+    a = gl.load(a_ptr + j.to(gl.int64) * n_in + k, mask=inside, other=0.0).to(gl.float32)
+    if PDL:
+        _gdc_wait()
+    x = gl.load(x_ptr + k, mask=inside, other=0.0).to(gl.float32)
+    gl.store(t_ptr + j, gl.sum(x * a, axis=0))
+    _thread_barrier()  # every thread's part of the sum in the store before the release
+    gl.atomic_add(flags_ptr, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
