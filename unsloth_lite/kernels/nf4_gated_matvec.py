@@ -43,7 +43,7 @@ from unsloth_lite.kernels.matvec_epilogue import (
     _output_values,
     t_before_walk,
 )
-from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, LOOKUPS, code_pairs
+from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
 from unsloth_lite.kernels.nf4_gated_walks import _gated_blocked_sums, _gated_word_sums
 from unsloth_lite.kernels.nf4_matvec import packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_state import lane_tables
@@ -267,8 +267,7 @@ def nf4_gated_matvec(x: torch.Tensor, gate, up, gate_bias: torch.Tensor | None =
     pdl = matvec.uses_pdl(x.device)
     ranks = [a[1] for a in adapters]
     down_a, stripes = _checked_down_shares(down_shares, n_rows, n_out, x.device)
-    if (GLUON_GATED and matvec.GLUON_WALK and words and first.programs == 0 and blocksize == gluon.BLOCKSIZE
-            and matvec.word_code_form(bf16_codes, x_pairs) == CODE_PAIRS
+    if (GLUON_GATED and first.programs == 0 and matvec.gluon_walk_form(words, blocksize, bf16_codes, x_pairs)
             and gluon.gluon_gated_fits(x_rows, n_out, n_in)):
         gluon.launch_gluon_gated(
             x_rows, packed, [matvec.fp32_absmax(w) for w in (gate, up)], tables, out, n_out, n_in,

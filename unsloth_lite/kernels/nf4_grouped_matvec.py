@@ -46,7 +46,7 @@ from unsloth_lite.kernels.matvec_epilogue import (
     _finish_product,
     t_before_walk,
 )
-from unsloth_lite.kernels.nf4_codes import CODE_PAIRS, LOOKUPS, code_pairs
+from unsloth_lite.kernels.nf4_codes import LOOKUPS, code_pairs
 from unsloth_lite.kernels.nf4_matvec import packed_words, word_kernel_rows
 from unsloth_lite.kernels.nf4_matvec_blocked import _blocked_sums
 from unsloth_lite.kernels.nf4_matvec_state import lane_tables
@@ -258,8 +258,7 @@ def nf4_grouped_matvec(x: torch.Tensor, weights, biases, loras, lora_t: torch.Te
     t = lora_t if lora_t is not None else slots[0][7]
     pdl = matvec.uses_pdl(x.device)
     x_rows, x_pairs = word_kernel_rows(x2d) if words else (x2d, False)
-    if (GLUON_GROUPED and matvec.GLUON_WALK and words and first.programs == 0 and blocksize == gluon.BLOCKSIZE
-            and matvec.word_code_form(bf16_codes, x_pairs) == CODE_PAIRS
+    if (GLUON_GROUPED and first.programs == 0 and matvec.gluon_walk_form(words, blocksize, bf16_codes, x_pairs)
             and gluon.gluon_grouped_fits(x_rows, widths, n_in)):
         # each weight's slot without its width, its programs' end at the Gluon walk's BLOCK_N
         ends = itertools.accumulate(n // gluon.BLOCK_N for n in widths)

@@ -175,6 +175,13 @@ def word_code_form(bf16_codes: bool, x_pairs: bool) -> int:
     return CODE_PAIRS.value if BF16_PAIR_PRODUCTS and bf16_codes and x_pairs else int(bf16_codes)
 
 
+def gluon_walk_form(words: bool, blocksize: int, bf16_codes: bool, x_pairs: bool) -> bool:
+    """Whether a launch on the word walk may take its Gluon form (`GLUON_WALK`): blocks of the Gluon walks' size
+    and the products in bf16 pairs (`word_code_form`); each launch then asks whether its shapes fit."""
+    return (GLUON_WALK and words and blocksize == gluon.BLOCKSIZE
+            and word_code_form(bf16_codes, x_pairs) == CODE_PAIRS)
+
+
 def uses_pdl(device: torch.device) -> bool:
     """Whether the blocked kernel is launched as a programmatic dependent launch on `device` (`PDL`, and
     `compute_capability(device) >= 9`: `griddepcontrol` does not exist before Hopper)."""
@@ -288,9 +295,8 @@ def nf4_matvec(
     first_in_launch = (FIRST_PRODUCTS_IN_LAUNCH and lora_t is None and lora_a is not None and lora_a.shape[0] > 0
                        and blocked and words and not split_k)
     x_rows, x_pairs = word_kernel_rows(x2d) if blocked and words else (x2d, False)
-    gluon_walk = (blocked and words and GLUON_WALK and not nested and blocksize == gluon.BLOCKSIZE
-                  and word_code_form(bf16_codes, x_pairs) == CODE_PAIRS and gluon.gluon_walk_fits(x_rows, n_out, n_in)
-                  and (GLUON_FIRST_PRODUCTS or not first_in_launch))
+    gluon_walk = (blocked and not nested and gluon_walk_form(words, blocksize, bf16_codes, x_pairs)
+                  and gluon.gluon_walk_fits(x_rows, n_out, n_in) and (GLUON_FIRST_PRODUCTS or not first_in_launch))
     block_m = triton.next_power_of_2(n_rows)  # rows of the blocked kernel: x's, padded
     first = no_first_products(x2d)  # the word kernel's arguments for the first products in its launch
     gluon_first = None  # the Gluon walk's

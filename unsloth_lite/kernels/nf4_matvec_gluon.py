@@ -123,22 +123,18 @@ def _gluon_word_kernel(
     i - rank, await it before their epilogue as the Triton launches' readers do (`lora_down`'s protocol: the
     writers have the launch's lowest program ids, so they are scheduled before any program that waits)."""
     program = gl.program_id(0)
+    writers = 0
     if FIRST_PRODUCTS:
+        writers = rank
         if program < rank:
             _first_product_column(program, xv_ptr, lora_a_ptr, t_ptr, flags_ptr, n_in, FIRST_BLOCK_K, NUM_WARPS,
                                   PDL)
-        else:
-            _word_program(
-                program - rank, x_ptr, words_ptr, absmax_ptr, tables_ptr, addend_ptr, t_ptr, t_part_stride,
-                lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row,
-                rank, flags_ptr, gl.num_programs(0) - rank, BLOCK_N, WORDS_PER_THREAD, NUM_WARPS, ADDEND, HAS_LORA,
-                T_PARTS, BLOCK_P, BLOCK_R, True, PDL,
-            )
-    else:
+    if program >= writers:
         _word_program(
-            program, x_ptr, words_ptr, absmax_ptr, tables_ptr, addend_ptr, t_ptr, t_part_stride, lora_b_ptr,
-            lora_b_row_stride, lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row, rank, flags_ptr, 0,
-            BLOCK_N, WORDS_PER_THREAD, NUM_WARPS, ADDEND, HAS_LORA, T_PARTS, BLOCK_P, BLOCK_R, False, PDL,
+            program - writers, x_ptr, words_ptr, absmax_ptr, tables_ptr, addend_ptr, t_ptr, t_part_stride,
+            lora_b_ptr, lora_b_row_stride, lora_b_col_stride, scale, out_ptr, words_per_row, blocks_per_row, rank,
+            flags_ptr, gl.num_programs(0) - writers, BLOCK_N, WORDS_PER_THREAD, NUM_WARPS, ADDEND, HAS_LORA, T_PARTS,
+            BLOCK_P, BLOCK_R, FIRST_PRODUCTS, PDL,
         )
 
 
